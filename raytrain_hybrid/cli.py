@@ -1,0 +1,96 @@
+"""``raytrain-hybrid``: train | check. Thin: parse, load the config, hand over."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from raytrain_hybrid.config import load_config
+from raytrain_hybrid.errors import ConfigError, LayoutError
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", help="TOML config file (default: the embedded 3D-parallel example)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one key, e.g. --set parallelism.tp=2 (repeatable)",
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="raytrain-hybrid", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train on Ray (starts a local cluster when none is running)")
+    _add_config_args(train)
+    check = sub.add_parser("check", help="validate a config and show the rank layout, without training")
+    _add_config_args(check)
+    check.add_argument("--topology", help="workers per node, e.g. 4,4 (default: one node holding all workers)")
+    check.add_argument("--json", action="store_true", help="print the layout as JSON")
+    return parser
+
+
+def _check(args, cfg) -> int:
+    from raytrain_hybrid.distributed.parallel_dims import ParallelDims, arrange_ranks, axis_groups
+
+    par = cfg.parallelism
+    dims = ParallelDims(dp=par.dp, tp=par.tp, pp=par.pp, zero=par.zero)
+    if args.topology:
+        try:
+            counts = [int(c) for c in args.topology.split(",")]
+        except ValueError:
+            raise ConfigError("--topology", args.topology, "must be workers per node, e.g. 4,4") from None
+        if sum(counts) != dims.world_size:
+            raise ConfigError(
+                "--topology", args.topology, f"places {sum(counts)} workers; the layout needs {dims.world_size}"
+            )
+    else:
+        counts = [dims.world_size]
+    nodes = [f"node{i}" for i, c in enumerate(counts) for _ in range(c)]
+    arrangement = arrange_ranks(dims, nodes)
+    ranks = []
+    for slot, rank in enumerate(arrangement):
+        ranks.append({"rank": rank, "node": nodes[rank], **dims.coords(slot)})
+    ranks.sort(key=lambda r: r["rank"])
+    groups = axis_groups(dims, arrangement)
+    if args.json:
+        print(json.dumps({"ranks": ranks, "groups": groups}))
+        return 0
+    print(f"layout ok: dp={par.dp} tp={par.tp} pp={par.pp} on {len(counts)} node(s) {counts}")
+    print(f"{'rank':>4} {'node':>8} {'pp':>3} {'dp':>3} {'tp':>3}")
+    for r in ranks:
+        print(f"{r['rank']:>4} {r['node']:>8} {r['pp']:>3} {r['dp']:>3} {r['tp']:>3}")
+    for axis, gs in groups.items():
+        print(f"{axis} groups: {gs}")
+    return 0
+
+
+def _train(cfg) -> int:
+    from raytrain_hybrid.launcher import run
+
+    summary = run(cfg)
+    print(
+        f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
+        f"{summary['mean_tokens_per_s']:,.0f} tokens/s -> {cfg.run.output_dir}"
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.command == "check":
+            return _check(args, cfg)
+        return _train(cfg)
+    except (ConfigError, LayoutError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

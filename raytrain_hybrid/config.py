@@ -1,0 +1,412 @@
+"""Typed, validated run configuration: a TOML file plus repeatable ``--set key=value``.
+
+Each section is a kw-only dataclass; a field's docstring is the comment above it.
+Per-field checks live in ``__post_init__``; checks that need several sections
+(layout against model, batch against micro-batches) live in ``validate``.
+Every user error is a :class:`ConfigError` naming the key, the value and a fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import tomllib
+
+from raytrain_hybrid.errors import ConfigError
+
+# Pipeline schedules from torch.distributed.pipelining that this project drives.
+SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
+MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
+V_SCHEDULES = ("ZBVZeroBubble",)
+SCHEDULES = SINGLE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES + V_SCHEDULES
+ZERO_STAGES = (0, 1, 2, 3)
+ARCHS = ("llama", "gpt2")
+
+
+def _choices(values) -> str:
+    return "{" + ", ".join(str(v) for v in values) + "}"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(kw_only=True)
+class ParallelismConfig:
+    # Data-parallel degree (replicas); the outermost split of the global batch.
+    dp: int = 2
+    # Tensor-parallel degree; every TP group stays inside one node.
+    tp: int = 2
+    # Pipeline-parallel degree (number of ranks along the pipeline).
+    pp: int = 2
+    # Micro-batches per step and replica; the pipeline schedule runs this many.
+    microbatches: int = 4
+    # Pipeline schedule from torch.distributed.pipelining, by name.
+    schedule: str = "1F1B"
+    # Model chunks per pipeline rank for multi-stage schedules (Interleaved1F1B, ...).
+    # 0 means "pick": 2 for multi-stage and V schedules, 1 otherwise.
+    virtual_stages: int = 0
+    # 0 = DDP-style replication, 1 = optimizer-state sharding (ZeroRedundancyOptimizer),
+    # 2 = FSDP2 without resharding after forward, 3 = FSDP2 full sharding.
+    zero: int = 0
+    # Recompute each transformer block in backward instead of storing its activations.
+    activation_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("dp", "tp", "pp", "microbatches"):
+            value = getattr(self, key)
+            if value < 1:
+                raise ConfigError(f"parallelism.{key}", value, "must be >= 1")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError("parallelism.schedule", self.schedule, f"must be one of {_choices(SCHEDULES)}")
+        if self.zero not in ZERO_STAGES:
+            raise ConfigError("parallelism.zero", self.zero, f"must be one of {_choices(ZERO_STAGES)}")
+        if self.virtual_stages < 0:
+            raise ConfigError("parallelism.virtual_stages", self.virtual_stages, "must be >= 0 (0 picks a default)")
+        if self.schedule in V_SCHEDULES and self.virtual_stages not in (0, 2):
+            raise ConfigError(
+                "parallelism.virtual_stages", self.virtual_stages, f"{self.schedule} needs exactly 2 (a V layout)"
+            )
+        if self.schedule in SINGLE_STAGE_SCHEDULES and self.virtual_stages > 1:
+            raise ConfigError(
+                "parallelism.virtual_stages",
+                self.virtual_stages,
+                f"{self.schedule} holds one stage per rank; use 1, or a multi-stage schedule "
+                f"{_choices(MULTI_STAGE_SCHEDULES)}",
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def stages_per_rank(self) -> int:
+        if self.virtual_stages:
+            return self.virtual_stages
+        return 1 if self.schedule in SINGLE_STAGE_SCHEDULES else 2
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    # Architecture from the registry (raytrain_hybrid.models).
+    arch: str = "llama"
+    # Transformer blocks.
+    num_layers: int = 4
+    # Model width.
+    hidden_size: int = 128
+    # Attention heads.
+    num_heads: int = 4
+    # Key/value heads (llama grouped-query attention); 0 means equal to num_heads.
+    num_kv_heads: int = 0
+    # MLP inner width; 0 means 4 * hidden_size for gpt2 and 8/3 rounded to 32 for llama.
+    ffn_hidden_size: int = 0
+    # Vocabulary size; must cover the tokenizer's vocabulary.
+    vocab_size: int = 4096
+    # Tokens per sample.
+    seq_len: int = 128
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise ConfigError("model.arch", self.arch, f"must be one of {_choices(ARCHS)}")
+        for key in ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_len"):
+            value = getattr(self, key)
+            if value < 1:
+                raise ConfigError(f"model.{key}", value, "must be >= 1")
+        for key in ("num_kv_heads", "ffn_hidden_size"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"model.{key}", getattr(self, key), "must be >= 0 (0 picks the default)")
+        if self.num_kv_heads == 0:
+            self.num_kv_heads = self.num_heads
+        if self.ffn_hidden_size == 0:
+            self.ffn_hidden_size = (
+                4 * self.hidden_size if self.arch == "gpt2" else 32 * ((8 * self.hidden_size // 3 + 31) // 32)
+            )
+        if self.hidden_size % self.num_heads:
+            raise ConfigError(
+                "model.num_heads",
+                self.num_heads,
+                f"must divide model.hidden_size={self.hidden_size}; try one of {_choices(_divisors(self.hidden_size))}",
+            )
+        if self.arch == "gpt2" and self.num_kv_heads != self.num_heads:
+            raise ConfigError(
+                "model.num_kv_heads", self.num_kv_heads, f"gpt2 has no grouped-query attention; use {self.num_heads}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                "model.num_kv_heads",
+                self.num_kv_heads,
+                f"must divide model.num_heads={self.num_heads}; try one of {_choices(_divisors(self.num_heads))}",
+            )
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    # Optimizer steps to run.
+    steps: int = 20
+    # Seed for weights and for the order of batches.
+    seed: int = 0
+    # Samples per step over all replicas.
+    global_batch_size: int = 16
+    # Peak learning rate (AdamW).
+    lr: float = 3e-3
+    # Final learning rate of the cosine decay, as a fraction of lr.
+    min_lr_ratio: float = 0.1
+    # Linear warmup steps before the cosine decay.
+    warmup_steps: int = 2
+    # AdamW weight decay.
+    weight_decay: float = 0.1
+    # Clip the global gradient norm (all ranks, all axes) to this; 0 disables clipping.
+    grad_clip: float = 1.0
+    # float32, or bfloat16 autocast with float32 master weights.
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    # Standard deviation of the normal initialisation of weight matrices and embeddings.
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for key in ("steps", "global_batch_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"train.{key}", getattr(self, key), "must be >= 1")
+        if self.lr <= 0:
+            raise ConfigError("train.lr", self.lr, "must be > 0, e.g. 3e-4")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError("train.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+        if self.warmup_steps < 0:
+            raise ConfigError("train.warmup_steps", self.warmup_steps, "must be >= 0")
+        if self.grad_clip < 0:
+            raise ConfigError("train.grad_clip", self.grad_clip, "must be >= 0 (0 disables clipping)")
+        if self.weight_decay < 0:
+            raise ConfigError("train.weight_decay", self.weight_decay, "must be >= 0")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError("train.dtype", self.dtype, "must be one of {float32, bfloat16}")
+        if self.init_std <= 0:
+            raise ConfigError("train.init_std", self.init_std, "must be > 0")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    # Text corpus to tokenize and pack; empty means the corpus shipped with the package.
+    corpus: str = ""
+    # Local tokenizer.json (Hugging Face tokenizers); empty means the shipped BPE tokenizer.
+    tokenizer: str = ""
+
+
+@dataclass(kw_only=True)
+class ClusterConfig:
+    # Train on GPUs (NCCL); None picks GPUs when the cluster has them.
+    use_gpu: bool | None = None
+    # CPUs reserved per worker; torch threads per worker follow it.
+    cpus_per_worker: float = 1.0
+    # Ray address to join; empty starts (or joins, inside a Ray job) a cluster.
+    address: str = ""
+
+    def __post_init__(self) -> None:
+        if self.cpus_per_worker <= 0:
+            raise ConfigError("cluster.cpus_per_worker", self.cpus_per_worker, "must be > 0, e.g. 1")
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    # Directory that receives metrics.jsonl and summary.json.
+    output_dir: str = "runs/latest"
+    # Show a live progress bar on the driver.
+    progress: bool = True
+
+
+@dataclass(kw_only=True)
+class Config:
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Config:
+        return _build(cls, data, prefix="")
+
+
+def _section_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    """Check (and, for strings from --set, convert) one value against its annotation."""
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        allowed = typing.get_args(annotation)
+        if value not in allowed:
+            raise ConfigError(key, value, f"must be one of {_choices(allowed)}")
+        return value
+    if origin in (types.UnionType, typing.Union):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "auto")):
+            return None
+        return _coerce(key, value, args[0])
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(key, value, "must be a boolean (true or false)")
+    if annotation is int:
+        if isinstance(value, bool):
+            raise ConfigError(key, value, "must be an integer")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ConfigError(key, value, "must be an integer")
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(key, value, "must be a number")
+    if annotation is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(key, value, "must be a string")
+    raise TypeError(f"unsupported annotation {annotation!r} for {key}")
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str):
+    if not isinstance(data, dict):
+        raise ConfigError(prefix.rstrip(".") or "<config>", data, "must be a table of keys")
+    hints = _section_types(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{prefix}{key}"
+        if key not in known:
+            raise ConfigError(full, value, f"is not a known key; known keys here: {_choices(sorted(known))}")
+        annotation = hints[key]
+        if dataclasses.is_dataclass(annotation):
+            kwargs[key] = _build(annotation, value, prefix=f"{full}.")
+        else:
+            kwargs[key] = _coerce(full, value, annotation)
+    return cls(**kwargs)
+
+
+def _set_nested(tree: dict[str, Any], dotted: str, value: str) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(dotted, value, f"{part} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(item, item, "a --set needs the form key=value, e.g. parallelism.tp=2")
+        key, value = item.split("=", 1)
+        _set_nested(tree, key.strip(), value.strip())
+    return tree
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a TOML file (or the defaults), apply ``--set`` overrides, validate everything."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError("config file", str(path), "does not exist; pass a TOML file or omit it for the defaults")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError("config file", str(path), f"is not valid TOML: {exc}") from exc
+    data = _merge(data, parse_overrides(overrides or []))
+    cfg = Config.from_dict(data)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Cross-section checks: the layout against the model and the batch."""
+    from raytrain_hybrid.models import get_arch  # local: models import torch, config must stay light
+
+    par, model, train = cfg.parallelism, cfg.model, cfg.train
+    tp = par.tp
+    for key, value in (
+        ("model.num_heads", model.num_heads),
+        ("model.num_kv_heads", model.num_kv_heads),
+        ("model.ffn_hidden_size", model.ffn_hidden_size),
+    ):
+        if value % tp:
+            fits = [d for d in _divisors(value) if d <= 64]
+            raise ConfigError("parallelism.tp", tp, f"does not divide {key}={value}; try tp in {_choices(fits)}")
+    if par.num_stages > model.num_layers:
+        what = f"pp={par.pp}" if par.stages_per_rank == 1 else f"pp*virtual_stages={par.pp}*{par.stages_per_rank}"
+        raise ConfigError(
+            "parallelism.pp",
+            par.pp,
+            f"{what} stages exceed model.num_layers={model.num_layers}; every stage needs a layer, "
+            f"so use pp <= {model.num_layers // par.stages_per_rank} or more layers",
+        )
+    if par.pp == 1 and par.schedule not in SINGLE_STAGE_SCHEDULES:
+        raise ConfigError(
+            "parallelism.schedule",
+            par.schedule,
+            f"needs pp >= 2; with pp=1 use one of {_choices(SINGLE_STAGE_SCHEDULES)}",
+        )
+    if par.pp > 1 and par.microbatches < par.pp and par.schedule != "GPipe":
+        raise ConfigError(
+            "parallelism.microbatches",
+            par.microbatches,
+            f"{par.schedule} with pp={par.pp} needs at least pp micro-batches; use microbatches >= {par.pp}",
+        )
+    if par.schedule in MULTI_STAGE_SCHEDULES + V_SCHEDULES and par.microbatches % par.pp:
+        raise ConfigError(
+            "parallelism.microbatches",
+            par.microbatches,
+            f"{par.schedule} needs a multiple of pp={par.pp}; try {par.pp * max(1, par.microbatches // par.pp)}",
+        )
+    per_step = par.dp * par.microbatches
+    if train.global_batch_size % per_step:
+        good = per_step * max(1, round(train.global_batch_size / per_step))
+        raise ConfigError(
+            "train.global_batch_size",
+            train.global_batch_size,
+            f"must be divisible by dp*microbatches={par.dp}*{par.microbatches}={per_step}; try {good}",
+        )
+    if par.zero == 1 and tp > 1:
+        raise ConfigError(
+            "parallelism.zero",
+            1,
+            "ZeRO-1 (ZeroRedundancyOptimizer) works on plain tensors and not with tp > 1; "
+            "use zero=2 or zero=3 (FSDP2) with tensor parallelism, or tp=1",
+        )
+    get_arch(model.arch).check(model)

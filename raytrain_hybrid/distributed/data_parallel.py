@@ -1,0 +1,48 @@
+"""Data parallelism on the ``dp`` axis with PyTorch's own modules.
+
+zero=0: FSDP2 on a (dp_replicate=dp, dp_shard=1) HSDP mesh, i.e. plain replication
+        with gradient all-reduce. torch DDP cannot hold DTensor (TP) parameters, FSDP2
+        composes with TP, so replication goes through FSDP2 at every tp.
+zero=1: DDP + ZeroRedundancyOptimizer (optimizer state sharded); tp=1 only (validated).
+zero=2: FSDP2 sharding, parameters kept gathered between forward and backward.
+zero=3: FSDP2 full sharding, parameters re-gathered for backward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from raytrain_hybrid.distributed.parallel_dims import ParallelDims
+from raytrain_hybrid.models.spec import ArchSpec
+
+
+def apply_fsdp(stage, spec: ArchSpec, mesh, dims: ParallelDims) -> None:
+    """Before materialisation (meta device): wrap each block, then the stage root."""
+    if dims.dp == 1 or dims.zero == 1:
+        return
+    fsdp_mesh = mesh["dp_replicate", "dp_shard"]
+    reshard = dims.zero == 3
+    # float32 reduction keeps the replicas' averaged gradients equal to one process's.
+    mp = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
+    for block in stage.get_submodule(spec.layers).values():
+        fully_shard(block, mesh=fsdp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+    fully_shard(stage, mesh=fsdp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+
+
+def apply_ddp(stage, mesh, dims: ParallelDims):
+    """After materialisation: DDP for zero=1 (it broadcasts rank 0's weights at start)."""
+    if dims.dp == 1 or dims.zero != 1:
+        return stage
+    return DistributedDataParallel(stage, process_group=mesh["dp"].get_group())
+
+
+def build_optimizer(params, mesh, dims: ParallelDims, **adamw):
+    if dims.zero == 1 and dims.dp > 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(
+            params, optimizer_class=torch.optim.AdamW, process_group=mesh["dp"].get_group(), **adamw
+        )
+    return torch.optim.AdamW(params, **adamw)

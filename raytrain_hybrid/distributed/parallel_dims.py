@@ -1,0 +1,99 @@
+"""Parallel degrees, the rank arrangement over nodes, and the DeviceMesh built from it.
+
+The mesh is ``("pp", "dp_replicate", "dp_shard", "tp")`` with ``dp`` the flattened
+pair: ZeRO-0 replicates along ``dp_replicate`` (HSDP with a shard group of one),
+ZeRO-2/3 shard along ``dp_shard``. TP is innermost so that a TP group is a set of
+consecutive slots, laid onto one node; PP is outermost so its stages go across nodes.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from raytrain_hybrid.errors import LayoutError
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelDims:
+    dp: int
+    tp: int
+    pp: int
+    zero: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def dp_replicate(self) -> int:
+        return self.dp if self.zero in (0, 1) else 1
+
+    @property
+    def dp_shard(self) -> int:
+        return 1 if self.zero in (0, 1) else self.dp
+
+    def coords(self, slot: int) -> dict[str, int]:
+        """(pp, dp, tp) of a mesh slot in ("pp", "dp", "tp") row-major order."""
+        return {"pp": slot // (self.dp * self.tp), "dp": (slot // self.tp) % self.dp, "tp": slot % self.tp}
+
+    def build_mesh(self, device_type: str, arrangement: list[int]):
+        """DeviceMesh over ``arrangement`` (slot -> global rank), with a flattened ``dp`` dim."""
+        import torch
+        from torch.distributed.device_mesh import DeviceMesh
+
+        ranks = torch.tensor(arrangement, dtype=torch.int).reshape(self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        mesh = DeviceMesh(device_type, ranks, mesh_dim_names=MESH_DIMS)
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        return mesh
+
+
+def arrange_ranks(dims: ParallelDims, node_of_rank: list[str]) -> list[int]:
+    """Slot -> rank so that every TP group sits on one node and PP goes across nodes.
+
+    Ranks are taken node by node (nodes in order of their lowest rank, ranks
+    ascending inside a node) and laid into the mesh in row-major order, TP
+    fastest. This is Ray Train's own order when it hands ranks out by node,
+    and it stays correct when it does not (the ranks of a node need not be
+    consecutive). A node whose worker count tp does not divide would split a
+    TP group, so it is refused with the layouts that would fit.
+    """
+    if len(node_of_rank) != dims.world_size:
+        raise LayoutError(f"{len(node_of_rank)} workers for dp*tp*pp={dims.dp}*{dims.tp}*{dims.pp}={dims.world_size}")
+    by_node: dict[str, list[int]] = defaultdict(list)
+    for rank, node in enumerate(node_of_rank):
+        by_node[node].append(rank)
+    counts = [len(r) for r in by_node.values()]
+    bad = [c for c in counts if c % dims.tp]
+    if bad:
+        fits = sorted({t for t in range(1, max(counts) + 1) if all(c % t == 0 for c in counts)})
+        raise LayoutError(
+            f"tp={dims.tp} cannot keep every TP group inside one node: workers per node are "
+            f"{counts}, and {bad[0]} is not a multiple of {dims.tp}. "
+            f"Layouts that fit these nodes use tp in {fits}"
+            + ("" if dims.tp <= max(counts) else f" (tp={dims.tp} is larger than any node)")
+        )
+    return [rank for ranks in by_node.values() for rank in ranks]
+
+
+def axis_groups(dims: ParallelDims, arrangement: list[int]) -> dict[str, list[list[int]]]:
+    """Global ranks of every group along each axis, for display and checks."""
+    slots = {tuple(dims.coords(s).values()): arrangement[s] for s in range(dims.world_size)}
+    groups: dict[str, list[list[int]]] = {"tp": [], "dp": [], "pp": []}
+    for p in range(dims.pp):
+        for d in range(dims.dp):
+            groups["tp"].append([slots[(p, d, t)] for t in range(dims.tp)])
+    for p in range(dims.pp):
+        for t in range(dims.tp):
+            groups["dp"].append([slots[(p, d, t)] for d in range(dims.dp)])
+    for d in range(dims.dp):
+        for t in range(dims.tp):
+            groups["pp"].append([slots[(p, d, t)] for p in range(dims.pp)])
+    return groups

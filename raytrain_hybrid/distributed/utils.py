@@ -1,0 +1,48 @@
+"""Reductions across axes: the global gradient norm and the step's loss."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+
+def _copies(grad: torch.Tensor, ranks_per_stage: int) -> int:
+    """How many ranks of one pipeline stage hold this exact local shard."""
+    if not isinstance(grad, DTensor):
+        return ranks_per_stage  # a plain tensor is whole and the same on every rank of the stage
+    mesh = grad.device_mesh
+    replicated = 1
+    for dim, placement in enumerate(grad.placements):
+        if isinstance(placement, Replicate):
+            replicated *= mesh.size(dim)
+    # Ranks of the stage outside this tensor's mesh hold copies of the same shards.
+    return ranks_per_stage // mesh.size() * replicated
+
+
+def global_grad_norm(params, ranks_per_stage: int, device: torch.device) -> torch.Tensor:
+    """L2 norm of all gradients of the model, over TP shards, FSDP shards and PP stages.
+
+    Each rank adds the squares of its local gradient shards, each divided by the
+    number of ranks that hold the same shard; one all-reduce over the world then
+    counts every element exactly once. (clip_grad_norm_ cannot: it sees one stage,
+    and refuses a mix of DTensor and plain gradients.)
+    """
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for p in params:
+        if p.grad is None:
+            continue
+        local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        total += local.double().pow(2).sum() / _copies(p.grad, ranks_per_stage)
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return total.sqrt().float()
+
+
+def clip_grads_(params, max_norm: float, total_norm: torch.Tensor) -> None:
+    if max_norm <= 0:
+        return
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.dtype) if not isinstance(p.grad, DTensor) else coef.item())

@@ -1,0 +1,129 @@
+"""GPT-2: transformers GPT2LMHeadModel with its Conv1D layers as nn.Linear.
+
+GPT-2 stores projections as transposed ``Conv1D`` weights and fuses q, k and v in
+one ``c_attn``; DTensor's column-wise style shards ``nn.Linear`` only, and a
+contiguous split of the fused output would hand a rank all of q and half of k.
+So the build swaps each Conv1D for an equivalent nn.Linear and ``c_attn`` for
+three projections (same function, same initial values through ``to_hf``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import GPT2Config, GPT2LMHeadModel
+from transformers.pytorch_utils import Conv1D
+
+from raytrain_hybrid.models.spec import ArchSpec
+
+_CONV1D = ("attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+
+
+class FusedQKV(nn.Module):
+    """Stands in for ``c_attn``: q, k, v as separate projections, concatenated."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(hidden, hidden)
+        self.k_proj = nn.Linear(hidden, hidden)
+        self.v_proj = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+
+
+def hf_config(m) -> GPT2Config:
+    return GPT2Config(
+        vocab_size=m.vocab_size,
+        n_embd=m.hidden_size,
+        n_layer=m.num_layers,
+        n_head=m.num_heads,
+        n_inner=m.ffn_hidden_size,
+        n_positions=m.seq_len,
+        resid_pdrop=0.0,  # dropout would make layouts draw different random masks
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=False,  # embedding and head live on different pipeline stages
+        attn_implementation="sdpa",
+        use_cache=False,
+        bos_token_id=0,  # the shipped tokenizer's end-of-text id (GPT-2's 50256 is outside small vocabularies)
+        eos_token_id=0,
+    )
+
+
+def build(config: GPT2Config) -> GPT2LMHeadModel:
+    model = GPT2LMHeadModel(config)
+    hidden = config.n_embd
+    for block in model.transformer.h:
+        block.attn.c_attn = FusedQKV(hidden)
+        for path in _CONV1D:
+            parent, name = path.split(".")
+            conv = getattr(getattr(block, parent), name)
+            assert isinstance(conv, Conv1D)
+            in_features, out_features = conv.weight.shape
+            setattr(getattr(block, parent), name, nn.Linear(in_features, out_features))
+    return model
+
+
+def tp_adjust(block, tp: int) -> None:
+    # GPT2Attention splits the fused output in chunks of split_size; each rank now
+    # holds hidden/tp of each of q, k and v.
+    block.attn.split_size = block.attn.embed_dim // tp
+
+
+def stage_forward(stage, x: torch.Tensor) -> torch.Tensor:
+    tr = stage.transformer
+    if tr.wte is not None:
+        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        h = tr.wte(x) + tr.wpe(positions)
+    else:
+        h = x
+    for block in tr.h.values():
+        h = block(h)
+    if tr.ln_f is not None:
+        h = tr.ln_f(h)
+    if stage.lm_head is not None:
+        h = stage.lm_head(h)
+    return h
+
+
+def to_hf(sd: dict) -> dict:
+    """Project layout -> GPT2LMHeadModel layout (Conv1D weights are [in, out])."""
+    out = {}
+    for key, value in sd.items():
+        if ".attn.c_attn." in key:
+            prefix, rest = key.split(".attn.c_attn.")
+            proj, kind = rest.split(".")
+            if proj != "q_proj":
+                continue
+            parts = [sd[f"{prefix}.attn.c_attn.{p}.{kind}"] for p in ("q_proj", "k_proj", "v_proj")]
+            if kind == "weight":
+                out[f"{prefix}.attn.c_attn.weight"] = torch.cat([p.t() for p in parts], dim=1)
+            else:
+                out[f"{prefix}.attn.c_attn.bias"] = torch.cat(parts)
+        elif any(f".{p}.weight" in key for p in _CONV1D):
+            out[key] = value.t().contiguous()
+        else:
+            out[key] = value
+    return out
+
+
+SPEC = ArchSpec(
+    name="gpt2",
+    hf_config=hf_config,
+    build=build,
+    layers="transformer.h",
+    first_stage=("transformer.wte", "transformer.wpe"),
+    last_stage=("transformer.ln_f", "lm_head"),
+    tp_plan={
+        "attn.c_attn.q_proj": "colwise",
+        "attn.c_attn.k_proj": "colwise",
+        "attn.c_attn.v_proj": "colwise",
+        "attn.c_proj": "rowwise",
+        "mlp.c_fc": "colwise",
+        "mlp.c_proj": "rowwise",
+    },
+    tp_adjust=tp_adjust,
+    stage_forward=stage_forward,
+    to_hf=to_hf,
+)

@@ -1,0 +1,64 @@
+"""Llama: the unmodified transformers LlamaForCausalLM, driven stage by stage."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from raytrain_hybrid.models.spec import ArchSpec
+
+
+def hf_config(m) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=m.vocab_size,
+        hidden_size=m.hidden_size,
+        intermediate_size=m.ffn_hidden_size,
+        num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_heads,
+        num_key_value_heads=m.num_kv_heads,
+        max_position_embeddings=m.seq_len,
+        tie_word_embeddings=False,  # embedding and head live on different pipeline stages
+        attn_implementation="sdpa",  # causal without a mask tensor
+        use_cache=False,
+    )
+
+
+def stage_forward(stage, x: torch.Tensor) -> torch.Tensor:
+    inner = stage.model
+    h = inner.embed_tokens(x) if inner.embed_tokens is not None else x
+    positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+    rope = inner.rotary_emb(h, positions)
+    for block in inner.layers.values():
+        h = block(h, attention_mask=None, position_ids=positions, position_embeddings=rope)
+    if inner.norm is not None:
+        h = inner.norm(h)
+    if stage.lm_head is not None:
+        h = stage.lm_head(h)
+    return h
+
+
+def init_buffers(stage, config: LlamaConfig, device: torch.device) -> None:
+    # inv_freq is a non-persistent buffer: not in any state dict, garbage after to_empty().
+    stage.model.rotary_emb = LlamaRotaryEmbedding(config).to(device)
+
+
+SPEC = ArchSpec(
+    name="llama",
+    hf_config=hf_config,
+    build=LlamaForCausalLM,
+    layers="model.layers",
+    first_stage=("model.embed_tokens",),
+    last_stage=("model.norm", "lm_head"),
+    tp_plan={
+        "self_attn.q_proj": "colwise",
+        "self_attn.k_proj": "colwise",
+        "self_attn.v_proj": "colwise",
+        "self_attn.o_proj": "rowwise",
+        "mlp.gate_proj": "colwise",
+        "mlp.up_proj": "colwise",
+        "mlp.down_proj": "rowwise",
+    },
+    stage_forward=stage_forward,
+    init_buffers=init_buffers,
+)

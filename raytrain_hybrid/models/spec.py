@@ -1,0 +1,33 @@
+"""What an architecture contributes: its config, its TP plan and its pipeline boundaries."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class ArchSpec:
+    name: str
+    # ModelConfig -> transformers PretrainedConfig (untied embeddings, sdpa attention).
+    hf_config: Callable[[Any], Any]
+    # PretrainedConfig -> the transformers model in the project's layout (see to_hf).
+    build: Callable[[Any], Any]
+    # Dotted path of the ModuleList of transformer blocks.
+    layers: str
+    # Modules that live on the first stage (embeddings) and on the last (final norm, head).
+    first_stage: tuple[str, ...]
+    last_stage: tuple[str, ...]
+    # Per block: submodule -> "colwise" | "rowwise" (DTensor Colwise/RowwiseParallel).
+    tp_plan: dict[str, str]
+    # Adjust per-block attributes that count local heads or widths after TP (block, tp).
+    tp_adjust: Callable[[Any, int], None] | None = None
+    # Run one pipeline stage: (stage module, input ids or hidden states) -> output.
+    stage_forward: Callable[[Any, Any], Any] = field(repr=False, default=None)
+    # Recreate non-persistent buffers after materialising from the meta device (stage, config, device).
+    init_buffers: Callable[[Any, Any, Any], None] | None = None
+    # Project state dict -> the unmodified transformers model's state dict.
+    to_hf: Callable[[dict], dict] = lambda sd: dict(sd)
+    # Extra config checks for this architecture (ModelConfig -> None or ConfigError).
+    check: Callable[[Any], None] = lambda model_cfg: None

@@ -1,0 +1,184 @@
+"""The per-worker trainer: one class for every (dp, tp, pp, schedule, zero) layout."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import resource
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from raytrain_hybrid.config import Config
+from raytrain_hybrid.data import Batch
+from raytrain_hybrid.distributed import pipeline
+from raytrain_hybrid.distributed.data_parallel import apply_ddp, build_optimizer
+from raytrain_hybrid.distributed.parallel_dims import ParallelDims
+from raytrain_hybrid.distributed.parallelize import parallelize_stage
+from raytrain_hybrid.distributed.utils import clip_grads_, global_grad_norm
+from raytrain_hybrid.models import get_arch
+from raytrain_hybrid.models.common import build_stage, full_init_state_dict
+
+
+def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup to the peak, then cosine decay to ``min_ratio`` of it at the last step."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup - 1))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of one micro-batch (labels already shifted)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
+
+
+class Trainer:
+    def __init__(self, cfg: Config, dims: ParallelDims, mesh, device: torch.device) -> None:
+        self.cfg, self.dims, self.mesh, self.device = cfg, dims, mesh, device
+        par = cfg.parallelism
+        self.spec = get_arch(cfg.model.arch)
+        self.hf_config = self.spec.hf_config(cfg.model)
+        self.pp_rank = mesh["pp"].get_local_rank()
+        self.dp_rank = mesh["dp"].get_local_rank()
+        num_stages = par.num_stages if dims.pp > 1 else 1
+        split = pipeline.split_layers(cfg.model.num_layers, num_stages)
+        ids = pipeline.stage_ids(par.schedule, self.pp_rank, dims.pp, par.stages_per_rank) if dims.pp > 1 else [0]
+        self.stage_ids = ids
+        self.has_first = 0 in ids
+        self.has_last = num_stages - 1 in ids
+        self.modules = [self._build(sid, split[sid], num_stages) for sid in ids]
+        self.params = [p for m in self.modules for p in m.parameters()]
+        self.optimizer = build_optimizer(
+            self.params,
+            mesh,
+            dims,
+            lr=cfg.train.lr,
+            betas=(0.9, 0.95),
+            eps=1e-8,
+            weight_decay=cfg.train.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda s: lr_factor(
+                s, warmup=cfg.train.warmup_steps, total=cfg.train.steps, min_ratio=cfg.train.min_lr_ratio
+            ),
+        )
+        self.schedule = None
+        if dims.pp > 1:
+            stages = [
+                PipelineStage(m, sid, num_stages, device, group=mesh["pp"].get_group())
+                for m, sid in zip(self.modules, ids, strict=True)
+            ]
+            self.schedule = pipeline.build_schedule(par.schedule, stages, par.microbatches, lm_loss)
+        self.grad_bytes = 0
+
+    def _build(self, stage_id: int, layer_ids: list[int], num_stages: int):
+        stage = build_stage(self.spec, self.hf_config, layer_ids, first=stage_id == 0, last=stage_id == num_stages - 1)
+        shapes = {name: p.shape for name, p in stage.named_parameters()}
+        full = full_init_state_dict(stage, self.cfg.train.seed, self.cfg.train.init_std, shapes)
+        parallelize_stage(
+            stage,
+            self.spec,
+            self.mesh,
+            self.dims,
+            activation_checkpointing=self.cfg.parallelism.activation_checkpointing,
+        )
+        stage.to_empty(device=self.device)
+        if self.spec.init_buffers is not None:
+            self.spec.init_buffers(stage, self.hf_config, self.device)
+        # Every rank holds the same full values; each keeps its own TP/FSDP shard.
+        set_model_state_dict(stage, full, options=StateDictOptions(full_state_dict=True, strict=True))
+        return apply_ddp(stage, self.mesh, self.dims)
+
+    def _autocast(self):
+        enabled = self.cfg.train.dtype == "bfloat16"
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
+
+    def _forward_backward(self, batch: Batch) -> torch.Tensor:
+        """Returns this replica's mean loss on ranks that hold the last stage, else 0."""
+        m = self.cfg.parallelism.microbatches
+        if self.schedule is not None:
+            losses: list[torch.Tensor] = []
+            args = (batch.input_ids.to(self.device),) if self.has_first else ()
+            kwargs = {"target": batch.labels.to(self.device), "losses": losses} if self.has_last else {}
+            with self._autocast():
+                self.schedule.step(*args, **kwargs)
+            if not self.has_last:
+                return torch.zeros((), device=self.device)
+            return torch.stack([loss.detach().float() for loss in losses]).mean()
+        (module,) = self.modules
+        xs = batch.input_ids.to(self.device).chunk(m)
+        ys = batch.labels.to(self.device).chunk(m)
+        total = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
+            last = i == m - 1
+            with self._grad_sync(module, last), self._autocast():
+                loss = lm_loss(module(x), y)
+            (loss / m).backward()
+            total += loss.detach().float() / m
+        return total
+
+    @staticmethod
+    def _grad_sync(module, sync: bool):
+        """Reduce gradients across replicas on the last micro-batch only."""
+        if isinstance(module, FSDPModule):
+            module.set_requires_gradient_sync(sync)
+            return contextlib.nullcontext()
+        if isinstance(module, DistributedDataParallel) and not sync:
+            return module.no_sync()
+        return contextlib.nullcontext()
+
+    def train_step(self, step: int, batch: Batch) -> dict:
+        t0 = time.perf_counter()
+        lr = self.optimizer.param_groups[0]["lr"]
+        replica_loss = self._forward_backward(batch)
+        # Exactly dp*tp ranks hold the last stage, each with its replica's loss.
+        loss = replica_loss.detach().clone()
+        dist.all_reduce(loss)
+        loss /= self.dims.dp * self.dims.tp
+        ranks_per_stage = self.dims.dp * self.dims.tp
+        norm = global_grad_norm(self.params, ranks_per_stage, self.device)
+        clip_grads_(self.params, self.cfg.train.grad_clip, norm)
+        self.grad_bytes = sum(_local_bytes(p.grad) for p in self.params if p.grad is not None)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - t0
+        tokens = self.cfg.train.global_batch_size * self.cfg.model.seq_len
+        return {
+            "step": step,
+            "loss": loss.item(),
+            "grad_norm": norm.item(),
+            "lr": lr,
+            "step_time_s": elapsed,
+            "tokens_per_s": tokens / elapsed,
+        }
+
+    def memory_stats(self) -> dict:
+        """Bytes this rank holds: its parameter shards, gradient shards and optimizer state."""
+        opt = getattr(self.optimizer, "optim", self.optimizer)  # ZeroRedundancyOptimizer's local part
+        opt_bytes = sum(_local_bytes(v) for state in opt.state.values() for v in state.values() if torch.is_tensor(v))
+        stats = {
+            "param_bytes": sum(_local_bytes(p) for p in self.params),
+            "grad_bytes": self.grad_bytes,
+            "optimizer_bytes": opt_bytes,
+            "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        }
+        if self.device.type == "cuda":
+            stats["max_cuda_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        return stats

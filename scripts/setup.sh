@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Create .venv/ at the repo root and install raytrain-hybrid with its dev tools.
+# On a machine without an NVIDIA GPU, torch is pinned to the CPU build so that
+# setup never downloads the multi-GB CUDA wheels; with a GPU, the CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+PIP=".venv/bin/python -m pip"
+TORCH_VERSION=2.13.0
+if .venv/bin/python -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('$TORCH_VERSION') else 1)" 2>/dev/null; then
+  echo "setup: torch $TORCH_VERSION already installed"
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  $PIP install "torch==$TORCH_VERSION"
+else
+  # "+cpu" exists only as the CPU build (a local wheel or PyTorch's CPU index), never on PyPI,
+  # so this cannot resolve to a CUDA wheel.
+  $PIP install "torch==$TORCH_VERSION+cpu" \
+    || $PIP install "torch==$TORCH_VERSION+cpu" --index-url https://download.pytorch.org/whl/cpu
+fi
+$PIP install -q -e ".[dev]"
+echo "setup: done ($(.venv/bin/python -c 'import torch, ray; print("torch", torch.__version__, "ray", ray.__version__)'))"

@@ -1,0 +1,61 @@
+"""The oracle: an independent plain-PyTorch loop over the unmodified transformers model.
+
+It shares only the initial weights (through the architecture's ``to_hf``
+conversion) and the data rows with the project; the forward pass, the loss,
+the clipping, the optimizer and the learning-rate schedule are written here
+again, by hand or with stock PyTorch, so that a bug cannot hide in both.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from raytrain_hybrid.config import Config
+from raytrain_hybrid.data import TokenWindows, tokenize_corpus
+from raytrain_hybrid.models import get_arch
+from raytrain_hybrid.models.common import build_stage, full_init_state_dict
+
+
+def initial_hf_state_dict(cfg: Config) -> dict:
+    spec = get_arch(cfg.model.arch)
+    hf_config = spec.hf_config(cfg.model)
+    meta = build_stage(spec, hf_config, list(range(cfg.model.num_layers)), first=True, last=True)
+    shapes = {name: p.shape for name, p in meta.named_parameters()}
+    return spec.to_hf(full_init_state_dict(meta, cfg.train.seed, cfg.train.init_std, shapes))
+
+
+def reference_run(cfg: Config) -> list[dict]:
+    spec = get_arch(cfg.model.arch)
+    hf_config = spec.hf_config(cfg.model)
+    model_cls = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}[cfg.model.arch]
+    import transformers
+
+    model = getattr(transformers, model_cls)(hf_config)
+    missing, unexpected = model.load_state_dict(initial_hf_state_dict(cfg), strict=False)
+    assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
+    t = cfg.train
+    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=t.weight_decay)
+    data = TokenWindows(tokenize_corpus(cfg.data.corpus, cfg.data.tokenizer), cfg.model.seq_len, t.seed)
+    out = []
+    for step in range(t.steps):
+        if step < t.warmup_steps:
+            factor = (step + 1) / t.warmup_steps
+        else:
+            progress = min(1.0, (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps - 1))
+            factor = t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        lr = t.lr * factor
+        for group in opt.param_groups:
+            group["lr"] = lr
+        batch = data.rows_to_batch(data.global_rows(step, t.global_batch_size))
+        logits = model(input_ids=batch.input_ids).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten())
+        loss.backward()
+        clip = t.grad_clip if t.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out.append({"step": step, "loss": loss.item(), "grad_norm": norm.item(), "lr": lr})
+    return out

@@ -1,0 +1,86 @@
+"""Layout math without a process group: rank arrangement, stage splits, axis groups."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from raytrain_hybrid import cli
+from raytrain_hybrid.distributed.parallel_dims import ParallelDims, arrange_ranks, axis_groups
+from raytrain_hybrid.distributed.pipeline import split_layers, stage_ids
+from raytrain_hybrid.errors import LayoutError
+
+
+def test_split_layers_is_contiguous_and_complete():
+    for layers in range(1, 13):
+        for stages in range(1, layers + 1):
+            split = split_layers(layers, stages)
+            assert [i for s in split for i in s] == list(range(layers))
+            sizes = [len(s) for s in split]
+            assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
+    # uneven: the middle stages take the extra blocks, not the embedding/head stages
+    assert [len(s) for s in split_layers(6, 4)] == [1, 2, 2, 1]
+
+
+def test_stage_ids_looped_and_v():
+    assert stage_ids("Interleaved1F1B", 1, 4, 2) == [1, 5]
+    assert stage_ids("ZBVZeroBubble", 1, 4, 2) == [1, 6]
+    assert stage_ids("1F1B", 3, 4, 1) == [3]
+
+
+def test_tp_groups_stay_on_a_node_with_interleaved_ranks():
+    dims = ParallelDims(dp=2, tp=2, pp=2)
+    # Ray handed out ranks alternating between two nodes.
+    nodes = ["a", "b"] * 4
+    arrangement = arrange_ranks(dims, nodes)
+    groups = axis_groups(dims, arrangement)
+    for group in groups["tp"]:
+        assert len({nodes[r] for r in group}) == 1
+    for group in groups["pp"]:
+        assert len({nodes[r] for r in group}) == 2
+    assert sorted(arrangement) == list(range(8))
+
+
+def test_tp_larger_than_node_is_refused():
+    with pytest.raises(LayoutError, match="tp=8"):
+        arrange_ranks(ParallelDims(dp=1, tp=8, pp=1), ["a"] * 4 + ["b"] * 4)
+
+
+def test_uneven_nodes():
+    with pytest.raises(LayoutError, match=r"\[3, 5\]"):
+        arrange_ranks(ParallelDims(dp=1, tp=4, pp=2), ["a"] * 3 + ["b"] * 5)
+    arrangement = arrange_ranks(ParallelDims(dp=4, tp=1, pp=2), ["a"] * 3 + ["b"] * 5)
+    assert sorted(arrangement) == list(range(8))
+
+
+def test_check_json(capsys):
+    assert (
+        cli.main(["check", "--set", "parallelism.tp=4", "--set", "parallelism.dp=1", "--topology", "4,4", "--json"])
+        == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["ranks"]) == 8
+    for group in out["groups"]["tp"]:
+        assert len({out["ranks"][r]["node"] for r in group}) == 1
+    assert (
+        cli.main(
+            [
+                "check",
+                "--set",
+                "parallelism.tp=8",
+                "--set",
+                "parallelism.dp=1",
+                "--set",
+                "parallelism.pp=1",
+                "--set",
+                "model.num_heads=8",
+                "--set",
+                "model.ffn_hidden_size=512",
+                "--topology",
+                "4,4",
+            ]
+        )
+        == 2
+    )
+    assert "tp=8" in capsys.readouterr().err

@@ -1,0 +1,66 @@
+"""The oracle: every layout, launched through Ray Train, matches a plain single-process loop.
+
+Per-step loss and global gradient norm must agree with tests/reference.py (an
+independent loop over the unmodified transformers model) within 1e-4 relative, fp32.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import reference_history
+
+STEPS = 5
+COMMON = (f"train.steps={STEPS}", "model.num_layers=4", "train.global_batch_size=16")
+RTOL = 1e-4
+
+
+def layout(dp, tp, pp, schedule="1F1B", microbatches=4, zero=0, *extra):
+    return [
+        f"parallelism.dp={dp}",
+        f"parallelism.tp={tp}",
+        f"parallelism.pp={pp}",
+        f"parallelism.schedule={schedule}",
+        f"parallelism.microbatches={microbatches}",
+        f"parallelism.zero={zero}",
+        *extra,
+    ]
+
+
+LLAMA_CASES = {
+    "1x1x1": layout(1, 1, 1, microbatches=1),
+    "2x1x1": layout(2, 1, 1, microbatches=2),
+    "1x2x1": layout(1, 2, 1, microbatches=1),
+    "1x1x2-gpipe": layout(1, 1, 2, "GPipe", 2),
+    "1x1x2-1f1b": layout(1, 1, 2, "1F1B", 2),
+    "2x2x1": layout(2, 2, 1, microbatches=2),
+    "2x1x2": layout(2, 1, 2, microbatches=2),
+    "1x2x2": layout(1, 2, 2, microbatches=2),
+    "2x2x2-1f1b-m4": layout(2, 2, 2, "1F1B", 4),
+    "2x1x1-zero1": layout(2, 1, 1, microbatches=2, zero=1),
+    "2x1x1-zero3": layout(2, 1, 1, microbatches=2, zero=3),
+}
+
+
+def assert_matches(history, reference):
+    assert len(history) == len(reference) == STEPS
+    for got, want in zip(history, reference, strict=True):
+        assert got["step"] == want["step"]
+        assert got["loss"] == pytest.approx(want["loss"], rel=RTOL), f"loss at step {want['step']}"
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=RTOL), f"grad_norm at step {want['step']}"
+        assert got["lr"] == pytest.approx(want["lr"], rel=1e-9)
+
+
+@pytest.mark.parametrize("name", list(LLAMA_CASES))
+def test_llama_layout_matches_single_process(run_layout, name):
+    overrides = LLAMA_CASES[name]
+    history, summary = run_layout([*COMMON, *overrides], name)
+    assert_matches(history, reference_history(COMMON))
+    assert summary["steps"] == STEPS
+    assert summary["final_loss"] == history[-1]["loss"]
+
+
+def test_gpt2_3d_matches_single_process(run_layout):
+    arch = ("model.arch=gpt2",)
+    history, summary = run_layout([*COMMON, *arch, *layout(2, 2, 2, "1F1B", 4)], "gpt2-2x2x2")
+    assert_matches(history, reference_history(COMMON + arch))
+    assert summary["world_size"] == 8
