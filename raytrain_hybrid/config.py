@@ -364,6 +364,7 @@ def validate(cfg: Config) -> None:
         ("model.num_heads", model.num_heads),
         ("model.num_kv_heads", model.num_kv_heads),
         ("model.ffn_hidden_size", model.ffn_hidden_size),
+        ("model.vocab_size", model.vocab_size),  # vocab-parallel embedding and head
     ):
         if value % tp:
             fits = [d for d in _divisors(value) if d <= 64]
@@ -402,11 +403,13 @@ def validate(cfg: Config) -> None:
             train.global_batch_size,
             f"must be divisible by dp*microbatches={par.dp}*{par.microbatches}={per_step}; try {good}",
         )
-    if par.zero == 1 and tp > 1:
+    if par.zero == 1 and (tp > 1 or par.pp > 1):
         raise ConfigError(
             "parallelism.zero",
             1,
-            "ZeRO-1 (ZeroRedundancyOptimizer) works on plain tensors and not with tp > 1; "
-            "use zero=2 or zero=3 (FSDP2) with tensor parallelism, or tp=1",
+            f"ZeRO-1 here is DDP + ZeroRedundancyOptimizer, which needs tp=1 and pp=1 (got tp={tp}, pp={par.pp}): "
+            "DDP cannot hold DTensor (TP) parameters, and its reducer fails when a pipeline stage runs "
+            "several forwards before a backward. Use zero=2 (FSDP2, sharded gradients and optimizer state) "
+            "or zero=3 with tensor or pipeline parallelism",
         )
     get_arch(model.arch).check(model)

@@ -46,6 +46,7 @@ BAD = {
     "schedule": (["parallelism.schedule=Zigzag"], "parallelism.schedule"),
     "zero": (["parallelism.zero=4"], "parallelism.zero"),
     "zero1-tp": (["parallelism.zero=1"], "parallelism.zero"),
+    "zero1-pp": (["parallelism.zero=1", "parallelism.tp=1"], "parallelism.zero"),
     "batch": (["train.global_batch_size=12"], "train.global_batch_size"),
     "microbatches-1f1b": (["parallelism.microbatches=1"], "parallelism.microbatches"),
     "unknown-key": (["parallelism.sp=2"], "parallelism.sp"),

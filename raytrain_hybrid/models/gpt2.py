@@ -123,6 +123,7 @@ SPEC = ArchSpec(
         "mlp.c_fc": "colwise",
         "mlp.c_proj": "rowwise",
     },
+    tp_plan_outer={"transformer.wte": "embedding", "lm_head": "head"},
     tp_adjust=tp_adjust,
     stage_forward=stage_forward,
     to_hf=to_hf,

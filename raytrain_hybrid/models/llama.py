@@ -59,6 +59,7 @@ SPEC = ArchSpec(
         "mlp.up_proj": "colwise",
         "mlp.down_proj": "rowwise",
     },
+    tp_plan_outer={"model.embed_tokens": "embedding", "lm_head": "head"},
     stage_forward=stage_forward,
     init_buffers=init_buffers,
 )

@@ -21,6 +21,9 @@ class ArchSpec:
     last_stage: tuple[str, ...]
     # Per block: submodule -> "colwise" | "rowwise" (DTensor Colwise/RowwiseParallel).
     tp_plan: dict[str, str]
+    # Per stage, outside the blocks: module path -> "embedding" (vocab-sharded rows,
+    # all-reduced output) | "head" (vocab-sharded columns, logits gathered).
+    tp_plan_outer: dict[str, str] = field(default_factory=dict)
     # Adjust per-block attributes that count local heads or widths after TP (block, tp).
     tp_adjust: Callable[[Any, int], None] | None = None
     # Run one pipeline stage: (stage module, input ids or hidden states) -> output.
