@@ -189,7 +189,7 @@ def bench_scaling(tmp, steps: int) -> dict:
             "train.global_batch_size=16",
         ]
         times, summary = ray_step_times(layout, tmp)
-        tokens = 16 * summary and 16 * 128
+        tokens = 16 * 128  # global batch x seq_len per step
         res[f"dp{dp}"] = {
             "median_step_s": statistics.median(times[WARMUP:]),
             "tokens_per_s": tokens / statistics.median(times[WARMUP:]),
@@ -215,16 +215,17 @@ def main() -> None:
         "ray": ray.__version__,
     }
     results["date"] = time.strftime("%Y-%m-%d")
-    with tempfile.TemporaryDirectory() as tmp:
-        parts = args.parts.split(",")
-        if "overhead" in parts:
-            results["overhead_1x1x1"] = bench_overhead(tmp, args.steps, threads=2)
-        if "memory" in parts:
-            results["memory"] = bench_memory(tmp)
-        if "scaling" in parts:
-            results["scaling_dp"] = bench_scaling(tmp, args.steps)
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(results, indent=2) + "\n")
+    parts = {
+        "overhead": ("overhead_1x1x1", lambda tmp: bench_overhead(tmp, args.steps, threads=2)),
+        "memory": ("memory", bench_memory),
+        "scaling": ("scaling_dp", lambda tmp: bench_scaling(tmp, args.steps)),
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        for part in args.parts.split(","):
+            key, fn = parts[part]
+            results[key] = fn(tmp)
+            OUT.write_text(json.dumps(results, indent=2) + "\n")  # keep what finished
     print(json.dumps({k: v for k, v in results.items() if k != "memory"}, indent=2))
     if "memory" in results:
         for name, row in results["memory"]["layouts"].items():

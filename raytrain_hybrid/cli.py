@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from raytrain_hybrid.config import load_config
@@ -34,6 +35,27 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _live_topology(cfg, world: int) -> list[int]:
+    """Workers per node that a placement on the running cluster would give; one node without one."""
+    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS", "")
+    if not address:
+        return [world]
+    import ray
+
+    from raytrain_hybrid.launcher import _use_gpu
+    from raytrain_hybrid.placement import live_node_totals, predict_workers_per_node, worker_resources
+
+    ray.init(address=address, log_to_driver=False)
+    per_worker = worker_resources(cfg, _use_gpu(cfg, world))
+    counts = predict_workers_per_node(live_node_totals(), world, per_worker, cfg.cluster.placement_strategy)
+    if counts is None:
+        raise LayoutError(
+            f"the cluster at {address} cannot hold {world} workers of {per_worker} now; "
+            "pass --topology to check a placement you expect (e.g. 8,8)"
+        )
+    return counts
+
+
 def _check(args, cfg) -> int:
     from raytrain_hybrid.distributed.parallel_dims import ParallelDims, arrange_ranks, axis_groups
 
@@ -49,7 +71,7 @@ def _check(args, cfg) -> int:
                 "--topology", args.topology, f"places {sum(counts)} workers; the layout needs {dims.world_size}"
             )
     else:
-        counts = [dims.world_size]
+        counts = _live_topology(cfg, dims.world_size)
     nodes = [f"node{i}" for i, c in enumerate(counts) for _ in range(c)]
     arrangement = arrange_ranks(dims, nodes)
     ranks = []
@@ -72,7 +94,13 @@ def _check(args, cfg) -> int:
 def _train(cfg) -> int:
     from raytrain_hybrid.launcher import run
 
-    summary = run(cfg)
+    try:
+        summary = run(cfg)
+    except (ConfigError, LayoutError):
+        raise
+    except Exception as exc:  # a worker failed: Ray's error carries its traceback
+        print(f"error: training failed: {exc}", file=sys.stderr)
+        return 1
     print(
         f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
         f"{summary['mean_tokens_per_s']:,.0f} tokens/s -> {cfg.run.output_dir}"

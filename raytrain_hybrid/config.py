@@ -199,18 +199,40 @@ class DataConfig:
     tokenizer: str = ""
 
 
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+BACKENDS = ("auto", "nccl", "gloo")
+
+
 @dataclass(kw_only=True)
 class ClusterConfig:
-    # Train on GPUs (NCCL); None picks GPUs when the cluster has them.
+    # Train on GPUs (one per worker); None picks GPUs when the cluster has enough.
     use_gpu: bool | None = None
+    # GPUs (workers) per node; when set, tp must fit inside a node. 0 means unknown.
+    gpus_per_node: int = 0
     # CPUs reserved per worker; torch threads per worker follow it.
     cpus_per_worker: float = 1.0
-    # Ray address to join; empty starts (or joins, inside a Ray job) a cluster.
+    # Ray accelerator type to require (e.g. "H100", "A100"); empty accepts any.
+    accelerator_type: str = ""
+    # Placement of the worker group's bundles: PACK fills nodes (TP stays inside them).
+    placement_strategy: str = "PACK"
+    # Process-group backend: auto is NCCL with GPUs, gloo without.
+    backend: str = "auto"
+    # Ray address to join; empty joins $RAY_ADDRESS (inside `ray job submit`) or starts a local cluster.
     address: str = ""
 
     def __post_init__(self) -> None:
         if self.cpus_per_worker <= 0:
             raise ConfigError("cluster.cpus_per_worker", self.cpus_per_worker, "must be > 0, e.g. 1")
+        if self.gpus_per_node < 0:
+            raise ConfigError("cluster.gpus_per_node", self.gpus_per_node, "must be >= 0 (0 means unknown)")
+        if self.placement_strategy not in PLACEMENT_STRATEGIES:
+            raise ConfigError(
+                "cluster.placement_strategy",
+                self.placement_strategy,
+                f"must be one of {_choices(PLACEMENT_STRATEGIES)}",
+            )
+        if self.backend not in BACKENDS:
+            raise ConfigError("cluster.backend", self.backend, f"must be one of {_choices(BACKENDS)}")
 
 
 @dataclass(kw_only=True)
@@ -411,5 +433,20 @@ def validate(cfg: Config) -> None:
             "DDP cannot hold DTensor (TP) parameters, and its reducer fails when a pipeline stage runs "
             "several forwards before a backward. Use zero=2 (FSDP2, sharded gradients and optimizer state) "
             "or zero=3 with tensor or pipeline parallelism",
+        )
+    cluster = cfg.cluster
+    if tp > 1 and cluster.placement_strategy == "STRICT_SPREAD":
+        raise ConfigError(
+            "cluster.placement_strategy",
+            "STRICT_SPREAD",
+            f"puts every worker on its own node, so TP groups of tp={tp} would cross nodes; use PACK or tp=1",
+        )
+    gpn = cluster.gpus_per_node
+    if gpn and cluster.use_gpu is not False and (tp > gpn or gpn % tp):
+        fits = [d for d in _divisors(gpn) if all(v % d == 0 for v in (model.num_heads, model.num_kv_heads))]
+        raise ConfigError(
+            "parallelism.tp",
+            tp,
+            f"TP groups must stay inside a node of cluster.gpus_per_node={gpn}; try tp in {_choices(fits)}",
         )
     get_arch(model.arch).check(model)

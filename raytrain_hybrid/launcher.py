@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_hybrid.config import Config
+from raytrain_hybrid.distributed.parallel_dims import ParallelDims, arrange_ranks
+from raytrain_hybrid.placement import live_node_totals, predict_workers_per_node, worker_resources
 
 # Ray Train V2 is the default in Ray 2.60; state it so a user's environment cannot flip it.
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
@@ -75,6 +77,22 @@ def _use_gpu(cfg: Config, world_size: int) -> bool:
     if cfg.cluster.use_gpu is not None:
         return cfg.cluster.use_gpu
     return ray.cluster_resources().get("GPU", 0) >= world_size
+
+
+def check_placement(cfg: Config, resources: dict[str, float]) -> list[int] | None:
+    """Refuse, before any worker starts, a layout the live nodes cannot hold with TP inside a node.
+
+    Returns the predicted workers per node (None when the cluster cannot hold the group
+    yet, e.g. while an autoscaler adds nodes; the workers then check what they got).
+    """
+    par = cfg.parallelism
+    dims = ParallelDims(dp=par.dp, tp=par.tp, pp=par.pp, zero=par.zero)
+    counts = predict_workers_per_node(
+        live_node_totals(), dims.world_size, resources, cfg.cluster.placement_strategy
+    )
+    if counts is not None:
+        arrange_ranks(dims, [f"node{i}" for i, c in enumerate(counts) for _ in range(c)])
+    return counts
 
 
 class _Progress:
@@ -141,6 +159,8 @@ def summarize(cfg: Config, history: list[dict], memory: list[dict]) -> dict:
         "model": {"arch": cfg.model.arch, "num_layers": cfg.model.num_layers, "hidden_size": cfg.model.hidden_size},
         "mean_tokens_per_s": (sum(h["tokens_per_s"] for h in steady) / len(steady)) if steady else None,
         "mean_step_time_s": (sum(h["step_time_s"] for h in steady) / len(steady)) if steady else None,
+        "mean_tflops_per_device": (sum(h["tflops_per_device"] for h in steady) / len(steady)) if steady else None,
+        "mean_mfu": (sum(h["mfu"] for h in steady) / len(steady)) if steady and steady[0]["mfu"] else None,
     }
     for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "max_rss_bytes"):
         summary[key] = max((m[key] for m in memory), default=None)
@@ -161,15 +181,21 @@ def run(cfg: Config) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     _ensure_ray(cfg, world)
     use_gpu = _use_gpu(cfg, world)
+    resources = worker_resources(cfg, use_gpu)
+    check_placement(cfg, resources)
+    backend = cfg.cluster.backend if cfg.cluster.backend != "auto" else ("nccl" if use_gpu else "gloo")
     sink = Queue(actor_options={"num_cpus": 0})
-    resources = {"CPU": cfg.cluster.cpus_per_worker}
-    if use_gpu:
-        resources["GPU"] = 1
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"config": cfg.to_dict(), "sink": sink, "use_gpu": use_gpu},
-        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-        scaling_config=ScalingConfig(num_workers=world, use_gpu=use_gpu, resources_per_worker=resources),
+        torch_config=TorchConfig(backend=backend),
+        scaling_config=ScalingConfig(
+            num_workers=world,
+            use_gpu=use_gpu,
+            resources_per_worker=resources,
+            placement_strategy=cfg.cluster.placement_strategy,
+            accelerator_type=cfg.cluster.accelerator_type or None,
+        ),
         run_config=RunConfig(
             name=f"raytrain-hybrid-{int(time.time())}",
             storage_path=str(out_dir / "ray_storage"),

@@ -23,6 +23,7 @@ from raytrain_hybrid.distributed.data_parallel import apply_ddp, build_optimizer
 from raytrain_hybrid.distributed.parallel_dims import ParallelDims
 from raytrain_hybrid.distributed.parallelize import parallelize_stage
 from raytrain_hybrid.distributed.utils import clip_grads_, global_grad_norm
+from raytrain_hybrid.flops import device_peak_tflops, flops_per_token
 from raytrain_hybrid.models import get_arch
 from raytrain_hybrid.models.common import build_stage, full_init_state_dict
 
@@ -84,6 +85,8 @@ class Trainer:
             ]
             self.schedule = pipeline.build_schedule(par.schedule, stages, par.microbatches, lm_loss)
         self.grad_bytes = 0
+        self.flops_per_token = flops_per_token(cfg.model)
+        self.peak_tflops = device_peak_tflops(device)
 
     def _build(self, stage_id: int, layer_ids: list[int], num_stages: int):
         stage = build_stage(self.spec, self.hf_config, layer_ids, first=stage_id == 0, last=stage_id == num_stages - 1)
@@ -160,6 +163,7 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - t0
         tokens = self.cfg.train.global_batch_size * self.cfg.model.seq_len
+        tflops = self.flops_per_token * tokens / elapsed / self.dims.world_size / 1e12
         return {
             "step": step,
             "loss": loss.item(),
@@ -167,6 +171,8 @@ class Trainer:
             "lr": lr,
             "step_time_s": elapsed,
             "tokens_per_s": tokens / elapsed,
+            "tflops_per_device": tflops,
+            "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
         }
 
     def memory_stats(self) -> dict:

@@ -23,7 +23,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, overrides: list[str], queue) -> None:
+def _worker(rank: int, world: int, port: int, overrides: list[str], queue, nodes: int) -> None:
     import torch
     import torch.distributed as dist
 
@@ -34,7 +34,9 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], queue) -> No
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        result = run_worker(load_config(None, overrides), node_id="local")
+        # Fake node ids: with nodes > 1, ranks alternate between nodes (an order Ray never
+        # hands out), so the mesh must be rearranged to keep TP groups on one node.
+        result = run_worker(load_config(None, overrides), node_id=f"node{rank % nodes}")
         if rank == 0:
             queue.put(("ok", result))
     except BaseException as exc:
@@ -44,14 +46,14 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], queue) -> No
         dist.destroy_process_group()
 
 
-def run_gloo(overrides: list[str]) -> dict:
+def run_gloo(overrides: list[str], nodes: int = 1) -> dict:
     from raytrain_hybrid.config import load_config
 
     world = load_config(None, overrides).parallelism.world_size
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, overrides, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, overrides, queue, nodes)) for r in range(world)]
     for p in procs:
         p.start()
     status, payload = queue.get(timeout=600)
@@ -126,3 +128,23 @@ def test_bfloat16_autocast_tracks_float32():
     for got, want in zip(history, reference, strict=True):
         assert got["loss"] == pytest.approx(want["loss"], rel=2e-2)
     assert history[-1]["loss"] < history[0]["loss"]
+
+
+def test_interleaved_node_order_keeps_tp_on_a_node_and_matches():
+    """Ranks alternate between two nodes; TP groups must still sit on one node each."""
+    layout = ["parallelism.dp=1", "parallelism.tp=2", "parallelism.pp=2", "parallelism.microbatches=2"]
+    result = run_gloo([*COMMON, *layout], nodes=2)
+    ranks = result["memory"]
+    tp_groups: dict[tuple, set] = {}
+    pp_groups: dict[tuple, set] = {}
+    for r in ranks:
+        tp_groups.setdefault((r["pp"], r["dp"]), set()).add(r["node"])
+        pp_groups.setdefault((r["dp"], r["tp"]), set()).add(r["node"])
+    assert all(len(nodes) == 1 for nodes in tp_groups.values()), ranks
+    assert all(len(nodes) == 2 for nodes in pp_groups.values()), ranks
+    # the arrangement is not the identity: rank 1 is not rank 0's TP partner
+    by_rank = {r["rank"]: r for r in ranks}
+    assert (by_rank[0]["pp"], by_rank[0]["dp"]) != (by_rank[1]["pp"], by_rank[1]["dp"])
+    for got, want in zip(result["history"], reference_history(COMMON), strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)

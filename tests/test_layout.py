@@ -84,3 +84,16 @@ def test_check_json(capsys):
         == 2
     )
     assert "tp=8" in capsys.readouterr().err
+
+
+def test_predicted_placement():
+    from raytrain_hybrid.placement import predict_workers_per_node
+
+    nodes = [{"CPU": 1}, {"CPU": 4, "GPU": 4}, {"CPU": 4, "GPU": 4}]
+    gpu = {"CPU": 1, "GPU": 1}
+    assert predict_workers_per_node(nodes, 8, gpu, "PACK") == [4, 4]
+    assert predict_workers_per_node(nodes, 6, gpu, "PACK") == [4, 2]
+    assert predict_workers_per_node(nodes, 4, gpu, "SPREAD") == [2, 2]
+    assert predict_workers_per_node(nodes, 2, gpu, "STRICT_SPREAD") == [1, 1]
+    assert predict_workers_per_node(nodes, 9, gpu, "PACK") is None  # waits for the autoscaler
+    assert predict_workers_per_node(nodes, 9, {"CPU": 1}, "PACK") == [1, 4, 4]  # node order

@@ -1,0 +1,38 @@
+"""Model FLOPs per token and device peaks, for TFLOP/s and MFU in the step metrics.
+
+FLOPs per token follow the usual accounting (Kaplan et al. 2020; Chowdhury/PaLM
+appendix B): 6 per parameter of the matmuls (forward 2, backward 4) plus the
+attention score and value products, 12 * layers * hidden * seq_len. Recomputation
+under activation checkpointing is not counted: MFU measures useful work.
+"""
+
+from __future__ import annotations
+
+# Dense bf16 tensor-core peaks per device, TFLOP/s (vendor datasheets: NVIDIA H100 SXM5
+# 989.4, A100 SXM4 312). fp32 runs use the same peak: MFU then shows what bf16 would gain.
+PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0, "L4": 121.0, "A10G": 70.0}
+
+
+def matmul_params(model) -> int:
+    """Parameters that take part in matmuls: everything but norms, biases and lookup tables."""
+    h, f, v, layers = model.hidden_size, model.ffn_hidden_size, model.vocab_size, model.num_layers
+    head_dim = h // model.num_heads
+    if model.arch == "gpt2":
+        per_layer = 4 * h * h + 2 * h * f
+    else:  # llama: q, o full width; k, v at kv-head width; gated MLP has three matrices
+        per_layer = 2 * h * h + 2 * h * model.num_kv_heads * head_dim + 3 * h * f
+    return layers * per_layer + v * h  # the LM head is a matmul; the embedding lookup is not
+
+
+def flops_per_token(model) -> float:
+    return 6.0 * matmul_params(model) + 12.0 * model.num_layers * model.hidden_size * model.seq_len
+
+
+def device_peak_tflops(device) -> float | None:
+    """Known peak of a CUDA device, or None (CPUs and unknown GPUs: MFU is not reported)."""
+    if device.type != "cuda":
+        return None
+    import torch
+
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
