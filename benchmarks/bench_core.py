@@ -224,7 +224,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for part in args.parts.split(","):
             key, fn = parts[part]
-            results[key] = fn(tmp)
+            results[key] = {**fn(tmp), "command": results["command"], "date": results["date"]}
             OUT.write_text(json.dumps(results, indent=2) + "\n")  # keep what finished
     print(json.dumps({k: v for k, v in results.items() if k != "memory"}, indent=2))
     if "memory" in results:

@@ -87,9 +87,7 @@ def check_placement(cfg: Config, resources: dict[str, float]) -> list[int] | Non
     """
     par = cfg.parallelism
     dims = ParallelDims(dp=par.dp, tp=par.tp, pp=par.pp, zero=par.zero)
-    counts = predict_workers_per_node(
-        live_node_totals(), dims.world_size, resources, cfg.cluster.placement_strategy
-    )
+    counts = predict_workers_per_node(live_node_totals(), dims.world_size, resources, cfg.cluster.placement_strategy)
     if counts is not None:
         arrange_ranks(dims, [f"node{i}" for i, c in enumerate(counts) for _ in range(c)])
     return counts

@@ -22,6 +22,7 @@ from raytrain_hybrid.distributed import pipeline
 from raytrain_hybrid.distributed.data_parallel import apply_ddp, build_optimizer
 from raytrain_hybrid.distributed.parallel_dims import ParallelDims
 from raytrain_hybrid.distributed.parallelize import parallelize_stage
+from raytrain_hybrid.distributed.tensor_parallel import align_grad_placements
 from raytrain_hybrid.distributed.utils import clip_grads_, global_grad_norm
 from raytrain_hybrid.flops import device_peak_tflops, flops_per_token
 from raytrain_hybrid.models import get_arch
@@ -52,8 +53,8 @@ class Trainer:
         par = cfg.parallelism
         self.spec = get_arch(cfg.model.arch)
         self.hf_config = self.spec.hf_config(cfg.model)
-        self.pp_rank = mesh["pp"].get_local_rank()
-        self.dp_rank = mesh["dp"].get_local_rank()
+        self.pp_rank = mesh.pp.get_local_rank()
+        self.dp_rank = mesh.dp.get_local_rank()
         num_stages = par.num_stages if dims.pp > 1 else 1
         split = pipeline.split_layers(cfg.model.num_layers, num_stages)
         ids = pipeline.stage_ids(par.schedule, self.pp_rank, dims.pp, par.stages_per_rank) if dims.pp > 1 else [0]
@@ -80,7 +81,7 @@ class Trainer:
         self.schedule = None
         if dims.pp > 1:
             stages = [
-                PipelineStage(m, sid, num_stages, device, group=mesh["pp"].get_group())
+                PipelineStage(m, sid, num_stages, device, group=mesh.pp.get_group())
                 for m, sid in zip(self.modules, ids, strict=True)
             ]
             self.schedule = pipeline.build_schedule(par.schedule, stages, par.microbatches, lm_loss)
@@ -104,6 +105,8 @@ class Trainer:
             self.spec.init_buffers(stage, self.hf_config, self.device)
         # Every rank holds the same full values; each keeps its own TP/FSDP shard.
         set_model_state_dict(stage, full, options=StateDictOptions(full_state_dict=True, strict=True))
+        if self.dims.tp > 1 and not isinstance(stage, FSDPModule):
+            align_grad_placements(stage)
         return apply_ddp(stage, self.mesh, self.dims)
 
     def _autocast(self):

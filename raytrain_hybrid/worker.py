@@ -55,7 +55,7 @@ def run_worker(
         history.append(metrics)
         if on_step is not None and rank == 0:
             on_step(metrics)
-    coords = {"pp": trainer.pp_rank, "dp": trainer.dp_rank, "tp": mesh["tp"].get_local_rank()}
+    coords = {"pp": trainer.pp_rank, "dp": trainer.dp_rank, "tp": mesh.tp.get_local_rank()}
     per_rank = [None] * world
     dist.all_gather_object(per_rank, {"rank": rank, "node": node_id, **coords, **trainer.memory_stats()})
     return {"history": history, "memory": per_rank, "coords": coords}

@@ -33,17 +33,23 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], queue, nodes
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    status = ("error", f"rank {rank}: did not finish")
     try:
         # Fake node ids: with nodes > 1, ranks alternate between nodes (an order Ray never
         # hands out), so the mesh must be rearranged to keep TP groups on one node.
         result = run_worker(load_config(None, overrides), node_id=f"node{rank % nodes}")
-        if rank == 0:
-            queue.put(("ok", result))
-    except BaseException as exc:
-        queue.put(("error", f"rank {rank}: {exc!r}"))
-        raise
-    finally:
+        status = ("ok", result)
+        dist.barrier()
         dist.destroy_process_group()
+    except BaseException as exc:
+        status = ("error", f"rank {rank}: {exc!r}")
+    if rank == 0 or status[0] == "error":
+        queue.put(status)
+    queue.close()
+    queue.join_thread()
+    # Skip interpreter teardown: gloo's background threads can abort the process there
+    # ("terminate called without an active exception") after all work is done.
+    os._exit(0 if status[0] == "ok" else 1)
 
 
 def run_gloo(overrides: list[str], nodes: int = 1) -> dict:

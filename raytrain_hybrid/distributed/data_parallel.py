@@ -22,7 +22,7 @@ def apply_fsdp(stage, spec: ArchSpec, mesh, dims: ParallelDims) -> None:
     """Before materialisation (meta device): wrap each block, then the stage root."""
     if dims.dp == 1 or dims.zero == 1:
         return
-    fsdp_mesh = mesh["dp_replicate", "dp_shard"]
+    fsdp_mesh = mesh.fsdp
     reshard = dims.zero == 3
     # float32 reduction keeps the replicas' averaged gradients equal to one process's.
     mp = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
@@ -35,7 +35,7 @@ def apply_ddp(stage, mesh, dims: ParallelDims):
     """After materialisation: DDP for zero=1 (it broadcasts rank 0's weights at start)."""
     if dims.dp == 1 or dims.zero != 1:
         return stage
-    return DistributedDataParallel(stage, process_group=mesh["dp"].get_group())
+    return DistributedDataParallel(stage, process_group=mesh.dp.get_group())
 
 
 def build_optimizer(params, mesh, dims: ParallelDims, **adamw):
@@ -43,6 +43,6 @@ def build_optimizer(params, mesh, dims: ParallelDims, **adamw):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(
-            params, optimizer_class=torch.optim.AdamW, process_group=mesh["dp"].get_group(), **adamw
+            params, optimizer_class=torch.optim.AdamW, process_group=mesh.dp.get_group(), **adamw
         )
     return torch.optim.AdamW(params, **adamw)

@@ -10,10 +10,22 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Any
 
 from raytrain_hybrid.errors import LayoutError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class Meshes:
+    """The world mesh and the sub-meshes the engine uses, each by its axis."""
+
+    world: Any  # DeviceMesh ("pp", "dp_replicate", "dp_shard", "tp")
+    pp: Any
+    dp: Any  # dp_replicate x dp_shard, flattened: one group per replica set
+    tp: Any
+    fsdp: Any  # ("dp_replicate", "dp_shard"): HSDP for zero=0, FSDP for zero=2/3
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,15 +56,15 @@ class ParallelDims:
         """(pp, dp, tp) of a mesh slot in ("pp", "dp", "tp") row-major order."""
         return {"pp": slot // (self.dp * self.tp), "dp": (slot // self.tp) % self.dp, "tp": slot % self.tp}
 
-    def build_mesh(self, device_type: str, arrangement: list[int]):
-        """DeviceMesh over ``arrangement`` (slot -> global rank), with a flattened ``dp`` dim."""
+    def build_mesh(self, device_type: str, arrangement: list[int]) -> Meshes:
+        """DeviceMesh over ``arrangement`` (slot -> global rank) and its sub-meshes."""
         import torch
         from torch.distributed.device_mesh import DeviceMesh
 
         ranks = torch.tensor(arrangement, dtype=torch.int).reshape(self.pp, self.dp_replicate, self.dp_shard, self.tp)
-        mesh = DeviceMesh(device_type, ranks, mesh_dim_names=MESH_DIMS)
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        return mesh
+        world = DeviceMesh(device_type, ranks, mesh_dim_names=MESH_DIMS)
+        fsdp = world["dp_replicate", "dp_shard"]
+        return Meshes(world=world, pp=world["pp"], dp=fsdp._flatten("dp"), tp=world["tp"], fsdp=fsdp)
 
 
 def arrange_ranks(dims: ParallelDims, node_of_rank: list[str]) -> list[int]:

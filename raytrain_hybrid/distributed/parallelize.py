@@ -21,7 +21,7 @@ def apply_activation_checkpointing(stage, spec: ArchSpec) -> None:
 
 def parallelize_stage(stage, spec: ArchSpec, mesh, dims: ParallelDims, *, activation_checkpointing: bool) -> None:
     if dims.tp > 1:
-        apply_tp(stage, spec, mesh["tp"])
+        apply_tp(stage, spec, mesh.tp)
     if activation_checkpointing:
         apply_activation_checkpointing(stage, spec)
     apply_fsdp(stage, spec, mesh, dims)

@@ -35,3 +35,22 @@ def apply_tp(stage, spec: ArchSpec, tp_mesh) -> None:
             outer[path] = _STYLES[style]()
     if outer:
         parallelize_module(stage, tp_mesh, outer)
+
+
+def align_grad_placements(module) -> None:
+    """Keep each TP parameter's gradient sharded like the parameter.
+
+    DTensor's rule for the embedding backward computes the vocab-parallel
+    embedding's gradient as Replicate: every rank would hold the full
+    vocab x hidden gradient. Re-sharding it is a local slice (no communication).
+    FSDP2 does this itself when it reduce-scatters, so this is for stages without it.
+    """
+    from torch.distributed.tensor import DTensor
+
+    def hook(param) -> None:
+        if param.grad is not None and param.grad.placements != param.placements:
+            param.grad = param.grad.redistribute(param.device_mesh, param.placements)
+
+    for param in module.parameters():
+        if isinstance(param, DTensor):
+            param.register_post_accumulate_grad_hook(hook)
