@@ -32,7 +32,31 @@ def _parser() -> argparse.ArgumentParser:
     _add_config_args(check)
     check.add_argument("--topology", help="workers per node, e.g. 4,4 (default: one node holding all workers)")
     check.add_argument("--json", action="store_true", help="print the layout as JSON")
+    prep = sub.add_parser("prepare-data", help="tokenize text files or Parquet into token Parquet (Ray Data)")
+    prep.add_argument("source", help="text files (documents split by blank lines), Parquet, a directory or a glob")
+    prep.add_argument("out_dir", help="directory (or URI) for the Parquet shards")
+    prep.add_argument("--text-column", default="text", help="text column of Parquet input (default: text)")
+    prep.add_argument("--tokenizer", default="", help="local tokenizer.json (default: the shipped BPE)")
     return parser
+
+
+def _prepare(args) -> int:
+    import ray
+
+    from raytrain_hybrid.data_prep import prepare_data
+
+    try:
+        if not ray.is_initialized():
+            address = os.environ.get("RAY_ADDRESS", "")
+            ray.init(
+                address=address or "local", log_to_driver=False, **({} if address else {"include_dashboard": False})
+            )
+        stats = prepare_data(args.source, args.out_dir, text_column=args.text_column, tokenizer=args.tokenizer)
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {stats['tokens']:,} tokens to {stats['out_dir']}")
+    return 0
 
 
 def _live_topology(cfg, world: int) -> list[int]:
@@ -110,6 +134,8 @@ def _train(cfg) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "prepare-data":
+        return _prepare(args)
     try:
         cfg = load_config(args.config, args.overrides)
         if args.command == "check":

@@ -193,10 +193,31 @@ class TrainConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    # Text corpus to tokenize and pack; empty means the corpus shipped with the package.
-    corpus: str = ""
-    # Local tokenizer.json (Hugging Face tokenizers); empty means the shipped BPE tokenizer.
+    # Parquet file, directory, glob or URI pyarrow can open (s3://, gs://, ...), read with
+    # Ray Data. "builtin" is the corpus shipped in the package, tokenized once by prepare-data.
+    path: str = "builtin"
+    # Column of raw text, tokenized (Ray Data map_batches) and packed to model.seq_len.
+    text_column: str = ""
+    # Column of pre-tokenized ids (list of integers), as prepare-data writes; used when
+    # text_column is empty.
+    token_column: str = "input_ids"
+    # Local tokenizer.json (Hugging Face tokenizers) for text; empty means the shipped BPE.
     tokenizer: str = ""
+    # Seed of the block order and of the per-epoch local shuffle.
+    shuffle_seed: int = 0
+    # Documents in the local shuffle buffer; 0 keeps the stored order.
+    shuffle_buffer: int = 256
+    # Passes over the data; the run stops at train.steps or here, whichever is first. 0: no limit.
+    epochs: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ConfigError("data.path", self.path, 'must name Parquet data, or "builtin" for the shipped corpus')
+        if not self.text_column and not self.token_column:
+            raise ConfigError("data.token_column", "", "set data.token_column or data.text_column")
+        for key in ("shuffle_buffer", "epochs"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"data.{key}", getattr(self, key), "must be >= 0")
 
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")

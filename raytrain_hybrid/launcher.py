@@ -7,6 +7,7 @@ can draw a progress bar and write ``metrics.jsonl`` while the run goes on.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_hybrid.config import Config
+from raytrain_hybrid.data_ray import ReplicaDataConfig, build_dataset, builtin_dataset, schema_check
 from raytrain_hybrid.distributed.parallel_dims import ParallelDims, arrange_ranks
 from raytrain_hybrid.placement import live_node_totals, predict_workers_per_node, worker_resources
 
@@ -42,7 +44,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         if sink is not None:
             sink.put(("step", metrics))
 
-    result = run_worker(cfg, node_id, use_gpu=loop_config["use_gpu"], on_step=on_step)
+    result = run_worker(
+        cfg,
+        node_id,
+        use_gpu=loop_config["use_gpu"],
+        on_step=on_step,
+        dataset_fn=lambda: ray.train.get_dataset_shard("train"),
+    )
     if ray.train.get_context().get_world_rank() == 0 and sink is not None:
         sink.put(("done", {"memory": result["memory"]}))
     last = result["history"][-1]
@@ -77,6 +85,14 @@ def _use_gpu(cfg: Config, world_size: int) -> bool:
     if cfg.cluster.use_gpu is not None:
         return cfg.cluster.use_gpu
     return ray.cluster_resources().get("GPU", 0) >= world_size
+
+
+def prepare_input(cfg: Config) -> Config:
+    """Resolve data.path ("builtin" is prepared once) and check the files before workers start."""
+    if cfg.data.path == "builtin":
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=builtin_dataset(cfg)))
+    schema_check(cfg)
+    return cfg
 
 
 def check_placement(cfg: Config, resources: dict[str, float]) -> list[int] | None:
@@ -160,8 +176,8 @@ def summarize(cfg: Config, history: list[dict], memory: list[dict]) -> dict:
         "mean_tflops_per_device": (sum(h["tflops_per_device"] for h in steady) / len(steady)) if steady else None,
         "mean_mfu": (sum(h["mfu"] for h in steady) / len(steady)) if steady and steady[0]["mfu"] else None,
     }
-    for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "max_rss_bytes"):
-        summary[key] = max((m[key] for m in memory), default=None)
+    for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "max_rss_bytes", "data_wait_fraction"):
+        summary[key] = max((m[key] for m in memory if m.get(key) is not None), default=None)
     summary["per_rank"] = memory
     return summary
 
@@ -181,12 +197,15 @@ def run(cfg: Config) -> dict:
     use_gpu = _use_gpu(cfg, world)
     resources = worker_resources(cfg, use_gpu)
     check_placement(cfg, resources)
+    cfg = prepare_input(cfg)
     backend = cfg.cluster.backend if cfg.cluster.backend != "auto" else ("nccl" if use_gpu else "gloo")
     sink = Queue(actor_options={"num_cpus": 0})
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"config": cfg.to_dict(), "sink": sink, "use_gpu": use_gpu},
         torch_config=TorchConfig(backend=backend),
+        datasets={"train": build_dataset(cfg)},
+        dataset_config=ReplicaDataConfig(),
         scaling_config=ScalingConfig(
             num_workers=world,
             use_gpu=use_gpu,

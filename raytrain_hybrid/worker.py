@@ -6,14 +6,16 @@ so can ``torchrun`` (tests of the engine without Ray).
 
 from __future__ import annotations
 
+import hashlib
 import os
+import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from raytrain_hybrid.config import Config
-from raytrain_hybrid.data import TokenWindows, tokenize_corpus
+from raytrain_hybrid.data import Batch, TokenWindows, tokenize_corpus
 from raytrain_hybrid.distributed.parallel_dims import ParallelDims, arrange_ranks
 from raytrain_hybrid.trainer import Trainer
 
@@ -27,6 +29,67 @@ def pick_device(use_gpu: bool) -> torch.device:
     return torch.device("cpu")
 
 
+class ReplicaFeed:
+    """The step's rows for this replica: its leader reads the Ray Data stream, the other
+    tp*pp ranks of the replica receive them by broadcast. A status goes first, so that the
+    end of the data or a reading error stops every rank of the replica together.
+
+    The broadcast of step k+1 is posted as soon as step k's rows arrive, so it travels while
+    step k computes and the ranks behind the leader in the pipeline do not wait for it.
+    """
+
+    OK, END, ERROR = 1, 0, 2
+
+    def __init__(self, cfg: Config, meshes, dims: ParallelDims, dp_rank: int, dataset_fn) -> None:
+        from raytrain_hybrid.data_ray import replica_stream
+
+        self.group = meshes.replica.get_group()
+        self.leader = meshes.replica.get_local_rank() == 0
+        self.shape = (cfg.train.global_batch_size // dims.dp, cfg.model.seq_len + 1)
+        cuda = meshes.world.device_type == "cuda"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self.stream = replica_stream(cfg, dataset_fn(), dp=dims.dp, dp_rank=dp_rank) if self.leader else None
+        self._it = iter(self.stream) if self.leader else None
+        self._pending = None
+
+    def _post(self):
+        status = torch.zeros(1, dtype=torch.int64, device=self.device)
+        rows = torch.zeros(self.shape, dtype=torch.int64, device=self.device)
+        error = None
+        if self.leader:
+            try:
+                rows.copy_(torch.from_numpy(next(self._it)))
+                status.fill_(self.OK)
+            except StopIteration:
+                status.fill_(self.END)
+            except Exception as exc:  # still broadcast, so the replica does not hang
+                status.fill_(self.ERROR)
+                error = exc
+        works = [dist.broadcast(t, group=self.group, group_src=0, async_op=True) for t in (status, rows)]
+        return status, rows, works, error
+
+    def next(self) -> Batch | None:
+        status, rows, works, error = self._pending or self._post()
+        self._pending = None
+        for work in works:
+            work.wait()
+        code = int(status.item())
+        if code == self.ERROR:
+            raise error if error is not None else RuntimeError("this replica's data leader failed reading")
+        if code == self.END:
+            return None
+        self._pending = self._post()  # prefetch the next step's rows
+        rows = rows.cpu()
+        return Batch(input_ids=rows[:, :-1].contiguous(), labels=rows[:, 1:].contiguous())
+
+    def close(self) -> None:
+        """Complete the prefetch in flight (every rank of the replica posted it)."""
+        if self._pending is not None:
+            for work in self._pending[2]:
+                work.wait()
+            self._pending = None
+
+
 def run_worker(
     cfg: Config,
     node_id: str,
@@ -34,8 +97,13 @@ def run_worker(
     use_gpu: bool = False,
     on_step: Callable[[dict], None] | None = None,
     device: torch.device | None = None,
+    dataset_fn: Callable[[], object] | None = None,
 ) -> dict:
-    """Train ``cfg.train.steps`` steps; returns per-step metrics and this rank's memory stats."""
+    """Train ``cfg.train.steps`` steps; returns per-step metrics and this rank's memory stats.
+
+    ``dataset_fn`` returns this rank's Ray Data iterator (called by replica leaders only);
+    without it the input is the shipped corpus, windowed in memory (engine tests without Ray).
+    """
     par = cfg.parallelism
     dims = ParallelDims(dp=par.dp, tp=par.tp, pp=par.pp, zero=par.zero)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -47,15 +115,42 @@ def run_worker(
     device = device or pick_device(use_gpu)
     mesh = dims.build_mesh(device.type, arrangement)
     trainer = Trainer(cfg, dims, mesh, device)
-    data = TokenWindows(tokenize_corpus(cfg.data.corpus, cfg.data.tokenizer), cfg.model.seq_len, cfg.train.seed)
+    if dataset_fn is not None:
+        feed = ReplicaFeed(cfg, mesh, dims, trainer.dp_rank, dataset_fn)
+        next_batch = lambda step: feed.next()  # noqa: E731
+    else:
+        data = TokenWindows(tokenize_corpus(tokenizer=cfg.data.tokenizer), cfg.model.seq_len, cfg.train.seed)
+        next_batch = lambda step: data.replica_batch(step, cfg.train.global_batch_size, dims.dp, trainer.dp_rank)  # noqa: E731
     history = []
+    digest = hashlib.sha256()  # of every row this rank trained on: replicas' ranks must agree
+    rows = 0
+    waited = busy = 0.0
     for step in range(cfg.train.steps):
-        batch = data.replica_batch(step, cfg.train.global_batch_size, dims.dp, trainer.dp_rank)
+        t0 = time.perf_counter()
+        batch = next_batch(step)
+        wait = time.perf_counter() - t0
+        if batch is None:  # data.epochs ran out before train.steps
+            break
+        digest.update(batch.input_ids.numpy().tobytes())
+        rows += batch.input_ids.shape[0]
         metrics = trainer.train_step(step, batch)
+        metrics["data_wait_s"] = wait
+        if step > 0:  # the first batch waits for the pipeline to start: not steady state
+            waited, busy = waited + wait, busy + wait + metrics["step_time_s"]
+        if dataset_fn is not None and feed.stream is not None:
+            pos = feed.stream.position
+            metrics.update(data_epoch=pos.epoch, data_windows_in_epoch=pos.windows_in_epoch)
         history.append(metrics)
         if on_step is not None and rank == 0:
             on_step(metrics)
+    if dataset_fn is not None:
+        feed.close()
     coords = {"pp": trainer.pp_rank, "dp": trainer.dp_rank, "tp": mesh.tp.get_local_rank()}
     per_rank = [None] * world
-    dist.all_gather_object(per_rank, {"rank": rank, "node": node_id, **coords, **trainer.memory_stats()})
+    inputs = {
+        "input_digest": digest.hexdigest()[:16],
+        "input_rows": rows,
+        "data_wait_fraction": waited / busy if busy else None,
+    }
+    dist.all_gather_object(per_rank, {"rank": rank, "node": node_id, **coords, **inputs, **trainer.memory_stats()})
     return {"history": history, "memory": per_rank, "coords": coords}

@@ -51,11 +51,15 @@ def run_layout(ray_local, tmp_path_factory):
 
 
 @functools.lru_cache(maxsize=8)
-def reference_history(overrides: tuple[str, ...]):
+def reference_history(overrides: tuple[str, ...], source: str = "memory"):
+    """The single-process reference. source="ray": on the Ray Data input the launcher feeds
+    (needs the session's Ray); "memory": on the in-memory windows of the engine without Ray."""
     import torch
-    from reference import reference_run
+    from reference import ray_data_batches, reference_run
 
     from raytrain_hybrid.config import load_config
 
     torch.manual_seed(0)
-    return reference_run(load_config(None, list(overrides)))
+    cfg = load_config(None, list(overrides))
+    windows = ray_data_batches(cfg, cfg.train.steps) if source == "ray" else None
+    return reference_run(cfg, windows)

@@ -27,7 +27,24 @@ def initial_hf_state_dict(cfg: Config) -> dict:
     return spec.to_hf(full_init_state_dict(meta, cfg.train.seed, cfg.train.init_std, shapes))
 
 
-def reference_run(cfg: Config) -> list[dict]:
+def ray_data_batches(cfg: Config, steps: int) -> list:
+    """The global batches of the Ray Data input, read in this process as one replica (dp=1)."""
+    from raytrain_hybrid.data_ray import build_dataset, ordered_iterator, replica_stream
+    from raytrain_hybrid.launcher import prepare_input
+
+    cfg = prepare_input(cfg)
+    stream = replica_stream(cfg, ordered_iterator(build_dataset(cfg)), dp=1, dp_rank=0)
+    out = []
+    for rows in stream:
+        out.append(torch.from_numpy(rows))
+        if len(out) == steps:
+            break
+    return out
+
+
+def reference_run(cfg: Config, windows: list | None = None) -> list[dict]:
+    """``windows``: per step, the global batch as [B, seq_len+1] token ids; default: the
+    in-memory corpus windows the engine uses without Ray."""
     spec = get_arch(cfg.model.arch)
     hf_config = spec.hf_config(cfg.model)
     model_cls = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}[cfg.model.arch]
@@ -38,7 +55,7 @@ def reference_run(cfg: Config) -> list[dict]:
     assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
     t = cfg.train
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=t.weight_decay)
-    data = TokenWindows(tokenize_corpus(cfg.data.corpus, cfg.data.tokenizer), cfg.model.seq_len, t.seed)
+    data = TokenWindows(tokenize_corpus(tokenizer=cfg.data.tokenizer), cfg.model.seq_len, t.seed)
     out = []
     for step in range(t.steps):
         if step < t.warmup_steps:
@@ -49,9 +66,13 @@ def reference_run(cfg: Config) -> list[dict]:
         lr = t.lr * factor
         for group in opt.param_groups:
             group["lr"] = lr
-        batch = data.rows_to_batch(data.global_rows(step, t.global_batch_size))
-        logits = model(input_ids=batch.input_ids).logits
-        loss = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten())
+        if windows is None:
+            win = data.rows_to_batch(data.global_rows(step, t.global_batch_size))
+            inputs, labels = win.input_ids, win.labels
+        else:
+            inputs, labels = windows[step][:, :-1], windows[step][:, 1:]
+        logits = model(input_ids=inputs).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
         loss.backward()
         clip = t.grad_clip if t.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)

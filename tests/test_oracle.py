@@ -51,16 +51,28 @@ def assert_matches(history, reference):
 
 
 @pytest.mark.parametrize("name", list(LLAMA_CASES))
-def test_llama_layout_matches_single_process(run_layout, name):
+def test_llama_layout_matches_single_process(ray_local, run_layout, name):
     overrides = LLAMA_CASES[name]
     history, summary = run_layout([*COMMON, *overrides], name)
-    assert_matches(history, reference_history(COMMON))
+    assert_matches(history, reference_history(COMMON, "ray"))
     assert summary["steps"] == STEPS
     assert summary["final_loss"] == history[-1]["loss"]
+    assert_replicas_share_rows(summary)
 
 
-def test_gpt2_3d_matches_single_process(run_layout):
+def assert_replicas_share_rows(summary):
+    """Every rank of a replica trained on the same rows; different replicas on different rows."""
+    by_replica: dict[int, set] = {}
+    for r in summary["per_rank"]:
+        by_replica.setdefault(r["dp"], set()).add(r["input_digest"])
+        assert r["input_rows"] == STEPS * 16 // summary["layout"]["dp"]
+    assert all(len(digests) == 1 for digests in by_replica.values()), by_replica
+    assert len({d for ds in by_replica.values() for d in ds}) == len(by_replica)
+
+
+def test_gpt2_3d_matches_single_process(ray_local, run_layout):
     arch = ("model.arch=gpt2",)
     history, summary = run_layout([*COMMON, *arch, *layout(2, 2, 2, "1F1B", 4)], "gpt2-2x2x2")
-    assert_matches(history, reference_history(COMMON + arch))
+    assert_matches(history, reference_history(COMMON + arch, "ray"))
     assert summary["world_size"] == 8
+    assert_replicas_share_rows(summary)

@@ -26,6 +26,7 @@ class Meshes:
     dp: Any  # dp_replicate x dp_shard, flattened: one group per replica set
     tp: Any
     fsdp: Any  # ("dp_replicate", "dp_shard"): HSDP for zero=0, FSDP for zero=2/3
+    replica: Any  # pp x tp flattened: the ranks of one data-parallel replica
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,7 +65,14 @@ class ParallelDims:
         ranks = torch.tensor(arrangement, dtype=torch.int).reshape(self.pp, self.dp_replicate, self.dp_shard, self.tp)
         world = DeviceMesh(device_type, ranks, mesh_dim_names=MESH_DIMS)
         fsdp = world["dp_replicate", "dp_shard"]
-        return Meshes(world=world, pp=world["pp"], dp=fsdp._flatten("dp"), tp=world["tp"], fsdp=fsdp)
+        return Meshes(
+            world=world,
+            pp=world["pp"],
+            dp=fsdp._flatten("dp"),
+            tp=world["tp"],
+            fsdp=fsdp,
+            replica=world["pp", "tp"]._flatten("replica"),
+        )
 
 
 def arrange_ranks(dims: ParallelDims, node_of_rank: list[str]) -> list[int]:

@@ -1,0 +1,92 @@
+"""``raytrain-hybrid prepare-data SOURCE OUT_DIR``: text or Parquet in, tokenized Parquet out.
+
+Tokenization runs as a Ray Data ``map_batches`` over the source; the output
+has one row per document with ``input_ids`` (list<int32>) and ``num_tokens``,
+in the source's order, ready for ``data.token_column = "input_ids"``.
+Text files hold documents separated by blank lines.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import os
+from pathlib import Path
+
+import pyarrow as pa
+
+from raytrain_hybrid.data import load_tokenizer
+
+TEXT_SUFFIXES = (".txt", ".text", ".md")
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer(path: str):
+    return load_tokenizer(path)
+
+
+def tokenize_batch(batch: pa.Table, *, text_column: str, tokenizer: str) -> pa.Table:
+    """One Ray Data batch of documents -> their token ids (EOT appended to each)."""
+    tok = _tokenizer(tokenizer)
+    eot = tok.token_to_id("<|endoftext|>")
+    texts = batch.column(text_column).to_pylist()
+    ids = []
+    for enc in tok.encode_batch([t or "" for t in texts]):
+        ids.append(enc.ids + ([eot] if eot is not None else []))
+    return pa.table(
+        {
+            "input_ids": pa.array(ids, type=pa.list_(pa.int32())),
+            "num_tokens": pa.array([len(i) for i in ids], type=pa.int32()),
+        }
+    )
+
+
+def _split_documents(row: dict) -> list[dict]:
+    text = row["bytes"].decode("utf-8")
+    return [{"text": doc} for doc in text.split("\n\n") if doc.strip()]
+
+
+def _expand(source: str) -> list[str]:
+    if "://" in source:
+        return [source]
+    paths = sorted(glob.glob(source)) if any(c in source for c in "*?[") else [source]
+    if not paths or not all(os.path.exists(p) for p in paths):
+        raise FileNotFoundError(f"prepare-data SOURCE {source!r} matches no file or directory")
+    return paths
+
+
+def _is_text(paths: list[str]) -> bool:
+    files = []
+    for p in paths:
+        files += [str(f) for f in Path(p).rglob("*") if f.is_file()] if os.path.isdir(p) else [p]
+    return bool(files) and all(f.endswith(TEXT_SUFFIXES) for f in files)
+
+
+def prepare_data(source: str, out_dir: str, *, text_column: str = "text", tokenizer: str = "") -> dict:
+    """Tokenize ``source`` into Parquet shards under ``out_dir``; returns counts."""
+    import ray
+    import ray.data
+
+    from raytrain_hybrid.data import DEFAULT_TOKENIZER
+
+    tokenizer = str(Path(tokenizer or DEFAULT_TOKENIZER).resolve())
+    load_tokenizer(tokenizer)  # fail here, not in a Ray task, on a bad path
+    paths = _expand(source)
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order = True  # output rows keep the source's order
+    if _is_text(paths):
+        ds = ray.data.read_binary_files(paths).flat_map(_split_documents)
+        column = "text"
+    else:
+        ds = ray.data.read_parquet(paths, columns=[text_column])
+        column = text_column
+    ds = ds.map_batches(
+        tokenize_batch,
+        batch_format="pyarrow",
+        batch_size=256,
+        fn_kwargs={"text_column": column, "tokenizer": tokenizer},
+    )
+    out = Path(out_dir) if "://" not in out_dir else out_dir
+    ds.write_parquet(str(out))
+    stats = ray.data.read_parquet(str(out), columns=["num_tokens"]).sum("num_tokens")
+    return {"out_dir": str(out), "tokens": int(stats or 0)}

@@ -1,0 +1,241 @@
+"""Training input through Ray Data, sharded along the DP axis only.
+
+Why not Ray Train's default split: it gives every *worker* its own shard, but
+all tp*pp ranks of a data-parallel replica must see the same rows. And a
+streaming split hands blocks to whichever consumer asks first, so the rows a
+replica gets would depend on timing and on dp, and the single-process oracle
+would no longer hold.
+
+What we do instead: the dataset is read in a fixed order (``preserve_order``,
+block order and local shuffle seeded per epoch). One leader per replica (its
+rank at pp=0, tp=0) iterates that stream, packs documents into windows of
+``seq_len + 1`` tokens (short documents are packed, never dropped), cuts the
+windows into global batches of ``global_batch_size`` and keeps its contiguous
+share; it broadcasts the share to the other ranks of its replica. So the global
+batch of step k is the same for every layout, each window is used once per epoch
+across replicas, and only one rank per replica reads. The price: every replica
+leader streams the whole dataset and drops the (dp-1)/dp it does not keep.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+from raytrain_hybrid.config import Config
+
+
+@dataclass
+class StreamPosition:
+    """Where the stream is: enough to skip to the same place after a restart."""
+
+    epoch: int = 0
+    windows_in_epoch: int = 0
+    documents_in_epoch: int = 0
+    steps: int = 0
+
+
+@dataclass
+class ReplicaStream:
+    """One replica's share of each global batch, from a Ray Data iterator of documents."""
+
+    iterator: object  # ray.data.DataIterator over rows with a token column (and "path")
+    token_column: str
+    seq_len: int
+    vocab_size: int
+    global_batch: int
+    dp: int
+    dp_rank: int
+    seed: int
+    epochs: int = 0  # 0: as many as the run needs
+    shuffle_buffer: int = 0
+    position: StreamPosition = field(default_factory=StreamPosition)
+
+    def _documents(self, epoch: int) -> Iterator[tuple[np.ndarray, str]]:
+        kwargs = {}
+        if self.shuffle_buffer:
+            kwargs = {"local_shuffle_buffer_size": self.shuffle_buffer, "local_shuffle_seed": self.seed + epoch}
+        for batch in self.iterator.iter_batches(batch_size=64, batch_format="pyarrow", **kwargs):
+            column = batch.column(self.token_column)
+            paths = batch.column("path").to_pylist() if "path" in batch.column_names else [""] * len(batch)
+            for i, ids in enumerate(column.to_pylist()):
+                yield np.asarray(ids, dtype=np.int64), paths[i]
+
+    def _windows(self) -> Iterator[np.ndarray]:
+        width = self.seq_len + 1
+        epoch = 0
+        while self.epochs == 0 or epoch < self.epochs:
+            buffer: list[np.ndarray] = []
+            held = 0
+            self.position.epoch, self.position.windows_in_epoch, self.position.documents_in_epoch = epoch, 0, 0
+            any_rows = False
+            for ids, path in self._documents(epoch):
+                any_rows = True
+                self.position.documents_in_epoch += 1
+                if ids.size and (ids.max() >= self.vocab_size or ids.min() < 0):
+                    bad = int(ids.max() if ids.max() >= self.vocab_size else ids.min())
+                    raise ValueError(
+                        f"token id {bad} in column {self.token_column!r} of {path or 'the dataset'} is outside "
+                        f"[0, model.vocab_size={self.vocab_size}); raise model.vocab_size or re-tokenize"
+                    )
+                buffer.append(ids)
+                held += ids.size
+                if held >= width:
+                    flat = np.concatenate(buffer)
+                    n = flat.size // width
+                    for w in flat[: n * width].reshape(n, width):
+                        self.position.windows_in_epoch += 1
+                        yield w
+                    rest = flat[n * width :]
+                    buffer, held = [rest], rest.size
+            if not any_rows:
+                raise ValueError("the dataset is empty: no rows to train on (data.path)")
+            epoch += 1  # the tail shorter than one window is carried into no window
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        """Yields [global_batch/dp, seq_len+1] int64 arrays, one per step."""
+        share = self.global_batch // self.dp
+        lo, hi = self.dp_rank * share, (self.dp_rank + 1) * share
+        batch: list[np.ndarray] = []
+        for window in self._windows():
+            batch.append(window)
+            if len(batch) == self.global_batch:
+                self.position.steps += 1
+                yield np.stack(batch[lo:hi])
+                batch = []
+
+
+def build_dataset(cfg: Config):
+    """The Ray Dataset the trainer streams: documents with token ids (tokenized here if text)."""
+    import ray.data
+
+    from raytrain_hybrid.data_prep import tokenize_batch
+
+    d = cfg.data
+    ds = ray.data.read_parquet(d.path, columns=[d.text_column or d.token_column], include_paths=True)
+    if d.text_column:
+        tokenizer = resolve_tokenizer(cfg)
+        ds = ds.map_batches(
+            lambda b: tokenize_batch(b, text_column=d.text_column, tokenizer=tokenizer).append_column(
+                "path", b.column("path")
+            ),
+            batch_format="pyarrow",
+            batch_size=256,
+        )
+    return ds.randomize_block_order(seed=d.shuffle_seed)
+
+
+def replica_stream(cfg: Config, iterator, *, dp: int, dp_rank: int) -> ReplicaStream:
+    return ReplicaStream(
+        iterator=iterator,
+        token_column=token_column(cfg),
+        seq_len=cfg.model.seq_len,
+        vocab_size=cfg.model.vocab_size,
+        global_batch=cfg.train.global_batch_size,
+        dp=dp,
+        dp_rank=dp_rank,
+        seed=cfg.data.shuffle_seed,
+        epochs=cfg.data.epochs,
+        shuffle_buffer=cfg.data.shuffle_buffer,
+    )
+
+
+def _data_config_base():
+    import ray.train
+
+    return ray.train.DataConfig
+
+
+class ReplicaDataConfig(_data_config_base()):
+    """Every rank gets an iterator over the whole ordered dataset; only replica leaders use it
+    (see the module docstring). Nothing is split here: the split is by position in the stream."""
+
+    def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
+        out = [{} for _ in range(world_size)]
+        for name, ds in datasets.items():
+            for rank in range(world_size):
+                out[rank][name] = ordered_iterator(ds)
+        return out
+
+
+def ordered_iterator(ds):
+    """An iterator over ``ds`` in its defined order: the order is what defines the batches."""
+    ds = ds.copy(ds)
+    ds.context.execution_options.preserve_order = True
+    return ds.iterator()
+
+
+def builtin_dataset(cfg: Config) -> str:
+    """The shipped corpus as token Parquet, prepared once per corpus+tokenizer into a cache."""
+    import hashlib
+    import os
+    from pathlib import Path
+
+    from raytrain_hybrid.data import DEFAULT_CORPUS
+    from raytrain_hybrid.data_prep import prepare_data
+
+    tokenizer = resolve_tokenizer(cfg)
+    digest = hashlib.sha256(DEFAULT_CORPUS.read_bytes() + Path(tokenizer).read_bytes()).hexdigest()[:16]
+    cache = Path(os.environ.get("RAYTRAIN_HYBRID_CACHE", "~/.cache/raytrain_hybrid")).expanduser()
+    out = cache / f"builtin-{digest}"
+    if not (out / "_DONE").exists():
+        tmp = cache / f"builtin-{digest}.tmp{os.getpid()}"
+        prepare_data(str(DEFAULT_CORPUS), str(tmp), tokenizer=tokenizer)
+        (tmp / "_DONE").write_text("ok\n")
+        tmp.rename(out) if not out.exists() else None
+    return str(out)
+
+
+def resolve_tokenizer(cfg: Config) -> str:
+    from pathlib import Path
+
+    from raytrain_hybrid.data import DEFAULT_TOKENIZER
+
+    return str(Path(cfg.data.tokenizer or DEFAULT_TOKENIZER).resolve())
+
+
+def token_column(cfg: Config) -> str:
+    return "input_ids" if cfg.data.text_column else cfg.data.token_column
+
+
+def schema_check(cfg: Config) -> int:
+    """Before any worker starts: the files open, the column exists with the right type, rows exist.
+
+    Returns the number of rows. Reads only Parquet footers.
+    """
+    import pyarrow.dataset as pads
+
+    from raytrain_hybrid.errors import ConfigError
+
+    d = cfg.data
+    try:
+        dataset = pads.dataset(d.path, format="parquet")
+        files = dataset.files
+    except (OSError, pa.ArrowInvalid, FileNotFoundError) as exc:
+        raise ConfigError("data.path", d.path, f"cannot be read as Parquet: {exc}") from exc
+    if not files:
+        raise ConfigError("data.path", d.path, "holds no Parquet files")
+    rows = 0
+    for f in files:
+        try:
+            meta = pads.dataset(f, format="parquet")
+            schema = meta.schema
+            rows += meta.count_rows()
+        except (OSError, pa.ArrowInvalid) as exc:
+            raise ConfigError("data.path", f, f"is not a readable Parquet file: {exc}") from exc
+        key, column = ("data.text_column", d.text_column) if d.text_column else ("data.token_column", d.token_column)
+        if column not in schema.names:
+            raise ConfigError(key, column, f"is not a column of {f}; its columns are {schema.names}")
+        kind = schema.field(column).type
+        if d.text_column and not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            raise ConfigError(key, column, f"has type {kind} in {f}, not text; use data.token_column for token ids")
+        if d.token_column and not (
+            (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and pa.types.is_integer(kind.value_type)
+        ):
+            raise ConfigError(key, column, f"has type {kind} in {f}, not a list of integer token ids")
+    if rows == 0:
+        raise ConfigError("data.path", d.path, "has no rows")
+    return rows

@@ -1,0 +1,129 @@
+"""Ray Data input: DP-axis sharding, determinism, packing and bad data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from raytrain_hybrid.config import load_config
+from raytrain_hybrid.errors import ConfigError
+
+SEQ = 16
+
+
+def _write(path: Path, table: pa.Table, files: int = 3) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    per = -(-table.num_rows // files)
+    for i in range(files):
+        pq.write_table(table.slice(i * per, per), path / f"part-{i}.parquet")
+    return path
+
+
+def _row_id_dataset(path: Path, rows: int) -> Path:
+    """Each document is exactly one window whose first token is its row id."""
+    rng = np.random.default_rng(0)
+    ids = [[r] + rng.integers(100, 4000, SEQ).tolist() for r in range(rows)]
+    table = pa.table({"input_ids": pa.array(ids, type=pa.list_(pa.int32())), "row_id": list(range(rows))})
+    return _write(path, table)
+
+
+def _cfg(path, *extra):
+    return load_config(
+        None,
+        [
+            f"data.path={path}",
+            f"model.seq_len={SEQ}",
+            "parallelism.dp=1",
+            "parallelism.tp=1",
+            "parallelism.pp=1",
+            "parallelism.microbatches=1",
+            "train.global_batch_size=8",
+            *extra,
+        ],
+    )
+
+
+def _stream(cfg, dp, dp_rank):
+    from raytrain_hybrid.data_ray import build_dataset, ordered_iterator, replica_stream
+
+    return replica_stream(cfg, ordered_iterator(build_dataset(cfg)), dp=dp, dp_rank=dp_rank)
+
+
+def test_replicas_cover_an_epoch_once_and_agree_with_dp1(ray_local, tmp_path):
+    path = _row_id_dataset(tmp_path / "ds", rows=64)
+    cfg = _cfg(path, "data.epochs=1", "data.shuffle_seed=3")
+    shares = {r: [b for b in _stream(cfg, 2, r)] for r in range(2)}
+    seen = [int(w[0]) for r in range(2) for b in shares[r] for w in b]
+    assert sorted(seen) == list(range(64))  # every row once across replicas
+    whole = list(_stream(cfg, 1, 0))
+    assert len(whole) == len(shares[0]) == 8
+    for step, batch in enumerate(whole):  # global batch k is the same at dp=1 and dp=2
+        np.testing.assert_array_equal(batch, np.concatenate([shares[0][step], shares[1][step]]))
+    again = list(_stream(cfg, 1, 0))
+    assert all((a == b).all() for a, b in zip(whole, again, strict=True))  # deterministic
+    assert [int(w[0]) for w in whole[0]] != list(range(8))  # and shuffled
+
+
+def test_short_documents_are_packed(ray_local, tmp_path):
+    docs = [[7] * 5 for _ in range(40)]  # 200 tokens, each document shorter than a window
+    path = _write(tmp_path / "short", pa.table({"input_ids": pa.array(docs, type=pa.list_(pa.int32()))}), files=1)
+    cfg = _cfg(path, "data.epochs=1", "train.global_batch_size=2")
+    batches = list(_stream(cfg, 1, 0))
+    windows = 200 // (SEQ + 1)
+    assert sum(len(b) for b in batches) == windows - windows % 2
+    assert all(b.shape[1] == SEQ + 1 for b in batches)
+
+
+def test_text_column_is_tokenized_with_ray_data(ray_local, tmp_path):
+    text = (Path(__file__).resolve().parents[1] / "raytrain_hybrid/assets/corpus.txt").read_text().split("\n\n")[:50]
+    path = _write(tmp_path / "text", pa.table({"body": text}), files=2)
+    cfg = _cfg(path, "data.text_column=body", "data.epochs=1")
+    batches = list(_stream(cfg, 1, 0))
+    assert batches and batches[0].shape == (8, SEQ + 1)
+    assert batches[0].max() < 4096
+
+
+def test_token_id_outside_vocab_names_file_and_column(ray_local, tmp_path):
+    path = _write(
+        tmp_path / "big", pa.table({"input_ids": pa.array([[1, 2, 5000] * 10], type=pa.list_(pa.int32()))}), files=1
+    )
+    cfg = _cfg(path)
+    with pytest.raises(ValueError, match=r"token id 5000 in column 'input_ids' of .*part-0.parquet"):
+        next(iter(_stream(cfg, 1, 0)))
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["missing-column", "empty", "non-text", "non-token", "corrupt", "no-files"],
+)
+def test_bad_data_is_refused_before_workers(tmp_path, case):
+    from raytrain_hybrid.data_ray import schema_check
+
+    d = tmp_path / case
+    extra: list[str] = []
+    if case == "missing-column":
+        _write(d, pa.table({"tokens": pa.array([[1, 2]], type=pa.list_(pa.int32()))}), files=1)
+        key = "data.token_column"
+    elif case == "empty":
+        _write(d, pa.table({"input_ids": pa.array([], type=pa.list_(pa.int32()))}), files=1)
+        key = "data.path"
+    elif case == "non-text":
+        _write(d, pa.table({"body": [1, 2, 3]}), files=1)
+        extra, key = ["data.text_column=body"], "data.text_column"
+    elif case == "non-token":
+        _write(d, pa.table({"input_ids": ["a", "b"]}), files=1)
+        key = "data.token_column"
+    elif case == "corrupt":
+        _write(d, pa.table({"input_ids": pa.array([[1, 2]], type=pa.list_(pa.int32()))}), files=1)
+        (d / "part-9.parquet").write_bytes(b"PAR1 this is not parquet")
+        key = "data.path"
+    else:
+        d.mkdir()
+        key = "data.path"
+    with pytest.raises(ConfigError) as info:
+        schema_check(_cfg(d, *extra))
+    assert info.value.key == key, info.value
