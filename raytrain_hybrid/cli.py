@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -32,6 +33,23 @@ def _parser() -> argparse.ArgumentParser:
     _add_config_args(check)
     check.add_argument("--topology", help="workers per node, e.g. 4,4 (default: one node holding all workers)")
     check.add_argument("--json", action="store_true", help="print the layout as JSON")
+    plan = sub.add_parser("plan", help="rank layouts of N ranks by predicted tokens/s (cost model)")
+    _add_config_args(plan)
+    plan.add_argument("--world-size", type=int, required=True)
+    plan.add_argument("--gpus-per-node", type=int, required=True)
+    plan.add_argument("--hardware", default="h100", help="h100 | a100-80 | a100-40 | a profile file from calibrate")
+    plan.add_argument("--top", type=int, default=0, help="show only the best K (0: all)")
+    plan.add_argument("--json", action="store_true")
+    cal = sub.add_parser("calibrate", help="measure this machine (matmul, gloo) as a planner profile")
+    cal.add_argument("--out", default="", help="profile file (default: ~/.cache/raytrain_hybrid/local.json)")
+    cal.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    sw = sub.add_parser("sweep", help="run the planner's top layouts with Ray Tune and measure them")
+    _add_config_args(sw)
+    sw.add_argument("--world-size", type=int, required=True)
+    sw.add_argument("--top", type=int, default=4)
+    sw.add_argument("--steps", type=int, default=8)
+    sw.add_argument("--hardware", default="", help="profile (default: the calibrated local one, else h100)")
+    sw.add_argument("--out", default="runs/sweep", help="directory for sweep.csv, sweep.json, sweep.png")
     prep = sub.add_parser("prepare-data", help="tokenize text files or Parquet into token Parquet (Ray Data)")
     prep.add_argument("source", help="text files (documents split by blank lines), Parquet, a directory or a glob")
     prep.add_argument("out_dir", help="directory (or URI) for the Parquet shards")
@@ -132,14 +150,94 @@ def _train(cfg) -> int:
     return 0
 
 
+def _plan(args, cfg) -> int:
+    from raytrain_hybrid.planner import GiB, load_hardware, plan
+
+    hw = dataclasses.replace(load_hardware(args.hardware), gpus_per_node=args.gpus_per_node)
+    rows = plan(cfg, args.world_size, hw)
+    if not rows:
+        raise ConfigError("--world-size", args.world_size, "no layout of that many ranks passes validation")
+    shown = rows[: args.top] if args.top else rows
+    if args.json:
+        keep = (
+            "dp",
+            "tp",
+            "pp",
+            "microbatches",
+            "schedule",
+            "zero",
+            "activation_checkpointing",
+            "feasible",
+            "reason",
+            "memory_bytes",
+            "predicted_step_s",
+            "predicted_tokens_per_s",
+            "predicted_mfu",
+            "bubble_fraction",
+        )
+        print(json.dumps([{k: r[k] for k in keep} for r in shown], indent=1))
+        return 0
+    print(f"{len(rows)} layouts of {args.world_size} ranks on {hw.name}, best first:")
+    print(
+        f"{'dp':>4} {'tp':>3} {'pp':>3} {'schedule':>16} {'mb':>3} {'zero':>4} {'ac':>3} "
+        f"{'GiB/rank':>9} {'tokens/s':>12} {'MFU':>6} {'bubble':>6}  note"
+    )
+    for r in shown:
+        print(
+            f"{r['dp']:>4} {r['tp']:>3} {r['pp']:>3} {r['schedule']:>16} {r['microbatches']:>3} {r['zero']:>4} "
+            f"{'y' if r['activation_checkpointing'] else 'n':>3} {r['memory_bytes']['total'] / GiB:>9.2f} "
+            f"{r['predicted_tokens_per_s']:>12,.0f} {r['predicted_mfu']:>6.1%} {r['bubble_fraction']:>6.1%}  "
+            f"{r['reason']}"
+        )
+    return 0
+
+
+def _sweep(args, cfg) -> int:
+    from pathlib import Path
+
+    from raytrain_hybrid.calibrate import DEFAULT_PROFILE
+    from raytrain_hybrid.planner import load_hardware
+    from raytrain_hybrid.tune import set_line, sweep
+
+    hw = load_hardware(args.hardware or (str(DEFAULT_PROFILE) if DEFAULT_PROFILE.exists() else "h100"))
+    rows = sweep(cfg, args.world_size, hw, top=args.top, steps=args.steps, out_dir=Path(args.out))
+    for r in rows:
+        measured = f"{r['measured_tokens_per_s']:,.0f}" if not r["failed"] else f"failed: {r['reason'][:80]}"
+        print(f"{r['name']:>40}  predicted {r['predicted_tokens_per_s']:>12,.0f}  measured {measured}")
+    ok = [r for r in rows if not r["failed"]]
+    if not ok:
+        print("error: every trial failed", file=sys.stderr)
+        return 1
+    best = max(ok, key=lambda r: r["measured_tokens_per_s"])
+    print(f"best: {best['name']}  ({best['measured_tokens_per_s']:,.0f} tokens/s); results in {args.out}")
+    print(set_line(best))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "prepare-data":
         return _prepare(args)
+    if args.command == "calibrate":
+        from pathlib import Path
+
+        from raytrain_hybrid.calibrate import DEFAULT_PROFILE, calibrate
+
+        path = Path(args.out) if args.out else DEFAULT_PROFILE
+        profile = calibrate(path, threads=args.threads)
+        print(
+            f"wrote {path}: {profile['peak_tflops'] * 1e3:.1f} GFLOP/s matmul, "
+            f"{profile['intra_node_gbps']:.2f} GB/s gloo all-reduce, {profile['latency_s'] * 1e6:.0f} us latency"
+        )
+        return 0
     try:
         cfg = load_config(args.config, args.overrides)
         if args.command == "check":
             return _check(args, cfg)
+        if args.command == "plan":
+            return _plan(args, cfg)
+        if args.command == "sweep":
+            return _sweep(args, cfg)
         return _train(cfg)
     except (ConfigError, LayoutError) as exc:
         print(f"error: {exc}", file=sys.stderr)

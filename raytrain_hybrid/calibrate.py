@@ -1,0 +1,93 @@
+"""``raytrain-hybrid calibrate``: measure this machine as a hardware profile for the planner.
+
+Matmul throughput of one worker (its torch threads), and gloo all-reduce bandwidth and
+latency between two local processes. The profile is a JSON file that ``plan --hardware``
+and ``sweep`` read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing as mp
+import os
+import socket
+import time
+from pathlib import Path
+
+DEFAULT_PROFILE = Path(os.environ.get("RAYTRAIN_HYBRID_CACHE", "~/.cache/raytrain_hybrid")).expanduser() / "local.json"
+
+
+def matmul_tflops(n: int = 1024, threads: int = 1, seconds: float = 1.0) -> float:
+    import torch
+
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    reps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        reps += 1
+    return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e12
+
+
+def _gloo_peer(rank: int, port: int, nbytes: int, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    small, big = torch.zeros(1), torch.zeros(nbytes // 4)
+    for t in (small, big):
+        dist.all_reduce(t)  # warm up the connection
+    times = {}
+    for name, t, reps in (("small", small, 50), ("big", big, 5)):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            dist.all_reduce(t)
+        times[name] = (time.perf_counter() - t0) / reps
+    if rank == 0:
+        out.put(times)
+    dist.destroy_process_group()
+
+
+def gloo_allreduce(nbytes: int = 16 * 2**20) -> tuple[float, float]:
+    """(bus bandwidth in GB/s, latency in s) of a 2-process gloo all-reduce on this machine."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_gloo_peer, args=(r, port, nbytes, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    times = out.get(timeout=300)
+    for p in procs:
+        p.join(timeout=60)
+    latency = times["small"]
+    # A 2-rank all-reduce moves 2*(n-1)/n = 1x the buffer per rank.
+    return nbytes / max(times["big"] - latency, 1e-9) / 1e9, latency
+
+
+def calibrate(path: Path = DEFAULT_PROFILE, threads: int = 1) -> dict:
+    from raytrain_hybrid.planner import Hardware
+
+    tflops = matmul_tflops(threads=threads)
+    gbps, latency = gloo_allreduce()
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    hw = Hardware(
+        name=f"local ({os.cpu_count()} CPUs, {threads} thread(s) per worker, gloo)",
+        gpus_per_node=max(os.cpu_count() or 1, 8),  # logical workers share the node
+        memory_bytes=float(memory),
+        peak_tflops=tflops,
+        efficiency=0.5,
+        intra_node_gbps=gbps,
+        inter_node_gbps=gbps,
+        latency_s=latency,
+    )
+    profile = dataclasses.asdict(hw)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(profile, indent=2) + "\n")
+    return profile

@@ -1,0 +1,236 @@
+"""Cost model of one training step per rank: memory, compute, communication, bubble.
+
+Sources of the formulas (cited where used):
+- ZeRO memory: Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
+  Parameter Models" (SC'20), section 3: mixed-precision Adam holds 2 + 2 + 12 bytes/param.
+- Activations: Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
+  Models" (MLSys'23), eqs. 1-4: s*b*h*(34 + 5*a*s/h) bytes per layer in 16-bit, divided by t
+  under TP (+SP), 2*s*b*h with full recomputation.
+- Pipeline bubble and in-flight micro-batches: Narayanan et al., "Efficient Large-Scale
+  Language Model Training on GPU Clusters Using Megatron-LM" (SC'21), sections 2.2 and 3.
+- FLOPs per token: raytrain_hybrid.flops (6N + attention).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from raytrain_hybrid.config import Config, validate
+from raytrain_hybrid.errors import ConfigError
+from raytrain_hybrid.flops import flops_per_token
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    name: str
+    gpus_per_node: int
+    memory_bytes: float  # per device
+    peak_tflops: float  # dense, in the training dtype
+    efficiency: float  # fraction of peak a well-fed matmul-heavy step reaches
+    intra_node_gbps: float  # GB/s per device per direction (NVLink / shared memory)
+    inter_node_gbps: float  # GB/s per device per direction (InfiniBand / network)
+    latency_s: float = 10e-6  # per collective or P2P message
+
+
+# NVIDIA datasheets: H100 SXM5 989 TFLOP/s dense BF16, 80 GB HBM3, NVLink 4 900 GB/s
+# bidirectional (450 per direction); DGX H100: 8 x 400 Gb/s NDR InfiniBand (50 GB/s per GPU).
+# A100 SXM4 312 TFLOP/s dense BF16, NVLink 3 600 GB/s bidirectional (300 per direction);
+# DGX A100: 8 x 200 Gb/s HDR InfiniBand (25 GB/s per GPU). Efficiency 0.5: Megatron-LM reports
+# 44-52 % of peak on large GPT runs (Narayanan et al. 2021, table 1).
+PROFILES = {
+    "h100": Hardware(
+        name="H100-80GB SXM",
+        gpus_per_node=8,
+        memory_bytes=80e9,
+        peak_tflops=989.0,
+        efficiency=0.5,
+        intra_node_gbps=450.0,
+        inter_node_gbps=50.0,
+    ),
+    "a100-80": Hardware(
+        name="A100-80GB SXM",
+        gpus_per_node=8,
+        memory_bytes=80e9,
+        peak_tflops=312.0,
+        efficiency=0.5,
+        intra_node_gbps=300.0,
+        inter_node_gbps=25.0,
+    ),
+    "a100-40": Hardware(
+        name="A100-40GB SXM",
+        gpus_per_node=8,
+        memory_bytes=40e9,
+        peak_tflops=312.0,
+        efficiency=0.5,
+        intra_node_gbps=300.0,
+        inter_node_gbps=25.0,
+    ),
+}
+
+
+def load_hardware(name: str) -> Hardware:
+    if name in PROFILES:
+        return PROFILES[name]
+    path = Path(name)
+    if not path.is_file():
+        raise ConfigError(
+            "--hardware",
+            name,
+            f"is neither a built-in profile {sorted(PROFILES)} nor a file (make one with `raytrain-hybrid calibrate`)",
+        )
+    return Hardware(**json.loads(path.read_text()))
+
+
+def param_count(model) -> int:
+    """All parameters of the model as built (untied embedding and head)."""
+    h, f, v, layers = model.hidden_size, model.ffn_hidden_size, model.vocab_size, model.num_layers
+    head_dim = h // model.num_heads
+    if model.arch == "gpt2":
+        per_layer = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h  # qkv+o with biases, mlp, 2 LayerNorms
+        return layers * per_layer + v * h + model.seq_len * h + 2 * h + v * h
+    kv = model.num_kv_heads * head_dim
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h  # attention, gated MLP, 2 RMSNorms
+    return layers * per_layer + 2 * v * h + h
+
+
+def state_bytes(phi: float, *, zero: int, dp: int, scheme: str = "fp32") -> dict[str, float]:
+    """Parameter, gradient and optimizer bytes per rank for phi parameters on this rank's
+    model share, data-parallel degree dp (ZeRO paper, section 3).
+
+    scheme "mixed": 16-bit parameters and gradients, fp32 master + Adam moments (2 + 2 + 12).
+    scheme "fp32": what this project keeps, fp32 parameters (bf16 only in autocast), fp32
+    gradients, Adam moments (4 + 4 + 8).
+    """
+    p, g, o = (2.0, 2.0, 12.0) if scheme == "mixed" else (4.0, 4.0, 8.0)
+    return {
+        "params": p * phi / (dp if zero >= 3 else 1),
+        "grads": g * phi / (dp if zero >= 2 else 1),
+        "optimizer": o * phi / (dp if zero >= 1 else 1),
+    }
+
+
+def in_flight_microbatches(schedule: str, pp: int, microbatches: int, virtual: int) -> float:
+    """Micro-batches whose activations the first stage holds at its peak (Narayanan et al. 2021)."""
+    if pp == 1:
+        return 1.0
+    if schedule == "GPipe":
+        return float(microbatches)
+    base = float(min(microbatches, pp))
+    return base * (1 + (pp - 1) / (pp * virtual)) if virtual > 1 else base
+
+
+def activation_bytes(cfg: Config, micro_batch: int) -> float:
+    m, par = cfg.model, cfg.parallelism
+    s, b, h, a, t = m.seq_len, micro_batch, m.hidden_size, m.num_heads, par.tp
+    width = 2.0 if cfg.train.dtype == "bfloat16" else 4.0  # the formula counts 2-byte activations
+    if par.activation_checkpointing:
+        per_layer = 2 * s * b * h  # only each block's input is kept
+    else:
+        per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))  # TP without sequence parallelism
+    layers_per_rank = m.num_layers / par.pp
+    stash = (
+        per_layer
+        * (width / 2)
+        * layers_per_rank
+        * in_flight_microbatches(par.schedule, par.pp, par.microbatches, par.stages_per_rank if par.pp > 1 else 1)
+    )
+    logits = 4.0 * b * s * m.vocab_size  # fp32 logits of one micro-batch on the last stage
+    return stash + logits
+
+
+def _allreduce_s(nbytes: float, n: int, gbps: float, latency: float) -> float:
+    return 0.0 if n <= 1 else 2 * (n - 1) / n * nbytes / (gbps * 1e9) + 2 * (n - 1) * latency
+
+
+def predict(cfg: Config, hw: Hardware) -> dict:
+    """Per-rank memory, step time, tokens/s, MFU and bubble of one layout."""
+    m, par, t = cfg.model, cfg.parallelism, cfg.train
+    dp, tp, pp, mb = par.dp, par.tp, par.pp, par.microbatches
+    virtual = par.stages_per_rank if pp > 1 else 1
+    micro_batch = t.global_batch_size // (dp * mb)
+    phi = param_count(m) / (tp * pp)
+    states = state_bytes(phi, zero=par.zero, dp=dp)
+    act = activation_bytes(cfg, micro_batch)
+    memory = {**states, "activations": act}
+    memory["total"] = sum(memory.values())
+
+    tokens = t.global_batch_size * m.seq_len
+    flops = flops_per_token(m) * tokens / (dp * tp * pp)
+    if par.activation_checkpointing:
+        flops *= 4 / 3  # one more forward
+    compute = flops / (hw.peak_tflops * 1e12 * hw.efficiency)
+
+    width = 2.0 if t.dtype == "bfloat16" else 4.0
+    act_msg = micro_batch * m.seq_len * m.hidden_size * width
+    layers_per_rank = m.num_layers / pp
+    # TP: two all-reduces forward and two backward per block and micro-batch, inside a node.
+    tp_s = 4 * layers_per_rank * mb * _allreduce_s(act_msg, tp, hw.intra_node_gbps, hw.latency_s)
+    # Placement fills nodes TP-first, then DP, then PP: an axis leaves the node once the
+    # product of the axes inside it exceeds the node.
+    dp_link = hw.intra_node_gbps if tp * dp <= hw.gpus_per_node else hw.inter_node_gbps
+    pp_link = hw.intra_node_gbps if tp * dp * pp <= hw.gpus_per_node else hw.inter_node_gbps
+    pp_s = 0.0 if pp == 1 else 2 * mb * virtual * (act_msg / (pp_link * 1e9) + hw.latency_s)
+    grad_bytes = phi * 4.0
+    dp_s = _allreduce_s(grad_bytes, dp, dp_link, hw.latency_s) * (1.5 if par.zero == 3 else 1.0)
+    dp_exposed = max(0.0, dp_s - 0.5 * compute)  # buckets overlap with the backward (2/3 of compute)
+
+    bubble = (pp - 1) / (mb * virtual + pp - 1) if pp > 1 else 0.0
+    step = (compute + tp_s + pp_s) / (1 - bubble) + dp_exposed
+    tokens_per_s = tokens / step
+    achieved = flops_per_token(m) * tokens_per_s / (dp * tp * pp) / 1e12
+    return {
+        "memory_bytes": memory,
+        "predicted_step_s": step,
+        "predicted_tokens_per_s": tokens_per_s,
+        "predicted_mfu": achieved / hw.peak_tflops,
+        "bubble_fraction": bubble,
+        "time_s": {"compute": compute, "tp": tp_s, "pp": pp_s, "dp": dp_s, "dp_exposed": dp_exposed},
+    }
+
+
+def _candidates(world: int, cfg: Config):
+    for tp in (d for d in range(1, world + 1) if world % d == 0):
+        for pp in (d for d in range(1, world // tp + 1) if (world // tp) % d == 0):
+            dp = world // (tp * pp)
+            schedules = ["1F1B"] if pp == 1 else ["GPipe", "1F1B", "Interleaved1F1B"]
+            for schedule in schedules:
+                for mb in sorted({pp, 2 * pp, 4 * pp} if pp > 1 else {1}):
+                    for zero in (0, 1, 2, 3):
+                        if dp == 1 and zero:
+                            continue
+                        for ac in (False, True):
+                            yield {
+                                "dp": dp,
+                                "tp": tp,
+                                "pp": pp,
+                                "schedule": schedule,
+                                "microbatches": mb,
+                                "zero": zero,
+                                "activation_checkpointing": ac,
+                            }
+
+
+def plan(cfg: Config, world: int, hw: Hardware) -> list[dict]:
+    """Every layout of ``world`` ranks the validator accepts, best predicted tokens/s first,
+    infeasible (out of memory) last with the reason."""
+    out = []
+    for layout in _candidates(world, cfg):
+        par = dataclasses.replace(cfg.parallelism, **layout, virtual_stages=0)
+        cluster = dataclasses.replace(cfg.cluster, gpus_per_node=hw.gpus_per_node)
+        candidate = dataclasses.replace(cfg, parallelism=par, cluster=cluster)
+        try:
+            validate(candidate)
+        except ConfigError:
+            continue
+        pred = predict(candidate, hw)
+        need = pred["memory_bytes"]["total"]
+        feasible = need <= hw.memory_bytes
+        reason = "" if feasible else f"needs {need / GiB:.1f} GiB per rank > {hw.memory_bytes / GiB:.1f} GiB"
+        out.append({**layout, "feasible": feasible, "reason": reason, **pred})
+    out.sort(key=lambda r: (not r["feasible"], -r["predicted_tokens_per_s"], r["memory_bytes"]["total"]))
+    return out

@@ -1,0 +1,146 @@
+"""Layout sweeps with Ray Tune: the planner's top feasible layouts, one TorchTrainer per trial.
+
+Each trial is a function trainable that runs the launcher (a full TorchTrainer run of a few
+steps) and reports measured tokens/s, step time, per-rank memory and loss. A trial that fails
+(error, out of memory) is recorded with its reason and the sweep goes on.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+from pathlib import Path
+
+from raytrain_hybrid.config import Config
+from raytrain_hybrid.planner import Hardware, plan
+
+LAYOUT_KEYS = ("dp", "tp", "pp", "microbatches", "schedule", "zero", "activation_checkpointing")
+
+
+def _trial(config: dict) -> None:
+    from ray import tune
+
+    from raytrain_hybrid.launcher import run
+
+    cfg = Config.from_dict(config["base"])
+    trial = config["trial"]
+    par = dataclasses.replace(cfg.parallelism, **trial["layout"], virtual_stages=0)
+    run_cfg = dataclasses.replace(cfg.run, output_dir=str(Path(config["out_dir"]) / trial["name"]), progress=False)
+    cfg = dataclasses.replace(cfg, parallelism=par, run=run_cfg)
+    try:
+        summary = run(cfg)
+    except Exception as exc:  # recorded, and the sweep goes on
+        tune.report({"failed": True, "reason": f"{type(exc).__name__}: {str(exc)[:500]}"})
+        return
+    tune.report(
+        {
+            "failed": False,
+            "reason": "",
+            "tokens_per_s": summary["mean_tokens_per_s"],
+            "step_time_s": summary["mean_step_time_s"],
+            "final_loss": summary["final_loss"],
+            "param_bytes": summary["param_bytes"],
+            "grad_bytes": summary["grad_bytes"],
+            "optimizer_bytes": summary["optimizer_bytes"],
+            "max_rss_bytes": summary["max_rss_bytes"],
+        }
+    )
+
+
+def _name(layout: dict) -> str:
+    ac = "-ac" if layout["activation_checkpointing"] else ""
+    shape = f"dp{layout['dp']}-tp{layout['tp']}-pp{layout['pp']}"
+    return f"{shape}-{layout['schedule']}-m{layout['microbatches']}-z{layout['zero']}{ac}"
+
+
+def set_line(layout: dict) -> str:
+    return " ".join(
+        f"--set parallelism.{k}={str(layout[k]).lower() if isinstance(layout[k], bool) else layout[k]}"
+        for k in LAYOUT_KEYS
+    )
+
+
+def sweep(cfg: Config, world: int, hw: Hardware, *, top: int, steps: int, out_dir: Path) -> list[dict]:
+    from ray import tune
+
+    from raytrain_hybrid.launcher import _ensure_ray
+
+    out_dir = Path(out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    planned, seen = [], set()
+    for p in plan(cfg, world, hw):  # best first; one trial per distinct layout shape
+        key = (p["dp"], p["tp"], p["pp"], p["schedule"], p["zero"])
+        if p["feasible"] and key not in seen and len(planned) < top:
+            seen.add(key)
+            planned.append(p)
+    base = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))
+    _ensure_ray(cfg, world)
+    trials = [{"name": _name(p), "layout": {k: p[k] for k in LAYOUT_KEYS}} for p in planned]
+    tuner = tune.Tuner(
+        tune.with_resources(_trial, {"CPU": 0}),
+        param_space={
+            "base": base.to_dict(),
+            "out_dir": str(out_dir / "trials"),
+            "trial": tune.grid_search(trials),
+        },
+        tune_config=tune.TuneConfig(max_concurrent_trials=1),  # each trial takes every worker slot
+        run_config=tune.RunConfig(storage_path=str(out_dir / "tune"), name="sweep", verbose=0),
+    )
+    grid = tuner.fit()
+    by_name = {}
+    for result in grid:
+        metrics = result.metrics or {}
+        name = (result.config or {}).get("trial", {}).get("name")
+        failed = metrics.get("failed", True) or result.error is not None
+        reason = metrics.get("reason") or (str(result.error)[:500] if result.error else "")
+        by_name[name] = {**metrics, "failed": bool(failed), "reason": reason}
+    rows = []
+    for p, t in zip(planned, trials, strict=True):
+        m = by_name.get(t["name"], {"failed": True, "reason": "no result"})
+        rows.append(
+            {
+                "name": t["name"],
+                **t["layout"],
+                "failed": m["failed"],
+                "reason": m.get("reason", ""),
+                "measured_tokens_per_s": m.get("tokens_per_s"),
+                "measured_step_s": m.get("step_time_s"),
+                "final_loss": m.get("final_loss"),
+                "param_bytes": m.get("param_bytes"),
+                "grad_bytes": m.get("grad_bytes"),
+                "optimizer_bytes": m.get("optimizer_bytes"),
+                "max_rss_bytes": m.get("max_rss_bytes"),
+                "predicted_tokens_per_s": p["predicted_tokens_per_s"],
+                "predicted_step_s": p["predicted_step_s"],
+                "predicted_state_bytes": p["memory_bytes"]["params"]
+                + p["memory_bytes"]["grads"]
+                + p["memory_bytes"]["optimizer"],
+            }
+        )
+    _save(rows, out_dir)
+    return rows
+
+
+def _save(rows: list[dict], out_dir: Path) -> None:
+    (out_dir / "sweep.json").write_text(json.dumps(rows, indent=2) + "\n")
+    with (out_dir / "sweep.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if not r["failed"]]
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    ax.scatter([r["predicted_tokens_per_s"] for r in ok], [r["measured_tokens_per_s"] for r in ok])
+    for r in ok:
+        ax.annotate(r["name"], (r["predicted_tokens_per_s"], r["measured_tokens_per_s"]), fontsize=6)
+    ax.set_xlabel("predicted tokens/s")
+    ax.set_ylabel("measured tokens/s")
+    ax.set_title("layout sweep: measured vs predicted throughput")
+    fig.tight_layout()
+    fig.savefig(out_dir / "sweep.png", dpi=120)
+    plt.close(fig)
