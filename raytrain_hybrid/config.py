@@ -195,6 +195,8 @@ class TrainConfig:
 class DataConfig:
     # Parquet file, directory, glob or URI pyarrow can open (s3://, gs://, ...), read with
     # Ray Data. "builtin" is the corpus shipped in the package, tokenized once by prepare-data.
+    # "memory" is that corpus windowed in each worker's memory without Ray Data: no reader
+    # start-up, for smoke tests and quick layout experiments.
     path: str = "builtin"
     # Column of raw text, tokenized (Ray Data map_batches) and packed to model.seq_len.
     text_column: str = ""

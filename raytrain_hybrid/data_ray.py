@@ -125,7 +125,7 @@ def build_dataset(cfg: Config):
             batch_format="pyarrow",
             batch_size=256,
         )
-    return ds.randomize_block_order(seed=d.shuffle_seed)
+    return ds
 
 
 def replica_stream(cfg: Config, iterator, *, dp: int, dp_rank: int) -> ReplicaStream:

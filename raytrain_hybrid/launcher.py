@@ -49,7 +49,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         node_id,
         use_gpu=loop_config["use_gpu"],
         on_step=on_step,
-        dataset_fn=lambda: ray.train.get_dataset_shard("train"),
+        dataset_fn=None if cfg.data.path == "memory" else (lambda: ray.train.get_dataset_shard("train")),
     )
     if ray.train.get_context().get_world_rank() == 0 and sink is not None:
         sink.put(("done", {"memory": result["memory"]}))
@@ -87,8 +87,16 @@ def _use_gpu(cfg: Config, world_size: int) -> bool:
     return ray.cluster_resources().get("GPU", 0) >= world_size
 
 
+def _datasets(cfg: Config) -> dict:
+    if cfg.data.path == "memory":
+        return {}
+    return {"datasets": {"train": build_dataset(cfg)}, "dataset_config": ReplicaDataConfig()}
+
+
 def prepare_input(cfg: Config) -> Config:
     """Resolve data.path ("builtin" is prepared once) and check the files before workers start."""
+    if cfg.data.path == "memory":
+        return cfg
     if cfg.data.path == "builtin":
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=builtin_dataset(cfg)))
     schema_check(cfg)
@@ -204,8 +212,7 @@ def run(cfg: Config) -> dict:
         train_loop_per_worker,
         train_loop_config={"config": cfg.to_dict(), "sink": sink, "use_gpu": use_gpu},
         torch_config=TorchConfig(backend=backend),
-        datasets={"train": build_dataset(cfg)},
-        dataset_config=ReplicaDataConfig(),
+        **_datasets(cfg),
         scaling_config=ScalingConfig(
             num_workers=world,
             use_gpu=use_gpu,

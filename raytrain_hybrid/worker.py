@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import queue
+import threading
 import time
 from collections.abc import Callable
 
@@ -49,22 +51,34 @@ class ReplicaFeed:
         cuda = meshes.world.device_type == "cuda"
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.stream = replica_stream(cfg, dataset_fn(), dp=dims.dp, dp_rank=dp_rank) if self.leader else None
-        self._it = iter(self.stream) if self.leader else None
         self._pending = None
+        if self.leader:
+            # Read in a thread from the start: Ray Data's executor spins up while the model builds.
+            self._queue: queue.Queue = queue.Queue(maxsize=2)
+            threading.Thread(target=self._read, daemon=True, name="replica-reader").start()
+
+    def _read(self) -> None:
+        try:
+            for rows in self.stream:
+                self._queue.put(rows)
+            self._queue.put(StopIteration())
+        except Exception as exc:  # handed to the training thread, which broadcasts it
+            self._queue.put(exc)
 
     def _post(self):
         status = torch.zeros(1, dtype=torch.int64, device=self.device)
         rows = torch.zeros(self.shape, dtype=torch.int64, device=self.device)
         error = None
         if self.leader:
-            try:
-                rows.copy_(torch.from_numpy(next(self._it)))
-                status.fill_(self.OK)
-            except StopIteration:
+            item = self._queue.get()
+            if isinstance(item, StopIteration):
                 status.fill_(self.END)
-            except Exception as exc:  # still broadcast, so the replica does not hang
+            elif isinstance(item, Exception):  # still broadcast, so the replica does not hang
                 status.fill_(self.ERROR)
-                error = exc
+                error = item
+            else:
+                rows.copy_(torch.from_numpy(item))
+                status.fill_(self.OK)
         works = [dist.broadcast(t, group=self.group, group_src=0, async_op=True) for t in (status, rows)]
         return status, rows, works, error
 
@@ -114,9 +128,10 @@ def run_worker(
     arrangement = arrange_ranks(dims, nodes)
     device = device or pick_device(use_gpu)
     mesh = dims.build_mesh(device.type, arrangement)
+    if dataset_fn is not None:  # before the model: the reader starts while the model builds
+        feed = ReplicaFeed(cfg, mesh, dims, mesh.dp.get_local_rank(), dataset_fn)
     trainer = Trainer(cfg, dims, mesh, device)
     if dataset_fn is not None:
-        feed = ReplicaFeed(cfg, mesh, dims, trainer.dp_rank, dataset_fn)
         next_batch = lambda step: feed.next()  # noqa: E731
     else:
         data = TokenWindows(tokenize_corpus(tokenizer=cfg.data.tokenizer), cfg.model.seq_len, cfg.train.seed)

@@ -23,7 +23,7 @@ def ray_local():
     if not ray.is_initialized():
         ray.init(
             address="local",
-            num_cpus=RAY_CPUS + 1,  # 8 workers + Ray Train's controller
+            num_cpus=RAY_CPUS + 4,  # 8 workers, plus room for Ray Data read tasks and a Tune trial
             include_dashboard=False,
             log_to_driver=False,
             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},

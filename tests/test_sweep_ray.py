@@ -10,7 +10,7 @@ from raytrain_hybrid.tune import sweep
 
 
 def test_sweep_four_layouts(ray_local, tmp_path):
-    cfg = load_config(None, ["model.num_layers=2", "model.seq_len=64", "train.global_batch_size=8"])
+    cfg = load_config(None, ["model.num_layers=2", "model.seq_len=64", "train.global_batch_size=8", "data.path=memory"])
     rows = sweep(cfg, 2, PROFILES["h100"], top=4, steps=3, out_dir=tmp_path)
     assert len(rows) == 4
     assert len({(r["dp"], r["tp"], r["pp"], r["schedule"], r["zero"]) for r in rows}) == 4
