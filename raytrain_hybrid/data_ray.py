@@ -115,7 +115,7 @@ def build_dataset(cfg: Config):
     from raytrain_hybrid.data_prep import tokenize_batch
 
     d = cfg.data
-    ds = ray.data.read_parquet(d.path, columns=[d.text_column or d.token_column], include_paths=True)
+    ds = ray.data.read_parquet(d.path, include_paths=True).select_columns([d.text_column or d.token_column, "path"])
     if d.text_column:
         tokenizer = resolve_tokenizer(cfg)
         ds = ds.map_batches(

@@ -86,16 +86,40 @@ def load_hardware(name: str) -> Hardware:
     return Hardware(**json.loads(path.read_text()))
 
 
-def param_count(model) -> int:
-    """All parameters of the model as built (untied embedding and head)."""
-    h, f, v, layers = model.hidden_size, model.ffn_hidden_size, model.vocab_size, model.num_layers
-    head_dim = h // model.num_heads
+def param_parts(model) -> tuple[int, int, int]:
+    """(per block, first stage extra: embeddings, last stage extra: final norm + head)."""
+    h, f, v = model.hidden_size, model.ffn_hidden_size, model.vocab_size
     if model.arch == "gpt2":
         per_layer = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h  # qkv+o with biases, mlp, 2 LayerNorms
-        return layers * per_layer + v * h + model.seq_len * h + 2 * h + v * h
-    kv = model.num_kv_heads * head_dim
+        return per_layer, v * h + model.seq_len * h, 2 * h + v * h
+    kv = model.num_kv_heads * (h // model.num_heads)
     per_layer = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h  # attention, gated MLP, 2 RMSNorms
-    return layers * per_layer + 2 * v * h + h
+    return per_layer, v * h, h + v * h
+
+
+def param_count(model) -> int:
+    """All parameters of the model as built (untied embedding and head)."""
+    per_layer, first, last = param_parts(model)
+    return model.num_layers * per_layer + first + last
+
+
+def max_rank_params(cfg: Config) -> float:
+    """Parameters on the fullest pipeline rank, before TP/DP sharding (stages are uneven)."""
+    from raytrain_hybrid.distributed.pipeline import split_layers, stage_ids
+
+    par = cfg.parallelism
+    if par.pp == 1:
+        return float(param_count(cfg.model))
+    per_layer, first, last = param_parts(cfg.model)
+    split = split_layers(cfg.model.num_layers, par.num_stages)
+    best = 0.0
+    for rank in range(par.pp):
+        ids = stage_ids(par.schedule, rank, par.pp, par.stages_per_rank)
+        n = sum(len(split[i]) * per_layer for i in ids)
+        n += first if 0 in ids else 0
+        n += last if par.num_stages - 1 in ids else 0
+        best = max(best, n)
+    return best
 
 
 def state_bytes(phi: float, *, zero: int, dp: int, scheme: str = "fp32") -> dict[str, float]:
@@ -153,7 +177,7 @@ def predict(cfg: Config, hw: Hardware) -> dict:
     dp, tp, pp, mb = par.dp, par.tp, par.pp, par.microbatches
     virtual = par.stages_per_rank if pp > 1 else 1
     micro_batch = t.global_batch_size // (dp * mb)
-    phi = param_count(m) / (tp * pp)
+    phi = max_rank_params(cfg) / tp
     states = state_bytes(phi, zero=par.zero, dp=dp)
     act = activation_bytes(cfg, micro_batch)
     memory = {**states, "activations": act}

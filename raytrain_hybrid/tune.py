@@ -61,15 +61,26 @@ def set_line(layout: dict) -> str:
     )
 
 
-def sweep(cfg: Config, world: int, hw: Hardware, *, top: int, steps: int, out_dir: Path) -> list[dict]:
+def sweep(
+    cfg: Config, world: int, hw: Hardware, *, top: int, steps: int, out_dir: Path, only: list[dict] | None = None
+) -> list[dict]:
+    """Run the planner's ``top`` best distinct feasible layouts (or the planned rows matching
+    each partial layout in ``only``, e.g. ``{"dp": 2, "tp": 2, "pp": 1}``) as Tune trials."""
     from ray import tune
 
     from raytrain_hybrid.launcher import _ensure_ray
 
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
+    rows = plan(cfg, world, hw)
     planned, seen = [], set()
-    for p in plan(cfg, world, hw):  # best first; one trial per distinct layout shape
+    if only is not None:
+        for want in only:
+            match = next((p for p in rows if all(p[k] == v for k, v in want.items())), None)
+            if match is None:
+                raise ValueError(f"no valid layout of {world} ranks matches {want}")
+            planned.append(match)
+    for p in rows if only is None else ():  # best first; one trial per distinct layout shape
         key = (p["dp"], p["tp"], p["pp"], p["schedule"], p["zero"])
         if p["feasible"] and key not in seen and len(planned) < top:
             seen.add(key)
@@ -78,7 +89,7 @@ def sweep(cfg: Config, world: int, hw: Hardware, *, top: int, steps: int, out_di
     _ensure_ray(cfg, world)
     trials = [{"name": _name(p), "layout": {k: p[k] for k in LAYOUT_KEYS}} for p in planned]
     tuner = tune.Tuner(
-        tune.with_resources(_trial, {"CPU": 0}),
+        tune.with_resources(_trial, {"CPU": 0.01}),  # the trial waits; its TorchTrainer holds the CPUs
         param_space={
             "base": base.to_dict(),
             "out_dir": str(out_dir / "trials"),

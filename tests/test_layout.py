@@ -97,3 +97,14 @@ def test_predicted_placement():
     assert predict_workers_per_node(nodes, 2, gpu, "STRICT_SPREAD") == [1, 1]
     assert predict_workers_per_node(nodes, 9, gpu, "PACK") is None  # waits for the autoscaler
     assert predict_workers_per_node(nodes, 9, {"CPU": 1}, "PACK") == [1, 4, 4]  # node order
+
+
+def test_check_json_uneven_nodes(capsys):
+    base = ["check", "--set", "parallelism.dp=1", "--set", "parallelism.pp=2", "--json"]
+    assert cli.main([*base, "--set", "parallelism.tp=4", "--topology", "3,5"]) == 2
+    err = capsys.readouterr().err
+    assert "[3, 5]" in err and "tp in [1]" in err
+    assert cli.main([*base, "--set", "parallelism.tp=1", "--set", "parallelism.dp=4", "--topology", "3,5"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert sorted(r["rank"] for r in out["ranks"]) == list(range(8))
+    assert [len(g) for g in out["groups"]["pp"]] == [2, 2, 2, 2]

@@ -36,7 +36,14 @@ def test_fp32_master_scheme_is_what_the_engine_keeps():
 def test_memory_prediction_matches_a_hand_count():
     cfg = load_config(None, ["parallelism.tp=2", "parallelism.pp=2", "parallelism.dp=2", "parallelism.zero=3"])
     pred = predict(cfg, PROFILES["h100"])
-    phi = param_count(cfg.model) / 4
+    m = cfg.model
+    kv = m.num_kv_heads * m.hidden_size // m.num_heads
+    per_layer = (
+        2 * m.hidden_size**2 + 2 * m.hidden_size * kv + 3 * m.hidden_size * m.ffn_hidden_size + 2 * m.hidden_size
+    )
+    last_stage = 2 * per_layer + m.hidden_size + m.vocab_size * m.hidden_size  # 2 blocks, final norm, head
+    assert param_count(m) == 4 * per_layer + 2 * m.vocab_size * m.hidden_size + m.hidden_size
+    phi = last_stage / 2  # the fuller pipeline rank, split over tp=2
     assert pred["memory_bytes"]["params"] == pytest.approx(4 * phi / 2)
     assert pred["memory_bytes"]["optimizer"] == pytest.approx(8 * phi / 2)
     assert pred["bubble_fraction"] == pytest.approx(1 / 5)  # (pp-1)/(m+pp-1) with m=4
