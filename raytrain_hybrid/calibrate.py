@@ -53,19 +53,65 @@ def _gloo_peer(rank: int, port: int, nbytes: int, out) -> None:
     dist.destroy_process_group()
 
 
-def gloo_allreduce(nbytes: int = 16 * 2**20) -> tuple[float, float]:
-    """(bus bandwidth in GB/s, latency in s) of a 2-process gloo all-reduce on this machine."""
+def _tp_peer(rank: int, port: int, hidden: int, tokens: int, reps: int, out) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    x = torch.randn(tokens, hidden)
+
+    def pair():
+        return nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+
+    def timed(module) -> float:
+        for _ in range(2):
+            module(x).sum().backward()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            module(x).sum().backward()
+        return (time.perf_counter() - t0) / reps
+
+    local = timed(pair())
+    mesh = init_device_mesh("cpu", (2,))
+    tp = timed(parallelize_module(pair(), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()}))
+    if rank == 0:
+        out.put({"local": local, "tp": tp})
+    dist.destroy_process_group()
+
+
+def tp_pair_overhead(hidden: int = 128, tokens: int = 512, reps: int = 20) -> float:
+    """Seconds a column-wise + row-wise pair (an MLP, or attention's projections) costs under
+    TP=2 beyond half its local compute, forward and backward: DTensor dispatch plus the
+    all-reduces. On CPUs with gloo this, not wire time, is what TP costs for small models."""
+    times = _spawn(_tp_peer, hidden, tokens, reps)
+    return max(0.0, times["tp"] - times["local"] / 2)
+
+
+def _spawn(target, *args):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_gloo_peer, args=(r, port, nbytes, out)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, port, *args, out)) for r in range(2)]
     for p in procs:
         p.start()
-    times = out.get(timeout=300)
+    result = out.get(timeout=300)
     for p in procs:
         p.join(timeout=60)
+    return result
+
+
+def gloo_allreduce(nbytes: int = 16 * 2**20) -> tuple[float, float]:
+    """(bus bandwidth in GB/s, latency in s) of a 2-process gloo all-reduce on this machine."""
+    times = _spawn(_gloo_peer, nbytes)
     latency = times["small"]
     # A 2-rank all-reduce moves 2*(n-1)/n = 1x the buffer per rank.
     return nbytes / max(times["big"] - latency, 1e-9) / 1e9, latency
@@ -86,6 +132,8 @@ def calibrate(path: Path = DEFAULT_PROFILE, threads: int = 1) -> dict:
         intra_node_gbps=gbps,
         inter_node_gbps=gbps,
         latency_s=latency,
+        cores=os.cpu_count() or 1,
+        tp_pair_overhead_s=tp_pair_overhead(),
     )
     profile = dataclasses.asdict(hw)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -35,6 +35,10 @@ class Hardware:
     intra_node_gbps: float  # GB/s per device per direction (NVLink / shared memory)
     inter_node_gbps: float  # GB/s per device per direction (InfiniBand / network)
     latency_s: float = 10e-6  # per collective or P2P message
+    # CPU profiles (calibrate): cores the ranks share (0: one device per rank), and the
+    # measured cost of one TP column/row pair beyond its compute (DTensor dispatch + gloo).
+    cores: int = 0
+    tp_pair_overhead_s: float = 0.0
 
 
 # NVIDIA datasheets: H100 SXM5 989 TFLOP/s dense BF16, 80 GB HBM3, NVLink 4 900 GB/s
@@ -188,12 +192,20 @@ def predict(cfg: Config, hw: Hardware) -> dict:
     if par.activation_checkpointing:
         flops *= 4 / 3  # one more forward
     compute = flops / (hw.peak_tflops * 1e12 * hw.efficiency)
+    world = dp * tp * pp
+    # More ranks than cores: each rank gets cores/world of a core, and a rank idle in a
+    # pipeline bubble hands its core to another, so the bubble costs no time.
+    oversubscribed = bool(hw.cores) and world > hw.cores
+    share = world / hw.cores if oversubscribed else 1.0
+    compute *= share
 
     width = 2.0 if t.dtype == "bfloat16" else 4.0
     act_msg = micro_batch * m.seq_len * m.hidden_size * width
     layers_per_rank = m.num_layers / pp
     # TP: two all-reduces forward and two backward per block and micro-batch, inside a node.
     tp_s = 4 * layers_per_rank * mb * _allreduce_s(act_msg, tp, hw.intra_node_gbps, hw.latency_s)
+    if tp > 1:  # attention and MLP are one column/row pair each
+        tp_s += 2 * layers_per_rank * mb * hw.tp_pair_overhead_s * (tp / 2) * share
     # Placement fills nodes TP-first, then DP, then PP: an axis leaves the node once the
     # product of the axes inside it exceeds the node.
     dp_link = hw.intra_node_gbps if tp * dp <= hw.gpus_per_node else hw.inter_node_gbps
@@ -201,10 +213,12 @@ def predict(cfg: Config, hw: Hardware) -> dict:
     pp_s = 0.0 if pp == 1 else 2 * mb * virtual * (act_msg / (pp_link * 1e9) + hw.latency_s)
     grad_bytes = phi * 4.0
     dp_s = _allreduce_s(grad_bytes, dp, dp_link, hw.latency_s) * (1.5 if par.zero == 3 else 1.0)
-    dp_exposed = max(0.0, dp_s - 0.5 * compute)  # buckets overlap with the backward (2/3 of compute)
+    # Buckets overlap with the backward (2/3 of compute) on devices; on shared cores the
+    # reduction takes CPU from the same cores and does not hide.
+    dp_exposed = dp_s * share if oversubscribed else max(0.0, dp_s - 0.5 * compute)
 
     bubble = (pp - 1) / (mb * virtual + pp - 1) if pp > 1 else 0.0
-    step = (compute + tp_s + pp_s) / (1 - bubble) + dp_exposed
+    step = (compute + tp_s + pp_s) / (1 if oversubscribed else 1 - bubble) + dp_exposed
     tokens_per_s = tokens / step
     achieved = flops_per_token(m) * tokens_per_s / (dp * tp * pp) / 1e12
     return {
