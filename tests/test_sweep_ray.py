@@ -21,3 +21,14 @@ def test_sweep_four_layouts(ray_local, tmp_path):
     assert [r["name"] for r in saved] == [r["name"] for r in rows]
     assert (tmp_path / "sweep.csv").read_text().count("\n") == 5
     assert (tmp_path / "sweep.png").stat().st_size > 1000
+
+
+def test_failed_trial_is_recorded_and_the_sweep_goes_on(ray_local, tmp_path):
+    cfg = load_config(
+        None,
+        ["model.num_layers=2", "model.seq_len=64", "train.global_batch_size=8", f"data.path={tmp_path / 'missing'}"],
+    )
+    rows = sweep(cfg, 2, PROFILES["h100"], top=2, steps=2, out_dir=tmp_path / "out")
+    assert len(rows) == 2
+    assert all(r["failed"] and "data.path" in r["reason"] for r in rows), rows
+    assert json.loads((tmp_path / "out" / "sweep.json").read_text())[0]["failed"] is True
