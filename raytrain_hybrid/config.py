@@ -205,7 +205,7 @@ class DataConfig:
     token_column: str = "input_ids"
     # Local tokenizer.json (Hugging Face tokenizers) for text; empty means the shipped BPE.
     tokenizer: str = ""
-    # Seed of the block order and of the per-epoch local shuffle.
+    # Seed of the per-epoch local shuffle of documents (seed + epoch).
     shuffle_seed: int = 0
     # Documents in the local shuffle buffer; 0 keeps the stored order.
     shuffle_buffer: int = 256

@@ -7,7 +7,7 @@ replica gets would depend on timing and on dp, and the single-process oracle
 would no longer hold.
 
 What we do instead: the dataset is read in a fixed order (``preserve_order``,
-block order and local shuffle seeded per epoch). One leader per replica (its
+a local shuffle of documents seeded per epoch; blocks keep their stored order). One leader per replica (its
 rank at pp=0, tp=0) iterates that stream, packs documents into windows of
 ``seq_len + 1`` tokens (short documents are packed, never dropped), cuts the
 windows into global batches of ``global_batch_size`` and keeps its contiguous
