@@ -21,7 +21,7 @@ import ray
 from raytrain_hybrid.calibrate import calibrate
 from raytrain_hybrid.config import load_config
 from raytrain_hybrid.planner import load_hardware
-from raytrain_hybrid.tune import sweep
+from raytrain_hybrid.tune import rank_correlation, sweep
 
 OUT = Path(__file__).resolve().parent / "results"
 LAYOUTS = [
@@ -34,24 +34,6 @@ LAYOUTS = [
     {"dp": 1, "tp": 1, "pp": 4, "schedule": "GPipe", "microbatches": 4},
     {"dp": 1, "tp": 1, "pp": 4, "schedule": "1F1B", "microbatches": 8},
 ]
-
-
-def _ranks(values: list[float]) -> list[float]:
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    ranks = [0.0] * len(values)
-    for r, i in enumerate(order):
-        ranks[i] = float(r)
-    return ranks
-
-
-def spearman(x: list[float], y: list[float]) -> float:
-    rx, ry = _ranks(x), _ranks(y)
-    n = len(x)
-    mx, my = sum(rx) / n, sum(ry) / n
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
-    sx = sum((a - mx) ** 2 for a in rx) ** 0.5
-    sy = sum((b - my) ** 2 for b in ry) ** 0.5
-    return cov / (sx * sy)
 
 
 def main() -> None:
@@ -67,7 +49,7 @@ def main() -> None:
     for r in ok:
         measured = r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"]
         r["state_bytes_error"] = r["predicted_state_bytes"] / measured - 1
-    rho = spearman([r["predicted_tokens_per_s"] for r in ok], [r["measured_tokens_per_s"] for r in ok])
+    rho = rank_correlation(ok)
     results = {
         "command": "cd <repo> && " + " ".join([".venv/bin/python", *sys.argv]),
         "date": time.strftime("%Y-%m-%d"),

@@ -29,10 +29,22 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train on Ray (starts a local cluster when none is running)")
     _add_config_args(train)
+    train.add_argument(
+        "--resume",
+        metavar="PATH",
+        help="continue from a checkpoint: a run directory (its newest checkpoint) or checkpoints/step_<N>; "
+        "any layout, the same model",
+    )
+    export = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
+    export.add_argument("checkpoint", help="a checkpoints/step_<N> directory, or a run directory (its newest)")
+    export.add_argument("out_dir", help="new directory for config.json + model.safetensors")
     check = sub.add_parser("check", help="validate a config and show the rank layout, without training")
     _add_config_args(check)
     check.add_argument("--topology", help="workers per node, e.g. 4,4 (default: one node holding all workers)")
     check.add_argument("--json", action="store_true", help="print the layout as JSON")
+    check.add_argument(
+        "--hardware", default="", help="also print the planner's prediction on h100 | a100-80 | a100-40 | a profile"
+    )
     plan = sub.add_parser("plan", help="rank layouts of N ranks by predicted tokens/s (cost model)")
     _add_config_args(plan)
     plan.add_argument("--world-size", type=int, required=True)
@@ -130,14 +142,21 @@ def _check(args, cfg) -> int:
         print(f"{r['rank']:>4} {r['node']:>8} {r['pp']:>3} {r['dp']:>3} {r['tp']:>3}")
     for axis, gs in groups.items():
         print(f"{axis} groups: {gs}")
+    if args.hardware:
+        from raytrain_hybrid.planner import describe, load_hardware
+
+        hw = load_hardware(args.hardware)
+        if cfg.cluster.gpus_per_node:
+            hw = dataclasses.replace(hw, gpus_per_node=cfg.cluster.gpus_per_node)
+        print(f"planner: {describe(cfg, hw)}")
     return 0
 
 
-def _train(cfg) -> int:
+def _train(cfg, resume: str | None = None) -> int:
     from raytrain_hybrid.launcher import run
 
     try:
-        summary = run(cfg)
+        summary = run(cfg, resume=resume)
     except (ConfigError, LayoutError):
         raise
     except Exception as exc:  # a worker failed: Ray's error carries its traceback
@@ -151,7 +170,7 @@ def _train(cfg) -> int:
 
 
 def _plan(args, cfg) -> int:
-    from raytrain_hybrid.planner import GiB, load_hardware, plan
+    from raytrain_hybrid.planner import load_hardware, plan
 
     hw = dataclasses.replace(load_hardware(args.hardware), gpus_per_node=args.gpus_per_node)
     rows = plan(cfg, args.world_size, hw)
@@ -177,18 +196,10 @@ def _plan(args, cfg) -> int:
         )
         print(json.dumps([{k: r[k] for k in keep} for r in shown], indent=1))
         return 0
+    from raytrain_hybrid.planner import format_table
+
     print(f"{len(rows)} layouts of {args.world_size} ranks on {hw.name}, best first:")
-    print(
-        f"{'dp':>4} {'tp':>3} {'pp':>3} {'schedule':>16} {'mb':>3} {'zero':>4} {'ac':>3} "
-        f"{'GiB/rank':>9} {'tokens/s':>12} {'MFU':>6} {'bubble':>6}  note"
-    )
-    for r in shown:
-        print(
-            f"{r['dp']:>4} {r['tp']:>3} {r['pp']:>3} {r['schedule']:>16} {r['microbatches']:>3} {r['zero']:>4} "
-            f"{'y' if r['activation_checkpointing'] else 'n':>3} {r['memory_bytes']['total'] / GiB:>9.2f} "
-            f"{r['predicted_tokens_per_s']:>12,.0f} {r['predicted_mfu']:>6.1%} {r['bubble_fraction']:>6.1%}  "
-            f"{r['reason']}"
-        )
+    print(format_table(shown))
     return 0
 
 
@@ -218,6 +229,16 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "prepare-data":
         return _prepare(args)
+    if args.command == "export":
+        from raytrain_hybrid.export import export_hf
+
+        try:
+            out = export_hf(args.checkpoint, args.out_dir)
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote {out} (config.json, model.safetensors, tokenizer.json)")
+        return 0
     if args.command == "calibrate":
         from pathlib import Path
 
@@ -238,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             return _plan(args, cfg)
         if args.command == "sweep":
             return _sweep(args, cfg)
-        return _train(cfg)
+        return _train(cfg, args.resume)
     except (ConfigError, LayoutError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -259,11 +259,31 @@ class ClusterConfig:
 
 
 @dataclass(kw_only=True)
+class CheckpointConfig:
+    # Save a sharded checkpoint every this many steps, and after the last; 0 saves none.
+    interval: int = 0
+    # Keep the newest this many checkpoints (older ones are deleted); 0 keeps all.
+    keep: int = 2
+
+    def __post_init__(self) -> None:
+        for key in ("interval", "keep"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"checkpoint.{key}", getattr(self, key), "must be >= 0 (0: off / keep all)")
+
+
+@dataclass(kw_only=True)
 class RunConfig:
-    # Directory that receives metrics.jsonl and summary.json.
+    # Directory that receives metrics.jsonl, summary.json and checkpoints/step_<N>/.
     output_dir: str = "runs/latest"
-    # Show a live progress bar on the driver.
+    # Show progress on the driver: a live bar on a terminal, one line per step otherwise.
     progress: bool = True
+    # Worker-group restarts after a worker dies (Ray Train FailureConfig); each restart
+    # continues from the newest checkpoint of this run, so set checkpoint.interval too.
+    max_failures: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_failures < 0:
+            raise ConfigError("run.max_failures", self.max_failures, "must be >= 0 (-1 is not supported)")
 
 
 @dataclass(kw_only=True)
@@ -273,6 +293,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def to_dict(self) -> dict[str, Any]:

@@ -52,6 +52,7 @@ class ReplicaStream:
     seed: int
     epochs: int = 0  # 0: as many as the run needs
     shuffle_buffer: int = 0
+    skip_steps: int = 0  # global batches already trained on (a resumed run)
     position: StreamPosition = field(default_factory=StreamPosition)
 
     def _documents(self, epoch: int) -> Iterator[tuple[np.ndarray, str]]:
@@ -104,7 +105,8 @@ class ReplicaStream:
             batch.append(window)
             if len(batch) == self.global_batch:
                 self.position.steps += 1
-                yield np.stack(batch[lo:hi])
+                if self.position.steps > self.skip_steps:
+                    yield np.stack(batch[lo:hi])
                 batch = []
 
 
@@ -128,7 +130,7 @@ def build_dataset(cfg: Config):
     return ds
 
 
-def replica_stream(cfg: Config, iterator, *, dp: int, dp_rank: int) -> ReplicaStream:
+def replica_stream(cfg: Config, iterator, *, dp: int, dp_rank: int, skip_steps: int = 0) -> ReplicaStream:
     return ReplicaStream(
         iterator=iterator,
         token_column=token_column(cfg),
@@ -140,6 +142,7 @@ def replica_stream(cfg: Config, iterator, *, dp: int, dp_rank: int) -> ReplicaSt
         seed=cfg.data.shuffle_seed,
         epochs=cfg.data.epochs,
         shuffle_buffer=cfg.data.shuffle_buffer,
+        skip_steps=skip_steps,
     )
 
 

@@ -12,13 +12,15 @@ import json
 import math
 import os
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
+from raytrain_hybrid import checkpoint
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.data_ray import ReplicaDataConfig, build_dataset, builtin_dataset, schema_check
 from raytrain_hybrid.distributed.parallel_dims import ParallelDims, arrange_ranks
+from raytrain_hybrid.errors import ConfigError
+from raytrain_hybrid.observe import RunLog
 from raytrain_hybrid.placement import live_node_totals, predict_workers_per_node, worker_resources
 
 # Ray Train V2 is the default in Ray 2.60; state it so a user's environment cannot flip it.
@@ -40,9 +42,23 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     node_id = ray.get_runtime_context().get_node_id()  # node IP is shared by virtual nodes
     os.environ.setdefault("LOCAL_RANK", str(ray.train.get_context().get_local_rank()))
 
+    rank = ray.train.get_context().get_world_rank()
+
     def on_step(metrics: dict) -> None:
         if sink is not None:
             sink.put(("step", metrics))
+
+    def on_checkpoint(steps_done: int, path, metrics: dict) -> None:
+        # Written in place (under Ray Train's run directory): rank 0 registers it, so that a
+        # restarted worker group gets it from ray.train.get_checkpoint(), and `keep` applies.
+        from ray.train import Checkpoint
+        from ray.train.v2.api.report_config import CheckpointUploadMode
+
+        report = {"loss": metrics["loss"], "step": steps_done}
+        ckpt = Checkpoint(str(path)) if rank == 0 else None
+        ray.train.report(report, checkpoint=ckpt, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+        if rank == 0 and sink is not None:
+            sink.put(("checkpoint", {"step": steps_done, "path": str(path)}))
 
     result = run_worker(
         cfg,
@@ -50,6 +66,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         use_gpu=loop_config["use_gpu"],
         on_step=on_step,
         dataset_fn=None if cfg.data.path == "memory" else (lambda: ray.train.get_dataset_shard("train")),
+        resume=_restart_point(loop_config),
+        launch_id=loop_config["launch_id"],
+        on_checkpoint=on_checkpoint,
     )
     if ray.train.get_context().get_world_rank() == 0 and sink is not None:
         sink.put(("done", {"memory": result["memory"]}))
@@ -57,12 +76,34 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     ray.train.report({"loss": last["loss"], "step": last["step"]})
 
 
+def _restart_point(loop_config: dict) -> str | None:
+    """Where this worker group starts: this launch's newest checkpoint after a restart, else
+    the checkpoint given with --resume, else nothing. (Ray Train also hands back checkpoints of
+    an earlier launch into the same directory; the manifest's launch id tells them apart.)"""
+    import ray.train
+
+    latest = ray.train.get_checkpoint()
+    if latest is not None:
+        manifest = json.loads((Path(latest.path) / checkpoint.MANIFEST).read_text())
+        if manifest.get("launch_id") == loop_config["launch_id"]:
+            return latest.path
+    return loop_config.get("resume")
+
+
+def _runtime_env() -> dict:
+    """Our worker variables, less those a submitted job's runtime env already sets: Ray
+    refuses to merge a job's and a driver's runtime env that name the same variable."""
+    job = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}") or "{}")
+    taken = (job.get("runtime_env") or {}).get("env_vars") or {}
+    return {"env_vars": {k: v for k, v in _WORKER_ENV.items() if k not in taken}}
+
+
 def _ensure_ray(cfg: Config, world_size: int) -> None:
     import ray
 
     if ray.is_initialized():
         return
-    env = {"env_vars": _WORKER_ENV}
+    env = _runtime_env()
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS", "")
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=False)
@@ -117,56 +158,14 @@ def check_placement(cfg: Config, resources: dict[str, float]) -> list[int] | Non
     return counts
 
 
-class _Progress:
-    """Consumes rank 0's queue: progress bar on the terminal, metrics.jsonl on disk."""
-
-    def __init__(self, cfg: Config, out_dir: Path) -> None:
-        self.cfg = cfg
-        self.history: list[dict] = []
-        self.memory: list[dict] = []
-        self.file = (out_dir / "metrics.jsonl").open("w")
-        self.bar = None
-        if cfg.run.progress:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self.bar = Progress(
-                TextColumn("[bold]train"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("{task.fields[status]}"),
-                TimeRemainingColumn(),
-                transient=False,
-            )
-            self.task = self.bar.add_task("train", total=cfg.train.steps, status="starting workers")
-            self.bar.start()
-
-    def handle(self, kind: str, payload: dict) -> None:
-        if kind == "step":
-            self.history.append(payload)
-            self.file.write(json.dumps(payload) + "\n")
-            self.file.flush()
-            if self.bar is not None:
-                status = (
-                    f"loss {payload['loss']:.4f}  grad_norm {payload['grad_norm']:.3f}  "
-                    f"{payload['tokens_per_s']:,.0f} tok/s"
-                )
-                self.bar.update(self.task, completed=payload["step"] + 1, status=status)
-        elif kind == "done":
-            self.memory = payload["memory"]
-
-    def close(self) -> None:
-        self.file.close()
-        if self.bar is not None:
-            self.bar.stop()
-
-
-def summarize(cfg: Config, history: list[dict], memory: list[dict]) -> dict:
+def summarize(cfg: Config, history: list[dict], memory: list[dict], restarts: int = 0) -> dict:
     par = cfg.parallelism
     # The first steps pay for warm-up (allocations, pipeline shape inference); leave them out.
     steady = history[min(2, len(history) - 1) :] if history else []
     summary = {
         "final_loss": history[-1]["loss"] if history else None,
         "steps": len(history),
+        "restarts": restarts,
         "world_size": par.world_size,
         "layout": {
             "dp": par.dp,
@@ -190,16 +189,58 @@ def summarize(cfg: Config, history: list[dict], memory: list[dict]) -> dict:
     return summary
 
 
-def run(cfg: Config) -> dict:
-    """Train on Ray; write metrics.jsonl and summary.json to run.output_dir; return the summary."""
+def check_resume(cfg: Config, resume: str | None) -> tuple[str | None, list[dict]]:
+    """Before anything starts: the checkpoint to resume is intact and fits this config, and no
+    earlier run's checkpoints in run.output_dir would be overwritten. Returns the checkpoint
+    directory and the metrics history to keep (the resumed run's, when it continues in place)."""
+    out_dir = Path(cfg.run.output_dir).resolve()
+    ckpt_root = out_dir / "checkpoints"
+    existing = checkpoint.step_dirs(ckpt_root)
+    if resume is None:
+        if existing:
+            raise ConfigError(
+                "run.output_dir",
+                str(out_dir),
+                f"holds checkpoints of an earlier run ({existing[-1].name}); continue it with "
+                f"--resume {out_dir}, or choose another run.output_dir",
+            )
+        (ckpt_root / "checkpoint_manager_snapshot.json").unlink(missing_ok=True)  # Ray's, of a run with none
+        return None, []
+    path, manifest = checkpoint.resolve(resume)
+    checkpoint.check_compatible(cfg, manifest, path)
+    later = [p for p in existing if int(p.name.split("_")[1]) > manifest["step"]]
+    if later:
+        raise ConfigError(
+            "run.output_dir",
+            str(out_dir),
+            f"resuming {path.name} here would overwrite the later {later[-1].name}; "
+            "resume into another run.output_dir (--set run.output_dir=...)",
+        )
+    history = []
+    metrics = out_dir / "metrics.jsonl"
+    if path.parent == ckpt_root and metrics.exists():  # continuing in place: keep the steps before
+        history = [h for h in map(json.loads, metrics.read_text().splitlines()) if h["step"] < manifest["step"]]
+    return str(path), history
+
+
+def run(cfg: Config, resume: str | None = None) -> dict:
+    """Train on Ray; write metrics.jsonl and summary.json to run.output_dir; return the summary.
+
+    ``resume``: a checkpoint directory, or a run directory meaning its newest checkpoint.
+    """
+    import uuid
+
     import ray
-    from ray.train import RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
     from ray.util.queue import Empty, Queue
 
     par = cfg.parallelism
     world = par.world_size
     out_dir = Path(cfg.run.output_dir).resolve()
+    # Workers run elsewhere (another cwd, another node): they get the absolute path.
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, output_dir=str(out_dir)))
+    resume, kept_history = check_resume(cfg, resume)
     out_dir.mkdir(parents=True, exist_ok=True)
     _ensure_ray(cfg, world)
     use_gpu = _use_gpu(cfg, world)
@@ -210,7 +251,13 @@ def run(cfg: Config) -> dict:
     sink = Queue(actor_options={"num_cpus": 0})
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"config": cfg.to_dict(), "sink": sink, "use_gpu": use_gpu},
+        train_loop_config={
+            "config": cfg.to_dict(),
+            "sink": sink,
+            "use_gpu": use_gpu,
+            "resume": resume,
+            "launch_id": uuid.uuid4().hex,
+        },
         torch_config=TorchConfig(backend=backend),
         **_datasets(cfg),
         scaling_config=ScalingConfig(
@@ -221,8 +268,12 @@ def run(cfg: Config) -> dict:
             accelerator_type=cfg.cluster.accelerator_type or None,
         ),
         run_config=RunConfig(
-            name=f"raytrain-hybrid-{int(time.time())}",
-            storage_path=str(out_dir / "ray_storage"),
+            # Ray Train's run directory is run.output_dir/checkpoints: checkpoints are written
+            # there in place and registered with Ray (restarts, retention).
+            name="checkpoints",
+            storage_path=str(out_dir),
+            failure_config=FailureConfig(max_failures=cfg.run.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep or None),
         ),
     )
     outcome: dict[str, Any] = {}
@@ -233,7 +284,7 @@ def run(cfg: Config) -> dict:
         except BaseException as exc:  # re-raised on the driver's main thread
             outcome["error"] = exc
 
-    progress = _Progress(cfg, out_dir)
+    progress = RunLog(out_dir, steps=cfg.train.steps, progress=cfg.run.progress, history=kept_history)
     thread = threading.Thread(target=fit, daemon=True)
     thread.start()
     try:
@@ -248,7 +299,7 @@ def run(cfg: Config) -> dict:
         thread.join()
     if "error" in outcome:
         raise outcome["error"]
-    summary = summarize(cfg, progress.history, progress.memory)
+    summary = summarize(cfg, progress.history, progress.memory, progress.restarts)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     ray.kill(sink.actor)

@@ -272,3 +272,31 @@ def plan(cfg: Config, world: int, hw: Hardware) -> list[dict]:
         out.append({**layout, "feasible": feasible, "reason": reason, **pred})
     out.sort(key=lambda r: (not r["feasible"], -r["predicted_tokens_per_s"], r["memory_bytes"]["total"]))
     return out
+
+
+def describe(cfg: Config, hw: Hardware) -> str:
+    """One line of the planner's view of a config's own layout (what jobs/ quote in a comment)."""
+    pred = predict(cfg, hw)
+    need = pred["memory_bytes"]["total"]
+    fits = "fits" if need <= hw.memory_bytes else "DOES NOT FIT"
+    return (
+        f"{hw.name}, {cfg.parallelism.world_size} ranks: {need / GiB:.1f} GiB/rank of "
+        f"{hw.memory_bytes / GiB:.1f} ({fits}), {pred['predicted_tokens_per_s']:,.0f} tokens/s, "
+        f"MFU {pred['predicted_mfu']:.1%}, bubble {pred['bubble_fraction']:.1%}"
+    )
+
+
+def format_table(rows: list[dict]) -> str:
+    """Planner rows as the fixed-width table ``plan`` prints."""
+    lines = [
+        f"{'dp':>4} {'tp':>3} {'pp':>3} {'schedule':>16} {'mb':>3} {'zero':>4} {'ac':>3} "
+        f"{'GiB/rank':>9} {'tokens/s':>12} {'MFU':>6} {'bubble':>6}  note"
+    ]
+    for r in rows:
+        lines.append(
+            f"{r['dp']:>4} {r['tp']:>3} {r['pp']:>3} {r['schedule']:>16} {r['microbatches']:>3} {r['zero']:>4} "
+            f"{'y' if r['activation_checkpointing'] else 'n':>3} {r['memory_bytes']['total'] / GiB:>9.2f} "
+            f"{r['predicted_tokens_per_s']:>12,.0f} {r['predicted_mfu']:>6.1%} {r['bubble_fraction']:>6.1%}  "
+            f"{r['reason']}"
+        )
+    return "\n".join(lines)

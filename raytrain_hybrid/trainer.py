@@ -89,6 +89,15 @@ class Trainer:
         self.flops_per_token = flops_per_token(cfg.model)
         self.peak_tflops = device_peak_tflops(device)
 
+    def restore_schedule(self, steps_done: int) -> None:
+        """Put the LR schedule where it is after ``steps_done`` optimizer steps."""
+        t = self.cfg.train
+        factor = lr_factor(steps_done, warmup=t.warmup_steps, total=t.steps, min_ratio=t.min_lr_ratio)
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
+            group["lr"] = base * factor
+        self.scheduler.last_epoch = steps_done
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+
     def _build(self, stage_id: int, layer_ids: list[int], num_stages: int):
         stage = build_stage(self.spec, self.hf_config, layer_ids, first=stage_id == 0, last=stage_id == num_stages - 1)
         shapes = {name: p.shape for name, p in stage.named_parameters()}

@@ -144,14 +144,28 @@ def _save(rows: list[dict], out_dir: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [r for r in rows if not r["failed"]]
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    ax.scatter([r["predicted_tokens_per_s"] for r in ok], [r["measured_tokens_per_s"] for r in ok])
-    for r in ok:
-        ax.annotate(r["name"], (r["predicted_tokens_per_s"], r["measured_tokens_per_s"]), fontsize=6)
-    ax.set_xlabel("predicted tokens/s")
-    ax.set_ylabel("measured tokens/s")
-    ax.set_title("layout sweep: measured vs predicted throughput")
-    fig.tight_layout()
+    from raytrain_hybrid.viz import plot_sweep
+
+    fig = plot_sweep(rows)
     fig.savefig(out_dir / "sweep.png", dpi=120)
     plt.close(fig)
+
+
+def _ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    for r, i in enumerate(order):
+        ranks[i] = float(r)
+    return ranks
+
+
+def rank_correlation(rows: list[dict]) -> float:
+    """Spearman's rank correlation of predicted and measured tokens/s over successful trials."""
+    rx = _ranks([r["predicted_tokens_per_s"] for r in rows])
+    ry = _ranks([r["measured_tokens_per_s"] for r in rows])
+    n = len(rx)
+    mx, my = sum(rx) / n, sum(ry) / n
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    sx = sum((a - mx) ** 2 for a in rx) ** 0.5
+    sy = sum((b - my) ** 2 for b in ry) ** 0.5
+    return cov / (sx * sy)

@@ -6,16 +6,20 @@ so can ``torchrun`` (tests of the engine without Ray).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import os
 import queue
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from raytrain_hybrid import checkpoint
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.data import Batch, TokenWindows, tokenize_corpus
 from raytrain_hybrid.distributed.parallel_dims import ParallelDims, arrange_ranks
@@ -42,7 +46,7 @@ class ReplicaFeed:
 
     OK, END, ERROR = 1, 0, 2
 
-    def __init__(self, cfg: Config, meshes, dims: ParallelDims, dp_rank: int, dataset_fn) -> None:
+    def __init__(self, cfg: Config, meshes, dims: ParallelDims, dp_rank: int, dataset_fn, skip_steps: int = 0) -> None:
         from raytrain_hybrid.data_ray import replica_stream
 
         self.group = meshes.replica.get_group()
@@ -50,7 +54,9 @@ class ReplicaFeed:
         self.shape = (cfg.train.global_batch_size // dims.dp, cfg.model.seq_len + 1)
         cuda = meshes.world.device_type == "cuda"
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        self.stream = replica_stream(cfg, dataset_fn(), dp=dims.dp, dp_rank=dp_rank) if self.leader else None
+        self.stream = None
+        if self.leader:
+            self.stream = replica_stream(cfg, dataset_fn(), dp=dims.dp, dp_rank=dp_rank, skip_steps=skip_steps)
         self._pending = None
         if self.leader:
             # Read in a thread from the start: Ray Data's executor spins up while the model builds.
@@ -112,11 +118,17 @@ def run_worker(
     on_step: Callable[[dict], None] | None = None,
     device: torch.device | None = None,
     dataset_fn: Callable[[], object] | None = None,
+    resume: str | None = None,
+    launch_id: str = "",
+    on_checkpoint: Callable[[int, Path, dict], None] | None = None,
 ) -> dict:
-    """Train ``cfg.train.steps`` steps; returns per-step metrics and this rank's memory stats.
+    """Train up to ``cfg.train.steps`` steps; returns per-step metrics and this rank's memory stats.
 
     ``dataset_fn`` returns this rank's Ray Data iterator (called by replica leaders only);
     without it the input is the shipped corpus, windowed in memory (engine tests without Ray).
+    ``resume`` is a verified checkpoint directory to continue from (model, optimizer, LR
+    schedule, RNG, data position); with ``checkpoint.interval`` the run saves its own, and
+    ``on_checkpoint(steps_done, directory, metrics)`` runs on every rank after each save.
     """
     par = cfg.parallelism
     dims = ParallelDims(dp=par.dp, tp=par.tp, pp=par.pp, zero=par.zero)
@@ -128,9 +140,12 @@ def run_worker(
     arrangement = arrange_ranks(dims, nodes)
     device = device or pick_device(use_gpu)
     mesh = dims.build_mesh(device.type, arrangement)
+    start = json.loads((Path(resume) / checkpoint.MANIFEST).read_text())["step"] if resume else 0
     if dataset_fn is not None:  # before the model: the reader starts while the model builds
-        feed = ReplicaFeed(cfg, mesh, dims, mesh.dp.get_local_rank(), dataset_fn)
+        feed = ReplicaFeed(cfg, mesh, dims, mesh.dp.get_local_rank(), dataset_fn, skip_steps=start)
     trainer = Trainer(cfg, dims, mesh, device)
+    if resume:
+        checkpoint.load(trainer, cfg, resume)
     if dataset_fn is not None:
         next_batch = lambda step: feed.next()  # noqa: E731
     else:
@@ -140,7 +155,8 @@ def run_worker(
     digest = hashlib.sha256()  # of every row this rank trained on: replicas' ranks must agree
     rows = 0
     waited = busy = 0.0
-    for step in range(cfg.train.steps):
+    interval = cfg.checkpoint.interval
+    for step in range(start, cfg.train.steps):
         t0 = time.perf_counter()
         batch = next_batch(step)
         wait = time.perf_counter() - t0
@@ -150,7 +166,7 @@ def run_worker(
         rows += batch.input_ids.shape[0]
         metrics = trainer.train_step(step, batch)
         metrics["data_wait_s"] = wait
-        if step > 0:  # the first batch waits for the pipeline to start: not steady state
+        if step > start:  # the first batch waits for the pipeline to start: not steady state
             waited, busy = waited + wait, busy + wait + metrics["step_time_s"]
         if dataset_fn is not None and feed.stream is not None:
             pos = feed.stream.position
@@ -158,6 +174,12 @@ def run_worker(
         history.append(metrics)
         if on_step is not None and rank == 0:
             on_step(metrics)
+        done = step + 1
+        if interval and (done % interval == 0 or done == cfg.train.steps):
+            position = dataclasses.asdict(feed.stream.position) if dataset_fn is not None and feed.stream else {}
+            path = checkpoint.save(trainer, cfg, done, launch_id=launch_id, data_position=position)
+            if on_checkpoint is not None:
+                on_checkpoint(done, path, metrics)
     if dataset_fn is not None:
         feed.close()
     coords = {"pp": trainer.pp_rank, "dp": trainer.dp_rank, "tp": mesh.tp.get_local_rank()}

@@ -23,7 +23,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, overrides: list[str], queue, nodes: int) -> None:
+def _worker(rank: int, world: int, port: int, overrides: list[str], queue, nodes: int, resume) -> None:
     import torch
     import torch.distributed as dist
 
@@ -37,7 +37,7 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], queue, nodes
     try:
         # Fake node ids: with nodes > 1, ranks alternate between nodes (an order Ray never
         # hands out), so the mesh must be rearranged to keep TP groups on one node.
-        result = run_worker(load_config(None, overrides), node_id=f"node{rank % nodes}")
+        result = run_worker(load_config(None, overrides), node_id=f"node{rank % nodes}", resume=resume)
         status = ("ok", result)
         dist.barrier()
         dist.destroy_process_group()
@@ -52,14 +52,14 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], queue, nodes
     os._exit(0 if status[0] == "ok" else 1)
 
 
-def run_gloo(overrides: list[str], nodes: int = 1) -> dict:
+def run_gloo(overrides: list[str], nodes: int = 1, resume: str | None = None) -> dict:
     from raytrain_hybrid.config import load_config
 
     world = load_config(None, overrides).parallelism.world_size
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, overrides, queue, nodes)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, overrides, queue, nodes, resume)) for r in range(world)]
     for p in procs:
         p.start()
     status, payload = queue.get(timeout=600)

@@ -1,0 +1,120 @@
+"""What the driver shows and records while a run goes on.
+
+Rank 0's per-step metrics arrive through a Ray queue (launcher.py); here they become
+a live progress bar (a terminal), one line per step (a log, e.g. a `ray job submit`
+driver), ``metrics.jsonl`` and TensorBoard event files in the run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+# metrics.jsonl key -> TensorBoard tag
+_SCALARS = {
+    "loss": "train/loss",
+    "grad_norm": "train/grad_norm",
+    "lr": "train/lr",
+    "tokens_per_s": "perf/tokens_per_s",
+    "step_time_s": "perf/step_time_s",
+    "tflops_per_device": "perf/tflops_per_device",
+    "mfu": "perf/mfu",
+    "data_wait_s": "data/wait_s",
+}
+_MEMORY = ("param_bytes", "grad_bytes", "optimizer_bytes", "max_rss_bytes", "max_cuda_allocated_bytes")
+
+
+def _status(m: dict) -> str:
+    return f"loss {m['loss']:.4f}  grad_norm {m['grad_norm']:.3f}  {m['tokens_per_s']:,.0f} tok/s"
+
+
+class RunLog:
+    """Consumes ("step", metrics) and ("done", {"memory": per_rank}) events of one run."""
+
+    def __init__(
+        self, out_dir: Path, *, steps: int, progress: bool, tensorboard: bool = True, history: list[dict] | None = None
+    ) -> None:
+        self.steps = steps
+        self.path = out_dir / "metrics.jsonl"
+        self.history: list[dict] = []
+        self.memory: list[dict] = []
+        self.restarts = 0
+        self.file = self.path.open("w")
+        for m in history or ():  # the steps a resumed run did before its checkpoint
+            self._record(m)
+        self.bar = self.lines = None
+        if progress and sys.stdout.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.bar = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[status]}"),
+                TimeRemainingColumn(),
+            )
+            self.task = self.bar.add_task("train", total=steps, status="starting workers")
+            self.bar.start()
+        elif progress:  # no terminal (a job's log, a pipe): plain lines a log keeps
+            self.lines = sys.stdout
+        self.tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self.tb = SummaryWriter(str(out_dir / "tensorboard"), flush_secs=10)
+
+    def _say(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.console.print(text)
+        elif self.lines is not None:
+            print(text, file=self.lines, flush=True)
+
+    def handle(self, kind: str, payload: dict) -> None:
+        if kind == "step":
+            if self.history and payload["step"] <= self.history[-1]["step"]:
+                self._restarted(payload["step"])
+            self._step(payload)
+        elif kind == "checkpoint":
+            self._say(f"checkpoint: {payload['step']} steps -> {payload['path']}")
+        elif kind == "done":
+            self.memory = payload["memory"]
+            if self.tb is not None:
+                for r in self.memory:  # one chart per quantity, one line per rank
+                    for key in _MEMORY:
+                        if r.get(key) is not None:
+                            self.tb.add_scalar(f"memory/{key}/rank{r['rank']}", r[key], len(self.history))
+
+    def _restarted(self, step: int) -> None:
+        """The worker group restarted from a checkpoint: drop the steps it will redo."""
+        self.restarts += 1
+        self.history = [h for h in self.history if h["step"] < step]
+        self.file.close()
+        self.file = self.path.open("w")
+        for h in self.history:
+            self.file.write(json.dumps(h) + "\n")
+        self._say(f"restart {self.restarts}: the worker group continues from step {step}")
+
+    def _record(self, m: dict) -> None:
+        self.history.append(m)
+        self.file.write(json.dumps(m) + "\n")
+        self.file.flush()
+
+    def _step(self, m: dict) -> None:
+        self._record(m)
+        step = m["step"]
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step + 1, status=_status(m))
+        if self.lines is not None:
+            print(f"step {step + 1}/{self.steps}  {_status(m)}", file=self.lines, flush=True)
+        if self.tb is not None:
+            for key, tag in _SCALARS.items():
+                if m.get(key) is not None:
+                    self.tb.add_scalar(tag, m[key], step)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.bar is not None:
+            self.bar.stop()
+        if self.tb is not None:
+            self.tb.close()
