@@ -144,8 +144,11 @@ def run_worker(
     if dataset_fn is not None:  # before the model: the reader starts while the model builds
         feed = ReplicaFeed(cfg, mesh, dims, mesh.dp.get_local_rank(), dataset_fn, skip_steps=start)
     trainer = Trainer(cfg, dims, mesh, device)
+    load_s = None
     if resume:
+        t0 = time.perf_counter()
         checkpoint.load(trainer, cfg, resume)
+        load_s = time.perf_counter() - t0
     if dataset_fn is not None:
         next_batch = lambda step: feed.next()  # noqa: E731
     else:
@@ -177,7 +180,9 @@ def run_worker(
         done = step + 1
         if interval and (done % interval == 0 or done == cfg.train.steps):
             position = dataclasses.asdict(feed.stream.position) if dataset_fn is not None and feed.stream else {}
+            t0 = time.perf_counter()
             path = checkpoint.save(trainer, cfg, done, launch_id=launch_id, data_position=position)
+            metrics["checkpoint_save_s"] = time.perf_counter() - t0  # after on_step: rank-local, in the result
             if on_checkpoint is not None:
                 on_checkpoint(done, path, metrics)
     if dataset_fn is not None:
@@ -190,4 +195,4 @@ def run_worker(
         "data_wait_fraction": waited / busy if busy else None,
     }
     dist.all_gather_object(per_rank, {"rank": rank, "node": node_id, **coords, **inputs, **trainer.memory_stats()})
-    return {"history": history, "memory": per_rank, "coords": coords}
+    return {"history": history, "memory": per_rank, "coords": coords, "checkpoint_load_s": load_s}

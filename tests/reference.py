@@ -42,9 +42,10 @@ def ray_data_batches(cfg: Config, steps: int) -> list:
     return out
 
 
-def reference_run(cfg: Config, windows: list | None = None) -> list[dict]:
+def reference_run(cfg: Config, windows: list | None = None, keep_model: list | None = None) -> list[dict]:
     """``windows``: per step, the global batch as [B, seq_len+1] token ids; default: the
-    in-memory corpus windows the engine uses without Ray."""
+    in-memory corpus windows the engine uses without Ray. ``keep_model``: a list that receives
+    the trained transformers model."""
     spec = get_arch(cfg.model.arch)
     hf_config = spec.hf_config(cfg.model)
     model_cls = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}[cfg.model.arch]
@@ -79,4 +80,6 @@ def reference_run(cfg: Config, windows: list | None = None) -> list[dict]:
         opt.step()
         opt.zero_grad(set_to_none=True)
         out.append({"step": step, "loss": loss.item(), "grad_norm": norm.item(), "lr": lr})
+    if keep_model is not None:
+        keep_model.append(model)
     return out

@@ -1,0 +1,200 @@
+"""Checkpoints: resume under other layouts, export to Hugging Face, refuse damaged checkpoints.
+
+The oracle holds across a checkpoint: a run saved at (2,2,2) after 2 of 4 steps and resumed
+at (4,1,2), (1,2,4) or (1,1,1) gives the uninterrupted single-process run's steps 3 and 4.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import reference_history
+from test_engine_gloo import run_gloo
+
+from raytrain_hybrid import checkpoint
+from raytrain_hybrid.cli import main as cli
+
+STEPS = 4
+COMMON = (f"train.steps={STEPS}", "model.num_layers=4", "train.global_batch_size=16")
+SAVED_AT = ("parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=2", "parallelism.microbatches=2")
+RESUME_AT = {
+    "4x1x2": ("parallelism.dp=4", "parallelism.tp=1", "parallelism.pp=2", "parallelism.microbatches=2"),
+    "1x2x4": ("parallelism.dp=1", "parallelism.tp=2", "parallelism.pp=4", "parallelism.microbatches=4"),
+    "1x1x1": ("parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=1", "parallelism.microbatches=1"),
+}
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """A (2,2,2) run of 4 steps with a checkpoint every 2 (gloo processes, no Ray)."""
+    out = tmp_path_factory.mktemp("saved") / "run"
+    result = run_gloo([*COMMON, *SAVED_AT, "checkpoint.interval=2", f"run.output_dir={out}"])
+    return out, result
+
+
+def assert_steps_match(history, reference, first: int):
+    assert [h["step"] for h in history] == list(range(first, STEPS))
+    for got in history:
+        want = reference[got["step"]]
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4), f"loss at step {got['step']}"
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), f"grad_norm at step {got['step']}"
+        assert got["lr"] == pytest.approx(want["lr"], rel=1e-9)
+
+
+def test_saved_run_matches_and_each_rank_writes_its_share(saved_run):
+    out, result = saved_run
+    assert_steps_match(result["history"], reference_history(COMMON), 0)
+    step2 = out / "checkpoints" / "step_2"
+    manifest = checkpoint.verify(step2)
+    assert manifest["step"] == 2 and manifest["world_size"] == 8
+    assert manifest["layout"]["tp"] == 2 and manifest["config"]["model"]["hidden_size"] == 128
+    shards = [step2 / f"__{r}_0.distcp" for r in range(8)]
+    sizes = [s.stat().st_size for s in shards]
+    # model + AdamW moments, fp32: 12 bytes a parameter in all; each rank writes about 1/8
+    # (replicas split the replicated shards between them rather than all writing them).
+    total = sum(sizes)
+    assert max(sizes) < 1.25 * total / 8, sizes
+    assert not list((out / "checkpoints").glob("*.partial"))
+
+
+@pytest.mark.parametrize("name", list(RESUME_AT))
+def test_resume_under_another_layout_matches_the_uninterrupted_run(saved_run, tmp_path, name):
+    out, _ = saved_run
+    result = run_gloo(
+        [*COMMON, *RESUME_AT[name], f"run.output_dir={tmp_path / 'run'}"], resume=str(out / "checkpoints" / "step_2")
+    )
+    assert_steps_match(result["history"], reference_history(COMMON), 2)
+
+
+def test_export_round_trip_logits(saved_run, tmp_path):
+    """The exported directory loads offline with AutoModelForCausalLM; its logits equal both the
+    checkpoint's own model and the reference loop's model after the same 4 steps."""
+    from reference import reference_run
+    from transformers import AutoModelForCausalLM
+
+    from raytrain_hybrid.config import load_config
+    from raytrain_hybrid.data import TokenWindows, tokenize_corpus
+    from raytrain_hybrid.export import load_full_state_dict
+    from raytrain_hybrid.models import get_arch
+    from raytrain_hybrid.models.common import build_stage
+
+    out, _ = saved_run
+    exported = tmp_path / "hf"
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "raytrain-hybrid"), "export", str(out), str(exported)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in exported.iterdir()}
+    hf = AutoModelForCausalLM.from_pretrained(exported, local_files_only=True).eval()
+
+    cfg = load_config(None, list(COMMON))
+    batch = TokenWindows(tokenize_corpus(), cfg.model.seq_len, 0).rows_to_batch(torch.arange(4).numpy()).input_ids
+    spec = get_arch("llama")
+    stage = build_stage(spec, spec.hf_config(cfg.model), list(range(4)), first=True, last=True)
+    stage.to_empty(device="cpu")
+    spec.init_buffers(stage, spec.hf_config(cfg.model), torch.device("cpu"))
+    stage.load_state_dict(load_full_state_dict(out / "checkpoints" / "step_4", cfg))
+    trained: list = []
+    reference_run(cfg, keep_model=trained)
+    with torch.no_grad():
+        got = hf(input_ids=batch).logits
+        torch.testing.assert_close(got, stage(batch), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, trained[0](input_ids=batch).logits, rtol=1e-3, atol=1e-4)
+
+
+# ------------------------------------------------------------------ damaged checkpoints
+
+
+def _damaged(saved_run, tmp_path, damage) -> Path:
+    out, _ = saved_run
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy)
+    damage(copy / "checkpoints" / "step_4")
+    return copy
+
+
+def _truncate(d: Path):
+    f = d / "__3_0.distcp"
+    f.write_bytes(f.read_bytes()[:1000])
+
+
+def _flip(d: Path):
+    f = d / "__5_0.distcp"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "truncated": (_truncate, "has a truncated __3_0.distcp"),
+    "corrupted": (_flip, "has a corrupted __5_0.distcp"),
+    "missing shard": (lambda d: (d / "__6_0.distcp").unlink(), "is missing the shard __6_0.distcp"),
+    "interrupted save": (
+        lambda d: (d / "manifest.json").unlink(),
+        "is not a complete checkpoint: manifest.json is missing",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGE))
+def test_damaged_checkpoint_is_refused_and_nothing_is_written(saved_run, tmp_path, case, capsys):
+    damage, message = DAMAGE[case]
+    run_dir = _damaged(saved_run, tmp_path, damage)
+    step4 = run_dir / "checkpoints" / "step_4"
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    target = tmp_path / "resumed"
+    code = cli(["train", "--resume", str(step4), "--set", f"run.output_dir={target}", "--set", "train.steps=6"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"--resume='{step4}': {message}" in err, err
+    assert not target.exists()  # refused before anything was created
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+    # The run directory still resumes: its newest intact checkpoint is step_2.
+    path, manifest = checkpoint.resolve(run_dir)
+    assert path.name == "step_2" and manifest["step"] == 2
+
+
+def test_checkpoint_of_another_model_is_refused_by_the_cli(saved_run, tmp_path):
+    out, _ = saved_run
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "raytrain-hybrid"), "train", "--resume", str(out),
+         "--set", "model.hidden_size=256", "--set", "train.steps=6", "--set", f"run.output_dir={tmp_path / 'r'}"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "model.hidden_size=256: the checkpoint" in done.stderr and "model.hidden_size=128" in done.stderr
+
+
+def test_a_finished_run_or_an_earlier_runs_directory_is_not_overwritten(saved_run, capsys):
+    out, _ = saved_run
+    assert cli(["train", "--set", f"run.output_dir={out}"]) == 2  # a fresh run into a dir with checkpoints
+    assert "holds checkpoints of an earlier run (step_4); continue it with --resume" in capsys.readouterr().err
+    code = cli(["train", "--resume", str(out), "--set", f"run.output_dir={out}", "--set", f"train.steps={STEPS}"])
+    assert code == 2 and "has done 4 steps already; raise train.steps" in capsys.readouterr().err
+
+
+def test_metadata_pickle_with_foreign_objects_is_not_loaded(saved_run, tmp_path):
+    """DCP's .metadata is a pickle; a crafted one must not run code when read."""
+    out, _ = saved_run
+    bad = tmp_path / "bad"
+    shutil.copytree(out / "checkpoints" / "step_4", bad)
+
+    class Exploit:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    (bad / ".metadata").write_bytes(pickle.dumps(Exploit()))
+    reader = checkpoint.SafeFileSystemReader(str(bad))
+    with pytest.raises(pickle.UnpicklingError, match="builtins.print"):
+        reader.read_metadata()
+    meta = checkpoint.SafeFileSystemReader(str(out / "checkpoints" / "step_4")).read_metadata()
+    assert "model.model.embed_tokens.weight" in meta.state_dict_metadata
+    assert json.loads((out / "checkpoints" / "step_4" / "manifest.json").read_text())["step"] == 4

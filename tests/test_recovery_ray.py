@@ -1,0 +1,64 @@
+"""Failure recovery on Ray: a training worker's process is killed after a checkpoint; Ray Train
+restarts the worker group (run.max_failures=1), it continues from that checkpoint, and the
+per-step losses equal the uninterrupted single-process run's on the same Ray Data input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+from conftest import reference_history
+from test_oracle import COMMON, assert_matches, layout
+
+
+def _train_worker_pids() -> list[int]:
+    pids = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        if cmd.startswith("ray::RayTrainWorker"):
+            pids.append(proc.pid)
+    return pids
+
+
+@pytest.mark.slow
+def test_killed_worker_recovers_from_checkpoint_with_identical_losses(ray_local, tmp_path):
+    from raytrain_hybrid.config import load_config
+    from raytrain_hybrid.launcher import run
+
+    out = tmp_path / "run"
+    cfg = load_config(
+        None,
+        [*COMMON, *layout(2, 2, 2, "1F1B", 4), "checkpoint.interval=2", "checkpoint.keep=1",
+         "run.max_failures=1", f"run.output_dir={out}", "run.progress=false"],
+    )  # fmt: skip
+    killed: dict = {}
+
+    def kill_after_first_checkpoint() -> None:
+        metrics = out / "metrics.jsonl"
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            steps = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+            if (out / "checkpoints" / "step_2" / "manifest.json").exists() and steps >= 3:
+                pids = _train_worker_pids()
+                if len(pids) == 8:
+                    killed["pid"], killed["after_steps"] = pids[5], steps
+                    os.kill(pids[5], signal.SIGKILL)
+                    return
+            time.sleep(0.2)
+
+    killer = threading.Thread(target=kill_after_first_checkpoint, daemon=True)
+    killer.start()
+    summary = run(cfg)
+    killer.join(timeout=5)
+    assert "pid" in killed, "the worker was never killed"
+    assert not psutil.pid_exists(killed["pid"]) or psutil.Process(killed["pid"]).status() == psutil.STATUS_ZOMBIE
+    assert summary["restarts"] == 1
+    history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert_matches(history, reference_history(COMMON, "ray"))  # every step once, as if never interrupted
+    # checkpoint.keep=1: only the newest (after the last step) is left, and it is intact
+    assert [p.name for p in (out / "checkpoints").glob("step_*")] == ["step_5"]
