@@ -106,8 +106,12 @@ def _file_digest(path: Path) -> dict:
     return {"size": path.stat().st_size, "sha256": h.hexdigest()}
 
 
-def save(trainer, cfg, step: int, *, launch_id: str, data_position: dict | None = None) -> Path:
-    """Write checkpoint ``step_<step>`` of this run (every rank calls it); returns its directory."""
+def save(trainer, cfg, step: int, *, launch_id: str, data_position: dict | None = None) -> tuple[Path, dict]:
+    """Write checkpoint ``step_<step>`` of this run (every rank calls it); returns its directory
+    and timings: ``write_s`` for DCP's write of the shards, ``save_s`` for all of it."""
+    import time
+
+    t0 = time.perf_counter()
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -120,6 +124,7 @@ def save(trainer, cfg, step: int, *, launch_id: str, data_position: dict | None 
     dist.barrier()
     state, _ = _training_state(trainer, rank, with_rng=True)
     dcp.save(state, checkpoint_id=str(partial))
+    write_s = time.perf_counter() - t0
     # Each rank hashes the files it wrote; rank 0 records them all.
     mine = {p.name: _file_digest(p) for p in partial.iterdir() if p.name.startswith(f"__{rank}_")}
     if rank == 0:
@@ -142,7 +147,7 @@ def save(trainer, cfg, step: int, *, launch_id: str, data_position: dict | None 
             shutil.rmtree(final)
         os.rename(partial, final)  # atomic: the directory appears complete or not at all
     dist.barrier()
-    return final
+    return final, {"write_s": write_s, "save_s": time.perf_counter() - t0}
 
 
 def load(trainer, cfg, path: str | Path) -> dict:

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ _WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false", "RAY_TRAIN_V2_ENABLED": "1"}
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """Runs on every Ray Train worker (the process group is already initialised)."""
+    entered = time.time()
     import ray
     import ray.train
     import torch
@@ -37,6 +39,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     cfg = Config.from_dict(loop_config["config"])
     torch.set_num_threads(max(1, int(cfg.cluster.cpus_per_worker)))
     from raytrain_hybrid.worker import run_worker
+
+    marks = {"worker_entered": entered, "worker_imported": time.time()}
 
     sink = loop_config.get("sink")
     node_id = ray.get_runtime_context().get_node_id()  # node IP is shared by virtual nodes
@@ -58,7 +62,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         ckpt = Checkpoint(str(path)) if rank == 0 else None
         ray.train.report(report, checkpoint=ckpt, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
         if rank == 0 and sink is not None:
-            sink.put(("checkpoint", {"step": steps_done, "path": str(path)}))
+            timings = {k: metrics[k] for k in ("write_s", "save_s")}
+            sink.put(("checkpoint", {"step": steps_done, "path": str(path), **timings}))
 
     result = run_worker(
         cfg,
@@ -69,9 +74,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         resume=_restart_point(loop_config),
         launch_id=loop_config["launch_id"],
         on_checkpoint=on_checkpoint,
+        marks=marks,
     )
     if ray.train.get_context().get_world_rank() == 0 and sink is not None:
-        sink.put(("done", {"memory": result["memory"]}))
+        sink.put(("done", {"memory": result["memory"], "marks": result["marks"]}))
     last = result["history"][-1]
     ray.train.report({"loss": last["loss"], "step": last["step"]})
 
@@ -158,6 +164,34 @@ def check_placement(cfg: Config, resources: dict[str, float]) -> list[int] | Non
     return counts
 
 
+# Start-up phases, each from the mark before it: where the time to the first step goes.
+_PHASES = (
+    ("ray_init", "ray_ready"),
+    ("input_check", "input_checked"),
+    ("worker_start", "worker_entered"),  # placement group, worker processes, process group
+    ("worker_imports", "worker_imported"),
+    ("process_group", "group_ready"),
+    ("mesh", "mesh_built"),
+    ("model_build", "model_built"),
+    ("checkpoint_load", "checkpoint_loaded"),
+    ("first_batch", "first_batch"),
+    ("first_step", "first_step_done"),
+)
+
+
+def startup_breakdown(marks: dict) -> dict:
+    """Seconds per start-up phase (rank 0's worker marks, the driver's own), and the total
+    from the command to the end of the first step."""
+    out, last = {}, marks.get("launched")
+    for name, mark in _PHASES:
+        if mark in marks and last is not None:
+            out[name] = round(marks[mark] - last, 3)
+            last = marks[mark]
+    if "first_step_done" in marks:
+        out["total_to_first_step"] = round(marks["first_step_done"] - marks["launched"], 3)
+    return out
+
+
 def summarize(cfg: Config, history: list[dict], memory: list[dict], restarts: int = 0) -> dict:
     par = cfg.parallelism
     # The first steps pay for warm-up (allocations, pipeline shape inference); leave them out.
@@ -235,6 +269,7 @@ def run(cfg: Config, resume: str | None = None) -> dict:
     from ray.train.torch import TorchConfig, TorchTrainer
     from ray.util.queue import Empty, Queue
 
+    marks = {"launched": time.time()}
     par = cfg.parallelism
     world = par.world_size
     out_dir = Path(cfg.run.output_dir).resolve()
@@ -243,10 +278,12 @@ def run(cfg: Config, resume: str | None = None) -> dict:
     resume, kept_history = check_resume(cfg, resume)
     out_dir.mkdir(parents=True, exist_ok=True)
     _ensure_ray(cfg, world)
+    marks["ray_ready"] = time.time()
     use_gpu = _use_gpu(cfg, world)
     resources = worker_resources(cfg, use_gpu)
     check_placement(cfg, resources)
     cfg = prepare_input(cfg)
+    marks["input_checked"] = time.time()
     backend = cfg.cluster.backend if cfg.cluster.backend != "auto" else ("nccl" if use_gpu else "gloo")
     sink = Queue(actor_options={"num_cpus": 0})
     trainer = TorchTrainer(
@@ -286,6 +323,7 @@ def run(cfg: Config, resume: str | None = None) -> dict:
 
     progress = RunLog(out_dir, steps=cfg.train.steps, progress=cfg.run.progress, history=kept_history)
     thread = threading.Thread(target=fit, daemon=True)
+    marks["fit_called"] = time.time()
     thread.start()
     try:
         while thread.is_alive() or not sink.empty():
@@ -300,6 +338,8 @@ def run(cfg: Config, resume: str | None = None) -> dict:
     if "error" in outcome:
         raise outcome["error"]
     summary = summarize(cfg, progress.history, progress.memory, progress.restarts)
+    summary["startup_s"] = startup_breakdown({**marks, **progress.marks})
+    summary["checkpoints"] = progress.checkpoints
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     ray.kill(sink.actor)

@@ -40,6 +40,8 @@ class RunLog:
         self.history: list[dict] = []
         self.memory: list[dict] = []
         self.restarts = 0
+        self.checkpoints: list[dict] = []  # step, path, write_s, save_s
+        self.marks: dict = {}  # rank 0's start-up phases (wall clock)
         self.file = self.path.open("w")
         for m in history or ():  # the steps a resumed run did before its checkpoint
             self._record(m)
@@ -76,9 +78,11 @@ class RunLog:
                 self._restarted(payload["step"])
             self._step(payload)
         elif kind == "checkpoint":
-            self._say(f"checkpoint: {payload['step']} steps -> {payload['path']}")
+            self.checkpoints.append(payload)
+            self._say(f"checkpoint: {payload['step']} steps -> {payload['path']} ({payload['save_s']:.2f} s)")
         elif kind == "done":
             self.memory = payload["memory"]
+            self.marks = payload.get("marks", {})
             if self.tb is not None:
                 for r in self.memory:  # one chart per quantity, one line per rank
                     for key in _MEMORY:

@@ -121,6 +121,7 @@ def run_worker(
     resume: str | None = None,
     launch_id: str = "",
     on_checkpoint: Callable[[int, Path, dict], None] | None = None,
+    marks: dict | None = None,
 ) -> dict:
     """Train up to ``cfg.train.steps`` steps; returns per-step metrics and this rank's memory stats.
 
@@ -129,7 +130,9 @@ def run_worker(
     ``resume`` is a verified checkpoint directory to continue from (model, optimizer, LR
     schedule, RNG, data position); with ``checkpoint.interval`` the run saves its own, and
     ``on_checkpoint(steps_done, directory, metrics)`` runs on every rank after each save.
+    ``marks`` collects wall-clock times of the start-up phases (rank 0's are reported).
     """
+    marks = marks if marks is not None else {}
     par = cfg.parallelism
     dims = ParallelDims(dp=par.dp, tp=par.tp, pp=par.pp, zero=par.zero)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -137,18 +140,19 @@ def run_worker(
         raise RuntimeError(f"{world} workers started for a layout of {dims.world_size}")
     nodes: list[str] = [""] * world
     dist.all_gather_object(nodes, node_id)
+    marks["group_ready"] = time.time()
     arrangement = arrange_ranks(dims, nodes)
     device = device or pick_device(use_gpu)
     mesh = dims.build_mesh(device.type, arrangement)
     start = json.loads((Path(resume) / checkpoint.MANIFEST).read_text())["step"] if resume else 0
     if dataset_fn is not None:  # before the model: the reader starts while the model builds
         feed = ReplicaFeed(cfg, mesh, dims, mesh.dp.get_local_rank(), dataset_fn, skip_steps=start)
+    marks["mesh_built"] = time.time()
     trainer = Trainer(cfg, dims, mesh, device)
-    load_s = None
+    marks["model_built"] = time.time()
     if resume:
-        t0 = time.perf_counter()
         checkpoint.load(trainer, cfg, resume)
-        load_s = time.perf_counter() - t0
+        marks["checkpoint_loaded"] = time.time()
     if dataset_fn is not None:
         next_batch = lambda step: feed.next()  # noqa: E731
     else:
@@ -165,9 +169,11 @@ def run_worker(
         wait = time.perf_counter() - t0
         if batch is None:  # data.epochs ran out before train.steps
             break
+        marks.setdefault("first_batch", time.time())
         digest.update(batch.input_ids.numpy().tobytes())
         rows += batch.input_ids.shape[0]
         metrics = trainer.train_step(step, batch)
+        marks.setdefault("first_step_done", time.time())
         metrics["data_wait_s"] = wait
         if step > start:  # the first batch waits for the pipeline to start: not steady state
             waited, busy = waited + wait, busy + wait + metrics["step_time_s"]
@@ -180,9 +186,8 @@ def run_worker(
         done = step + 1
         if interval and (done % interval == 0 or done == cfg.train.steps):
             position = dataclasses.asdict(feed.stream.position) if dataset_fn is not None and feed.stream else {}
-            t0 = time.perf_counter()
-            path = checkpoint.save(trainer, cfg, done, launch_id=launch_id, data_position=position)
-            metrics["checkpoint_save_s"] = time.perf_counter() - t0  # after on_step: rank-local, in the result
+            path, timings = checkpoint.save(trainer, cfg, done, launch_id=launch_id, data_position=position)
+            metrics.update(timings)  # this rank's history (the driver hears of it from on_checkpoint)
             if on_checkpoint is not None:
                 on_checkpoint(done, path, metrics)
     if dataset_fn is not None:
@@ -195,4 +200,4 @@ def run_worker(
         "data_wait_fraction": waited / busy if busy else None,
     }
     dist.all_gather_object(per_rank, {"rank": rank, "node": node_id, **coords, **inputs, **trainer.memory_stats()})
-    return {"history": history, "memory": per_rank, "coords": coords, "checkpoint_load_s": load_s}
+    return {"history": history, "memory": per_rank, "coords": coords, "marks": marks}

@@ -1,4 +1,4 @@
-"""The oracle: every layout, launched through Ray Train, matches a plain single-process loop.
+"""The oracle: every layout matches a plain single-process loop (through Ray Train, or as gloo processes).
 
 Per-step loss and global gradient norm must agree with tests/reference.py (an
 independent loop over the unmodified transformers model) within 1e-4 relative, fp32.
@@ -11,8 +11,8 @@ from conftest import reference_history
 
 STEPS = 5
 COMMON = (f"train.steps={STEPS}", "model.num_layers=4", "train.global_batch_size=16")
-# Most layouts read the corpus in memory (no Ray Data start-up per run); the Ray Data input is
-# held to the same oracle at (1,1,1), (2,2,2) and GPT-2 (2,2,2).
+# Through Ray Train on Ray Data input: (1,1,1), (2,2,2) and GPT-2 (2,2,2). The other layouts
+# run the same engine as plain gloo processes on the corpus in memory (no Ray start-up per run).
 MEMORY = ("data.path=memory",)
 RAY_DATA_CASES = {"1x1x1", "2x2x2-1f1b-m4"}
 RTOL = 1e-4
@@ -54,23 +54,34 @@ def assert_matches(history, reference):
         assert got["lr"] == pytest.approx(want["lr"], rel=1e-9)
 
 
-@pytest.mark.parametrize("name", list(LLAMA_CASES))
-def test_llama_layout_matches_single_process(ray_local, run_layout, name):
-    ray_data = name in RAY_DATA_CASES
-    common = COMMON if ray_data else COMMON + MEMORY
-    history, summary = run_layout([*common, *LLAMA_CASES[name]], name)
-    assert_matches(history, reference_history(common, "ray" if ray_data else "memory"))
+@pytest.mark.parametrize("name", sorted(RAY_DATA_CASES))
+def test_llama_layout_on_ray_matches_single_process(ray_local, run_layout, name):
+    """Through the launcher on Ray Train, on Ray Data input."""
+    history, summary = run_layout([*COMMON, *LLAMA_CASES[name]], name)
+    assert_matches(history, reference_history(COMMON, "ray"))
     assert summary["steps"] == STEPS
     assert summary["final_loss"] == history[-1]["loss"]
-    assert_replicas_share_rows(summary)
+    assert_replicas_share_rows(summary["per_rank"], summary["layout"]["dp"])
 
 
-def assert_replicas_share_rows(summary):
+@pytest.mark.parametrize("name", sorted(set(LLAMA_CASES) - RAY_DATA_CASES))
+def test_llama_layout_matches_single_process(name):
+    """The engine as plain gloo processes (the same run_worker Ray Train calls): the other layouts."""
+    from test_engine_gloo import run_gloo
+
+    overrides = [*COMMON, *MEMORY, *LLAMA_CASES[name]]
+    result = run_gloo(overrides)
+    assert_matches(result["history"], reference_history(COMMON + MEMORY, "memory"))
+    dp = int(next(o for o in overrides if o.startswith("parallelism.dp=")).split("=")[1])
+    assert_replicas_share_rows(result["memory"], dp)
+
+
+def assert_replicas_share_rows(per_rank, dp):
     """Every rank of a replica trained on the same rows; different replicas on different rows."""
     by_replica: dict[int, set] = {}
-    for r in summary["per_rank"]:
+    for r in per_rank:
         by_replica.setdefault(r["dp"], set()).add(r["input_digest"])
-        assert r["input_rows"] == STEPS * 16 // summary["layout"]["dp"]
+        assert r["input_rows"] == STEPS * 16 // dp
     assert all(len(digests) == 1 for digests in by_replica.values()), by_replica
     assert len({d for ds in by_replica.values() for d in ds}) == len(by_replica)
 
@@ -80,4 +91,4 @@ def test_gpt2_3d_matches_single_process(ray_local, run_layout):
     history, summary = run_layout([*COMMON, *arch, *layout(2, 2, 2, "1F1B", 4)], "gpt2-2x2x2")
     assert_matches(history, reference_history(COMMON + arch, "ray"))
     assert summary["world_size"] == 8
-    assert_replicas_share_rows(summary)
+    assert_replicas_share_rows(summary["per_rank"], 2)
