@@ -280,8 +280,13 @@ class RunConfig:
     # Worker-group restarts after a worker dies (Ray Train FailureConfig); each restart
     # continues from the newest checkpoint of this run, so set checkpoint.interval too.
     max_failures: int = 0
+    # Give up when no step has run this long after the workers were asked for (placement,
+    # worker start, data, model build), saying what Ray is waiting for; 0 waits forever.
+    startup_timeout_s: float = 900.0
 
     def __post_init__(self) -> None:
+        if self.startup_timeout_s < 0:
+            raise ConfigError("run.startup_timeout_s", self.startup_timeout_s, "must be >= 0 (0: no limit)")
         if self.max_failures < 0:
             raise ConfigError("run.max_failures", self.max_failures, "must be >= 0 (-1 is not supported)")
 

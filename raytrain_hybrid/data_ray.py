@@ -235,7 +235,8 @@ def schema_check(cfg: Config) -> int:
         kind = schema.field(column).type
         if d.text_column and not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
             raise ConfigError(key, column, f"has type {kind} in {f}, not text; use data.token_column for token ids")
-        if d.token_column and not (
+        # text_column wins when set: token_column keeps its default then and must not be checked.
+        if not d.text_column and not (
             (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and pa.types.is_integer(kind.value_type)
         ):
             raise ConfigError(key, column, f"has type {kind} in {f}, not a list of integer token ids")

@@ -82,6 +82,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     ray.train.report({"loss": last["loss"], "step": last["step"]})
 
 
+class StartupTimeout(RuntimeError):
+    """The run did not reach its first step in time; the message says what Ray waits for."""
+
+
 def _restart_point(loop_config: dict) -> str | None:
     """Where this worker group starts: this launch's newest checkpoint after a restart, else
     the checkpoint given with --resume, else nothing. (Ray Train also hands back checkpoints of
@@ -158,10 +162,45 @@ def check_placement(cfg: Config, resources: dict[str, float]) -> list[int] | Non
     """
     par = cfg.parallelism
     dims = ParallelDims(dp=par.dp, tp=par.tp, pp=par.pp, zero=par.zero)
-    counts = predict_workers_per_node(live_node_totals(), dims.world_size, resources, cfg.cluster.placement_strategy)
+    nodes = live_node_totals()
+    counts = predict_workers_per_node(nodes, dims.world_size, resources, cfg.cluster.placement_strategy)
     if counts is not None:
         arrange_ranks(dims, [f"node{i}" for i, c in enumerate(counts) for _ in range(c)])
+        _check_data_cpus(cfg, nodes, dims.world_size)
     return counts
+
+
+def _check_data_cpus(cfg: Config, nodes: list[dict], world: int) -> None:
+    """Ray Data's read tasks run outside the workers' placement group: a cluster whose CPUs the
+    workers take entirely would start them and then wait for a CPU forever."""
+    if cfg.data.path == "memory":
+        return
+    total = sum(n.get("CPU", 0) for n in nodes)
+    taken = world * cfg.cluster.cpus_per_worker
+    if total - taken < 1:
+        raise ConfigError(
+            "cluster.cpus_per_worker",
+            cfg.cluster.cpus_per_worker,
+            f"the cluster has {total:g} CPUs and {world} workers take {taken:g} of them, leaving none for "
+            f"Ray Data's read tasks (the run would wait forever for one): give the cluster at least "
+            f"{taken + 1:g} CPUs (e.g. `ray start --head --num-cpus={int(taken) + 1}`), lower "
+            "cluster.cpus_per_worker, or use data.path=memory",
+        )
+
+
+def waiting_for() -> str:
+    """What Ray is waiting for: pending placement groups and the resources free now."""
+    import ray
+
+    pending = [
+        f"placement group of {len(pg['bundles'])} x {next(iter(pg['bundles'].values()), {})}"
+        for pg in ray.util.placement_group_table().values()
+        if pg.get("state") == "PENDING"
+    ]
+    free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
+    total = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
+    what = "; ".join(pending) if pending else "no pending placement group (the workers started: see their logs)"
+    return f"Ray is waiting for: {what}. Cluster resources {total}, free now {free}"
 
 
 # Start-up phases, each from the mark before it: where the time to the first step goes.
@@ -325,16 +364,20 @@ def run(cfg: Config, resume: str | None = None) -> dict:
     thread = threading.Thread(target=fit, daemon=True)
     marks["fit_called"] = time.time()
     thread.start()
+    limit = cfg.run.startup_timeout_s
     try:
         while thread.is_alive() or not sink.empty():
+            if limit and not progress.live_steps and time.time() - marks["fit_called"] > limit:
+                # Leave the trainer thread: the driver exits, and Ray ends its workers with it.
+                raise StartupTimeout(f"no training step after {limit:g} s (run.startup_timeout_s). {waiting_for()}")
             try:
                 kind, payload = sink.get(timeout=0.5)
             except Empty:
                 continue
             progress.handle(kind, payload)
+        thread.join()
     finally:
         progress.close()
-        thread.join()
     if "error" in outcome:
         raise outcome["error"]
     summary = summarize(cfg, progress.history, progress.memory, progress.restarts)

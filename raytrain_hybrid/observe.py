@@ -40,6 +40,7 @@ class RunLog:
         self.history: list[dict] = []
         self.memory: list[dict] = []
         self.restarts = 0
+        self.live_steps = 0  # steps reported by this launch's workers
         self.checkpoints: list[dict] = []  # step, path, write_s, save_s
         self.marks: dict = {}  # rank 0's start-up phases (wall clock)
         self.file = self.path.open("w")
@@ -74,6 +75,7 @@ class RunLog:
 
     def handle(self, kind: str, payload: dict) -> None:
         if kind == "step":
+            self.live_steps += 1
             if self.history and payload["step"] <= self.history[-1]["step"]:
                 self._restarted(payload["step"])
             self._step(payload)

@@ -54,7 +54,13 @@ def ray_head():
     address = f"http://127.0.0.1:{dash}"
     deadline = time.time() + 120
     while True:
-        probe = subprocess.run([str(BIN / "ray"), "job", "list", "--address", address], env=env, capture_output=True)
+        # Ready when a job can be submitted: the dashboard answers before its job agent does
+        # ("No available agent to submit job").
+        probe = subprocess.run(
+            [str(BIN / "ray"), "job", "submit", "--address", address, "--", "echo", "ready"],
+            env=env,
+            capture_output=True,
+        )
         if probe.returncode == 0:
             break
         if head.poll() is not None or time.time() > deadline:
@@ -114,3 +120,30 @@ def test_a_failing_job_exits_non_zero_with_the_reason(ray_head):
     assert "Job 'rh-bad' failed" in status.stdout
     logs = _ray(ray_head, "job", "logs", "--address", ray_head["address"], "rh-bad").stdout
     assert "parallelism.tp=3: does not divide model.num_heads=4" in logs, logs[-2000:]
+
+
+def _logs(head, job_id: str) -> str:
+    return _ray(head, "job", "logs", "--address", head["address"], job_id).stdout
+
+
+def test_a_job_whose_workers_take_every_cpu_is_refused(ray_head):
+    """10 workers on the 10-CPU head would leave Ray Data's reads waiting forever: refused, with
+    the CPUs there and the CPUs needed."""
+    layout = ["parallelism.dp=5", "parallelism.pp=1", "parallelism.microbatches=1", "train.global_batch_size=20"]
+    done = _submit(ray_head, "rh-cpus", *[a for kv in layout for a in ("--set", kv)])
+    assert done.returncode != 0
+    logs = _logs(ray_head, "rh-cpus")
+    assert "the cluster has 10 CPUs and 10 workers take 10 of them" in logs, logs[-2000:]
+    assert "ray start --head --num-cpus=11" in logs
+
+
+def test_a_job_that_cannot_start_stops_and_says_what_ray_waits_for(ray_head):
+    """12 workers cannot be placed on 10 CPUs (an autoscaler might add nodes, so no refusal up
+    front): the start-up watchdog ends the job and names the pending placement group."""
+    layout = ["parallelism.dp=6", "parallelism.pp=1", "parallelism.microbatches=1", "train.global_batch_size=24",
+              "run.startup_timeout_s=15"]  # fmt: skip
+    done = _submit(ray_head, "rh-stuck", *[a for kv in layout for a in ("--set", kv)])
+    assert done.returncode != 0
+    logs = _logs(ray_head, "rh-stuck")
+    assert "no training step after 15 s (run.startup_timeout_s)" in logs, logs[-2000:]
+    assert "Ray is waiting for: placement group of 12 x {'CPU': 1.0}" in logs

@@ -50,7 +50,10 @@ def test_sweep_analysis():
 
 
 @pytest.mark.slow
-def test_quick_start_trains_on_local_ray():
+def test_quick_start_trains_on_local_ray(ray_local, monkeypatch):
+    # The kernel joins the session's cluster through RAY_ADDRESS, as the notebook says a user
+    # with a running cluster does (without it, the notebook starts its own: a minute more here).
+    monkeypatch.setenv("RAY_ADDRESS", ray_local.get_runtime_context().gcs_address)
     nb = execute("quick_start.ipynb")
     out = text(nb)
     assert "6 steps, final loss" in out

@@ -11,10 +11,12 @@ from conftest import reference_history
 
 STEPS = 5
 COMMON = (f"train.steps={STEPS}", "model.num_layers=4", "train.global_batch_size=16")
-# Through Ray Train on Ray Data input: (1,1,1), (2,2,2) and GPT-2 (2,2,2). The other layouts
-# run the same engine as plain gloo processes on the corpus in memory (no Ray start-up per run).
+# Through Ray Train on Ray Data input: (1,1,1) here, (2,2,2) in test_recovery_ray.py. The other
+# layouts (and GPT-2) run the same engine as plain gloo processes on the corpus in memory.
 MEMORY = ("data.path=memory",)
-RAY_DATA_CASES = {"1x1x1", "2x2x2-1f1b-m4"}
+# (2,2,2) on Ray Data through the launcher is tests/test_recovery_ray.py: its run loses a
+# worker and must still match this oracle step for step.
+RAY_DATA_CASES = {"1x1x1"}
 RTOL = 1e-4
 
 
@@ -86,9 +88,11 @@ def assert_replicas_share_rows(per_rank, dp):
     assert len({d for ds in by_replica.values() for d in ds}) == len(by_replica)
 
 
-def test_gpt2_3d_matches_single_process(ray_local, run_layout):
-    arch = ("model.arch=gpt2",)
-    history, summary = run_layout([*COMMON, *arch, *layout(2, 2, 2, "1F1B", 4)], "gpt2-2x2x2")
-    assert_matches(history, reference_history(COMMON + arch, "ray"))
-    assert summary["world_size"] == 8
-    assert_replicas_share_rows(summary["per_rank"], 2)
+def test_gpt2_3d_matches_single_process():
+    from test_engine_gloo import run_gloo
+
+    common = (*COMMON, *MEMORY, "model.arch=gpt2")
+    result = run_gloo([*common, *layout(2, 2, 2, "1F1B", 4)])
+    assert_matches(result["history"], reference_history(common, "memory"))
+    assert len(result["memory"]) == 8
+    assert_replicas_share_rows(result["memory"], 2)

@@ -1,6 +1,8 @@
 """Failure recovery on Ray: a training worker's process is killed after a checkpoint; Ray Train
 restarts the worker group (run.max_failures=1), it continues from that checkpoint, and the
-per-step losses equal the uninterrupted single-process run's on the same Ray Data input."""
+per-step losses equal the uninterrupted single-process run's on the same Ray Data input.
+
+This is also the oracle case of (2,2,2), 1F1B, 4 micro-batches through the launcher on Ray Data."""
 
 from __future__ import annotations
 
@@ -60,5 +62,12 @@ def test_killed_worker_recovers_from_checkpoint_with_identical_losses(ray_local,
     assert summary["restarts"] == 1
     history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert_matches(history, reference_history(COMMON, "ray"))  # every step once, as if never interrupted
+    # After the restart too, the 4 ranks of each replica trained on identical rows, and the two
+    # replicas on different ones.
+    digests = {r["dp"]: set() for r in summary["per_rank"]}
+    for r in summary["per_rank"]:
+        digests[r["dp"]].add(r["input_digest"])
+    assert all(len(d) == 1 for d in digests.values()) and len(set.union(*digests.values())) == 2
+    assert summary["world_size"] == 8 and summary["layout"]["tp"] == 2
     # checkpoint.keep=1: only the newest (after the last step) is left, and it is intact
     assert [p.name for p in (out / "checkpoints").glob("step_*")] == ["step_5"]
