@@ -96,7 +96,9 @@ def sweep(
             "trial": tune.grid_search(trials),
         },
         tune_config=tune.TuneConfig(max_concurrent_trials=1),  # each trial takes every worker slot
-        run_config=tune.RunConfig(storage_path=str(out_dir / "tune"), name="sweep", verbose=0),
+        run_config=tune.RunConfig(
+            storage_path=str(out_dir / "tune"), name="sweep", verbose=0, callbacks=[_progress(len(trials))]
+        ),
     )
     grid = tuner.fit()
     by_name = {}
@@ -149,6 +151,46 @@ def _save(rows: list[dict], out_dir: Path) -> None:
     fig = plot_sweep(rows)
     fig.savefig(out_dir / "sweep.png", dpi=120)
     plt.close(fig)
+
+
+def _progress(total: int):
+    """A Tune callback that shows the sweep on the driver: a bar on a terminal, lines otherwise."""
+    import sys
+
+    from ray.tune import Callback
+
+    class SweepProgress(Callback):
+        def __init__(self) -> None:
+            self.done = 0
+            self.bar = None
+            if sys.stdout.isatty():
+                from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+                self.bar = Progress(
+                    TextColumn("[bold]sweep"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}")
+                )
+                self.task = self.bar.add_task("running the first trial", total=total)
+                self.bar.start()
+
+        def _finished(self, trial, what: str) -> None:
+            self.done += 1
+            name = trial.config.get("trial", {}).get("name", trial.trial_id)
+            if self.bar is not None:
+                self.bar.update(self.task, completed=self.done, description=f"{name}: {what}")
+                if self.done == total:
+                    self.bar.stop()
+            else:
+                print(f"sweep {self.done}/{total}  {name}: {what}", flush=True)
+
+        def on_trial_complete(self, iteration, trials, trial, **info) -> None:
+            m = trial.last_result or {}
+            tps = m.get("tokens_per_s")
+            self._finished(trial, "failed" if m.get("failed", True) else f"{tps:,.0f} tokens/s" if tps else "done")
+
+        def on_trial_error(self, iteration, trials, trial, **info) -> None:
+            self._finished(trial, "error")
+
+    return SweepProgress()
 
 
 def _ranks(values: list[float]) -> list[float]:

@@ -48,6 +48,10 @@ def ray_head():
         str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=10", f"--port={_free_port()}",
         "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--ray-client-server-port={_free_port()}",
         f"--temp-dir={tmp / 'ray'}", "--disable-usage-stats",
+        # The session's own cluster holds the default agent ports on this machine; a second
+        # head's job agent could not bind them ("No available agent to submit job").
+        f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
+        f"--runtime-env-agent-port={_free_port()}", f"--metrics-export-port={_free_port()}",
     ]  # fmt: skip
     log = (tmp / "head.log").open("w")
     head = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -60,12 +64,14 @@ def ray_head():
             [str(BIN / "ray"), "job", "submit", "--address", address, "--", "echo", "ready"],
             env=env,
             capture_output=True,
+            text=True,
+            timeout=60,
         )
         if probe.returncode == 0:
             break
         if head.poll() is not None or time.time() > deadline:
             os.killpg(head.pid, signal.SIGKILL)
-            pytest.fail(f"ray head did not come up: {(tmp / 'head.log').read_text()[-2000:]}")
+            pytest.fail(f"ray head did not take a job: {probe.stdout[-1500:]} {probe.stderr[-1500:]}")
         time.sleep(2)
     yield {"address": address, "env": env, "tmp": tmp}
     os.killpg(head.pid, signal.SIGTERM)
