@@ -98,6 +98,11 @@ def layout_of(cfg) -> dict:
             "virtual_stages": par.stages_per_rank, "microbatches": par.microbatches}  # fmt: skip
 
 
+def read_manifest(path: str | Path) -> dict:
+    """The manifest of a checkpoint directory (unverified: see ``verify`` for the driver's check)."""
+    return json.loads((Path(path) / MANIFEST).read_text())
+
+
 def _file_digest(path: Path) -> dict:
     h = hashlib.sha256()
     with path.open("rb") as f:
@@ -157,7 +162,7 @@ def load(trainer, cfg, path: str | Path) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     path = Path(path)
-    manifest = json.loads((path / MANIFEST).read_text())
+    manifest = read_manifest(path)
     rank = dist.get_rank()
     same_layout = manifest["world_size"] == dist.get_world_size() and manifest["layout"] == layout_of(cfg)
     state, per_module = _training_state(trainer, rank, with_rng=same_layout)

@@ -94,7 +94,7 @@ def _restart_point(loop_config: dict) -> str | None:
 
     latest = ray.train.get_checkpoint()
     if latest is not None:
-        manifest = json.loads((Path(latest.path) / checkpoint.MANIFEST).read_text())
+        manifest = checkpoint.read_manifest(latest.path)
         if manifest.get("launch_id") == loop_config["launch_id"]:
             return latest.path
     return loop_config.get("resume")

@@ -94,11 +94,12 @@ class RunLog:
     def _restarted(self, step: int) -> None:
         """The worker group restarted from a checkpoint: drop the steps it will redo."""
         self.restarts += 1
-        self.history = [h for h in self.history if h["step"] < step]
+        kept = [h for h in self.history if h["step"] < step]
         self.file.close()
         self.file = self.path.open("w")
-        for h in self.history:
-            self.file.write(json.dumps(h) + "\n")
+        self.history = []
+        for h in kept:
+            self._record(h)
         self._say(f"restart {self.restarts}: the worker group continues from step {step}")
 
     def _record(self, m: dict) -> None:

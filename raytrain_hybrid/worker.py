@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 import queue
 import threading
@@ -144,7 +143,7 @@ def run_worker(
     arrangement = arrange_ranks(dims, nodes)
     device = device or pick_device(use_gpu)
     mesh = dims.build_mesh(device.type, arrangement)
-    start = json.loads((Path(resume) / checkpoint.MANIFEST).read_text())["step"] if resume else 0
+    start = checkpoint.read_manifest(resume)["step"] if resume else 0
     if dataset_fn is not None:  # before the model: the reader starts while the model builds
         feed = ReplicaFeed(cfg, mesh, dims, mesh.dp.get_local_rank(), dataset_fn, skip_steps=start)
     marks["mesh_built"] = time.time()
