@@ -55,23 +55,35 @@ def model_state(modules) -> list[dict[str, torch.Tensor]]:
 
 def optimizer_state(modules, optimizer) -> dict[str, torch.Tensor]:
     """AdamW's per-parameter state under global names, created (zeros, step 0) where the
-    optimizer has not stepped yet, so that DCP can load into it. With ZeRO-1 a rank holds,
-    and saves, only the parameters its shard of the optimizer owns."""
-    local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local AdamW
-    owned = {id(p) for group in local.param_groups for p in group["params"]}
+    optimizer has not stepped yet, so that DCP can load into it. ZeRO-1 keeps flat slices
+    per DP rank; it hands out (all-gathered) per-parameter state in the same form, so a
+    checkpoint reshards to any layout and ZeRO stage."""
+    gathered = optimizer.gathered_state() if hasattr(optimizer, "gathered_state") else None
     out: dict[str, torch.Tensor] = {}
     for module in modules:
         for name, p in module.named_parameters():
-            if id(p) not in owned:
-                continue
-            state = local.state[p]
-            if not state:
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if gathered is not None:
+                state = gathered[id(p)]
+            else:
+                state = optimizer.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             for key in ("step", "exp_avg", "exp_avg_sq"):
                 out[f"{_fqn(name)}.{key}"] = state[key]
     return out
+
+
+def _scatter_optimizer_state(modules, optimizer, flat: dict[str, torch.Tensor]) -> None:
+    """After a load: hand ZeRO-1 its loaded per-parameter state back (others load in place)."""
+    if not hasattr(optimizer, "scatter_state"):
+        return
+    per_param = {}
+    for module in modules:
+        for name, p in module.named_parameters():
+            per_param[id(p)] = {key: flat[f"{_fqn(name)}.{key}"] for key in ("step", "exp_avg", "exp_avg_sq")}
+    optimizer.scatter_state(per_param)
 
 
 def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
@@ -169,6 +181,7 @@ def load(trainer, cfg, path: str | Path) -> dict:
     dcp.load(state, storage_reader=SafeFileSystemReader(str(path)))
     for module, sd in zip(trainer.modules, per_module, strict=True):
         set_model_state_dict(module, sd, options=StateDictOptions(strict=True))
+    _scatter_optimizer_state(trainer.modules, trainer.optimizer, state["optimizer"])
     if same_layout:
         rng = state["rng"][f"rank{rank}"]
         torch.set_rng_state(rng["cpu"])

@@ -43,13 +43,17 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--topology", help="workers per node, e.g. 4,4 (default: one node holding all workers)")
     check.add_argument("--json", action="store_true", help="print the layout as JSON")
     check.add_argument(
-        "--hardware", default="", help="also print the planner's prediction on h100 | a100-80 | a100-40 | a profile"
+        "--hardware",
+        default="",
+        help="also print the planner's prediction on h100 | h100-96 | a100-80 | a100-40 | a profile",
     )
     plan = sub.add_parser("plan", help="rank layouts of N ranks by predicted tokens/s (cost model)")
     _add_config_args(plan)
     plan.add_argument("--world-size", type=int, required=True)
     plan.add_argument("--gpus-per-node", type=int, required=True)
-    plan.add_argument("--hardware", default="h100", help="h100 | a100-80 | a100-40 | a profile file from calibrate")
+    plan.add_argument(
+        "--hardware", default="h100", help="h100 | h100-96 | a100-80 | a100-40 | a profile file from calibrate"
+    )
     plan.add_argument("--top", type=int, default=0, help="show only the best K (0: all)")
     plan.add_argument("--json", action="store_true")
     cal = sub.add_parser("calibrate", help="measure this machine (matmul, gloo) as a planner profile")

@@ -51,11 +51,15 @@ class ParallelismConfig:
     # Model chunks per pipeline rank for multi-stage schedules (Interleaved1F1B, ...).
     # 0 means "pick": 2 for multi-stage and V schedules, 1 otherwise.
     virtual_stages: int = 0
-    # 0 = DDP-style replication, 1 = optimizer-state sharding (ZeroRedundancyOptimizer),
+    # 0 = DDP-style replication, 1 = optimizer state and update sharded over dp (ZeRO-1),
     # 2 = FSDP2 without resharding after forward, 3 = FSDP2 full sharding.
     zero: int = 0
     # Recompute each transformer block in backward instead of storing its activations.
     activation_checkpointing: bool = False
+    # With tp > 1: shard norms and the residual stream along the sequence across the TP
+    # group (all-gather / reduce-scatter at the TP regions) so those activations shrink by
+    # tp too. No effect at tp = 1.
+    sequence_parallel: bool = True
 
     def __post_init__(self) -> None:
         for key in ("dp", "tp", "pp", "microbatches"):
@@ -474,14 +478,13 @@ def validate(cfg: Config) -> None:
             train.global_batch_size,
             f"must be divisible by dp*microbatches={par.dp}*{par.microbatches}={per_step}; try {good}",
         )
-    if par.zero == 1 and (tp > 1 or par.pp > 1):
+    if tp > 1 and par.sequence_parallel and model.seq_len % tp:
+        fits = [d for d in _divisors(model.seq_len) if d <= 64]
         raise ConfigError(
-            "parallelism.zero",
-            1,
-            f"ZeRO-1 here is DDP + ZeroRedundancyOptimizer, which needs tp=1 and pp=1 (got tp={tp}, pp={par.pp}): "
-            "DDP cannot hold DTensor (TP) parameters, and its reducer fails when a pipeline stage runs "
-            "several forwards before a backward. Use zero=2 (FSDP2, sharded gradients and optimizer state) "
-            "or zero=3 with tensor or pipeline parallelism",
+            "parallelism.tp",
+            tp,
+            f"sequence parallelism splits model.seq_len={model.seq_len} across the TP group and tp does not "
+            f"divide it; try tp in {_choices(fits)} or parallelism.sequence_parallel=false",
         )
     cluster = cfg.cluster
     if tp > 1 and cluster.placement_strategy == "STRICT_SPREAD":

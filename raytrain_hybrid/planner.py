@@ -56,6 +56,17 @@ PROFILES = {
         intra_node_gbps=450.0,
         inter_node_gbps=50.0,
     ),
+    # torchtitan's published runs (Grand Teton): H100 with 96 GB HBM2e (95 GiB usable), 500 W,
+    # 400 Gb/s RDMA per GPU (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md).
+    "h100-96": Hardware(
+        name="H100-96GB HBM2e",
+        gpus_per_node=8,
+        memory_bytes=95 * 1024**3,
+        peak_tflops=989.0,
+        efficiency=0.5,
+        intra_node_gbps=450.0,
+        inter_node_gbps=50.0,
+    ),
     "a100-80": Hardware(
         name="A100-80GB SXM",
         gpus_per_node=8,
@@ -152,22 +163,30 @@ def in_flight_microbatches(schedule: str, pp: int, microbatches: int, virtual: i
     return base * (1 + (pp - 1) / (pp * virtual)) if virtual > 1 else base
 
 
+def layer_activation_bytes(s: int, b: int, h: int, t: int, *, sp: bool, checkpointed: bool) -> float:
+    """16-bit activation bytes one transformer layer keeps for backward (Korthikanti et al.
+    2022, eqs. 2-5). The attention-score term 5*a*s/h of the paper is left out: sdpa's flash /
+    memory-efficient kernels recompute scores in backward instead of storing them (the paper's
+    "selective recomputation" gets the same). TP without SP: 10 + 24/t per s*b*h (norms,
+    dropout masks and the residual stream stay whole on every TP rank); with SP: 34/t;
+    full recomputation keeps only each layer's input, 2*s*b*h (/t with SP)."""
+    if checkpointed:
+        return 2.0 * s * b * h / (t if sp else 1)
+    return s * b * h * (34.0 / t if sp else 10.0 + 24.0 / t)
+
+
 def activation_bytes(cfg: Config, micro_batch: int) -> float:
     m, par = cfg.model, cfg.parallelism
-    s, b, h, a, t = m.seq_len, micro_batch, m.hidden_size, m.num_heads, par.tp
+    s, b, h, t = m.seq_len, micro_batch, m.hidden_size, par.tp
+    sp = t > 1 and par.sequence_parallel
     width = 2.0 if cfg.train.dtype == "bfloat16" else 4.0  # the formula counts 2-byte activations
-    if par.activation_checkpointing:
-        per_layer = 2 * s * b * h  # only each block's input is kept
-    else:
-        per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))  # TP without sequence parallelism
+    per_layer = layer_activation_bytes(s, b, h, t, sp=sp, checkpointed=par.activation_checkpointing)
     layers_per_rank = m.num_layers / par.pp
-    stash = (
-        per_layer
-        * (width / 2)
-        * layers_per_rank
-        * in_flight_microbatches(par.schedule, par.pp, par.microbatches, par.stages_per_rank if par.pp > 1 else 1)
-    )
-    logits = 4.0 * b * s * m.vocab_size  # fp32 logits of one micro-batch on the last stage
+    in_flight = in_flight_microbatches(par.schedule, par.pp, par.microbatches, par.stages_per_rank if par.pp > 1 else 1)
+    stash = per_layer * (width / 2) * layers_per_rank * in_flight
+    if par.activation_checkpointing:  # the layer being recomputed holds its full activations
+        stash += layer_activation_bytes(s, b, h, t, sp=sp, checkpointed=False) * (width / 2)
+    logits = 2 * 4.0 * b * s * m.vocab_size  # fp32 logits and their gradient, gathered on the last stage
     return stash + logits
 
 
@@ -231,33 +250,46 @@ def predict(cfg: Config, hw: Hardware) -> dict:
     }
 
 
-def _candidates(world: int, cfg: Config):
-    for tp in (d for d in range(1, world + 1) if world % d == 0):
-        for pp in (d for d in range(1, world // tp + 1) if (world // tp) % d == 0):
+def _microbatch_counts(per_replica: int) -> list[int]:
+    """Micro-batches per replica: every divisor of the replica's batch, down to one sequence
+    per micro-batch (the validator then drops counts a schedule refuses)."""
+    return [d for d in range(1, per_replica + 1) if per_replica % d == 0]
+
+
+def _candidates(world: int, cfg: Config, gpus_per_node: int, fixed: dict):
+    def allowed(key, values):
+        return [v for v in values if key not in fixed or fixed[key] == v]
+
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    for tp in allowed("tp", [d for d in divisors if d <= gpus_per_node]):
+        for pp in allowed("pp", [d for d in divisors if (world // tp) % d == 0]):
             dp = world // (tp * pp)
+            if "dp" in fixed and fixed["dp"] != dp or cfg.train.global_batch_size % dp:
+                continue
             schedules = ["1F1B"] if pp == 1 else ["GPipe", "1F1B", "Interleaved1F1B"]
-            for schedule in schedules:
-                for mb in sorted({pp, 2 * pp, 4 * pp} if pp > 1 else {1}):
-                    for zero in (0, 1, 2, 3):
-                        if dp == 1 and zero:
-                            continue
-                        for ac in (False, True):
-                            yield {
-                                "dp": dp,
-                                "tp": tp,
-                                "pp": pp,
-                                "schedule": schedule,
-                                "microbatches": mb,
-                                "zero": zero,
-                                "activation_checkpointing": ac,
-                            }
+            for schedule in allowed("schedule", schedules):
+                for mb in allowed("microbatches", _microbatch_counts(cfg.train.global_batch_size // dp)):
+                    for zero in allowed("zero", [0] if dp == 1 else [0, 1, 2, 3]):
+                        for ac in allowed("activation_checkpointing", [False, True]):
+                            for sp in allowed("sequence_parallel", [True, False] if tp > 1 else [False]):
+                                yield {
+                                    "dp": dp,
+                                    "tp": tp,
+                                    "pp": pp,
+                                    "schedule": schedule,
+                                    "microbatches": mb,
+                                    "zero": zero,
+                                    "activation_checkpointing": ac,
+                                    "sequence_parallel": sp,
+                                }
 
 
-def plan(cfg: Config, world: int, hw: Hardware) -> list[dict]:
+def plan(cfg: Config, world: int, hw: Hardware, fixed: dict | None = None) -> list[dict]:
     """Every layout of ``world`` ranks the validator accepts, best predicted tokens/s first,
-    infeasible (out of memory) last with the reason."""
+    infeasible (out of memory) last with the reason. ``fixed`` pins layout keys (e.g. a
+    published run's dp, tp, pp) and searches the rest."""
     out = []
-    for layout in _candidates(world, cfg):
+    for layout in _candidates(world, cfg, hw.gpus_per_node, fixed or {}):
         par = dataclasses.replace(cfg.parallelism, **layout, virtual_stages=0)
         cluster = dataclasses.replace(cfg.cluster, gpus_per_node=hw.gpus_per_node)
         candidate = dataclasses.replace(cfg, parallelism=par, cluster=cluster)
@@ -289,13 +321,14 @@ def describe(cfg: Config, hw: Hardware) -> str:
 def format_table(rows: list[dict]) -> str:
     """Planner rows as the fixed-width table ``plan`` prints."""
     lines = [
-        f"{'dp':>4} {'tp':>3} {'pp':>3} {'schedule':>16} {'mb':>3} {'zero':>4} {'ac':>3} "
+        f"{'dp':>4} {'tp':>3} {'pp':>3} {'schedule':>16} {'mb':>4} {'zero':>4} {'ac':>3} {'sp':>3} "
         f"{'GiB/rank':>9} {'tokens/s':>12} {'MFU':>6} {'bubble':>6}  note"
     ]
     for r in rows:
         lines.append(
-            f"{r['dp']:>4} {r['tp']:>3} {r['pp']:>3} {r['schedule']:>16} {r['microbatches']:>3} {r['zero']:>4} "
-            f"{'y' if r['activation_checkpointing'] else 'n':>3} {r['memory_bytes']['total'] / GiB:>9.2f} "
+            f"{r['dp']:>4} {r['tp']:>3} {r['pp']:>3} {r['schedule']:>16} {r['microbatches']:>4} {r['zero']:>4} "
+            f"{'y' if r['activation_checkpointing'] else 'n':>3} {'y' if r['sequence_parallel'] else 'n':>3} "
+            f"{r['memory_bytes']['total'] / GiB:>9.2f} "
             f"{r['predicted_tokens_per_s']:>12,.0f} {r['predicted_mfu']:>6.1%} {r['bubble_fraction']:>6.1%}  "
             f"{r['reason']}"
         )

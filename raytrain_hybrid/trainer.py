@@ -14,16 +14,16 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel
 
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.data import Batch
 from raytrain_hybrid.distributed import pipeline
-from raytrain_hybrid.distributed.data_parallel import apply_ddp, build_optimizer
+from raytrain_hybrid.distributed.data_parallel import build_optimizer
 from raytrain_hybrid.distributed.parallel_dims import ParallelDims
 from raytrain_hybrid.distributed.parallelize import parallelize_stage
 from raytrain_hybrid.distributed.tensor_parallel import align_grad_placements
 from raytrain_hybrid.distributed.utils import clip_grads_, global_grad_norm
+from raytrain_hybrid.distributed.zero1 import ZeroOneOptimizer
 from raytrain_hybrid.flops import device_peak_tflops, flops_per_token
 from raytrain_hybrid.models import get_arch
 from raytrain_hybrid.models.common import build_stage, full_init_state_dict
@@ -108,6 +108,7 @@ class Trainer:
             self.mesh,
             self.dims,
             activation_checkpointing=self.cfg.parallelism.activation_checkpointing,
+            sequence_parallel=self.cfg.parallelism.sequence_parallel,
         )
         stage.to_empty(device=self.device)
         if self.spec.init_buffers is not None:
@@ -116,7 +117,7 @@ class Trainer:
         set_model_state_dict(stage, full, options=StateDictOptions(full_state_dict=True, strict=True))
         if self.dims.tp > 1 and not isinstance(stage, FSDPModule):
             align_grad_placements(stage)
-        return apply_ddp(stage, self.mesh, self.dims)
+        return stage
 
     def _autocast(self):
         enabled = self.cfg.train.dtype == "bfloat16"
@@ -152,8 +153,6 @@ class Trainer:
         if isinstance(module, FSDPModule):
             module.set_requires_gradient_sync(sync)
             return contextlib.nullcontext()
-        if isinstance(module, DistributedDataParallel) and not sync:
-            return module.no_sync()
         return contextlib.nullcontext()
 
     def train_step(self, step: int, batch: Batch) -> dict:
@@ -164,10 +163,13 @@ class Trainer:
         loss = replica_loss.detach().clone()
         dist.all_reduce(loss)
         loss /= self.dims.dp * self.dims.tp
-        ranks_per_stage = self.dims.dp * self.dims.tp
-        norm = global_grad_norm(self.params, ranks_per_stage, self.device)
-        clip_grads_(self.params, self.cfg.train.grad_clip, norm)
         self.grad_bytes = sum(_local_bytes(p.grad) for p in self.params if p.grad is not None)
+        if isinstance(self.optimizer, ZeroOneOptimizer):
+            norm = self._zero1_reduce_and_clip()
+        else:
+            ranks_per_stage = self.dims.dp * self.dims.tp
+            norm = global_grad_norm(self.params, ranks_per_stage, self.device)
+            clip_grads_(self.params, self.cfg.train.grad_clip, norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -187,9 +189,19 @@ class Trainer:
             "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
         }
 
+    def _zero1_reduce_and_clip(self) -> torch.Tensor:
+        """Reduce-scatter gradients, then the global norm over the DP slices, and clip them."""
+        self.optimizer.reduce_gradients()
+        sq = self.optimizer.grad_norm_sq()
+        dist.all_reduce(sq)
+        norm = sq.sqrt().float()
+        if self.cfg.train.grad_clip > 0:
+            self.optimizer.clip_(min(1.0, self.cfg.train.grad_clip / (norm.item() + 1e-6)))
+        return norm
+
     def memory_stats(self) -> dict:
         """Bytes this rank holds: its parameter shards, gradient shards and optimizer state."""
-        opt = getattr(self.optimizer, "optim", self.optimizer)  # ZeroRedundancyOptimizer's local part
+        opt = getattr(self.optimizer, "optim", self.optimizer)  # ZeRO-1: the AdamW of this rank's slice
         opt_bytes = sum(_local_bytes(v) for state in opt.state.values() for v in state.values() if torch.is_tensor(v))
         stats = {
             "param_bytes": sum(_local_bytes(p) for p in self.params),

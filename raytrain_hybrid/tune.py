@@ -15,7 +15,7 @@ from pathlib import Path
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.planner import Hardware, plan
 
-LAYOUT_KEYS = ("dp", "tp", "pp", "microbatches", "schedule", "zero", "activation_checkpointing")
+LAYOUT_KEYS = ("dp", "tp", "pp", "microbatches", "schedule", "zero", "activation_checkpointing", "sequence_parallel")
 
 
 def _trial(config: dict) -> None:
@@ -50,8 +50,9 @@ def _trial(config: dict) -> None:
 
 def _name(layout: dict) -> str:
     ac = "-ac" if layout["activation_checkpointing"] else ""
+    sp = "-sp" if layout.get("sequence_parallel") and layout["tp"] > 1 else ""
     shape = f"dp{layout['dp']}-tp{layout['tp']}-pp{layout['pp']}"
-    return f"{shape}-{layout['schedule']}-m{layout['microbatches']}-z{layout['zero']}{ac}"
+    return f"{shape}-{layout['schedule']}-m{layout['microbatches']}-z{layout['zero']}{ac}{sp}"
 
 
 def set_line(layout: dict) -> str:

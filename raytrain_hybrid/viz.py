@@ -159,6 +159,7 @@ def plot_memory(rows: list[dict], top: int = 12):
     labels = [
         f"{r['dp']}x{r['tp']}x{r['pp']} z{r['zero']} m{r['microbatches']}"
         + (" ac" if r["activation_checkpointing"] else "")
+        + (" sp" if r.get("sequence_parallel") else "")
         for r in rows
     ]
     fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(rows)), 4))

@@ -23,9 +23,23 @@ from raytrain_hybrid.cli import main as cli
 
 STEPS = 4
 COMMON = (f"train.steps={STEPS}", "model.num_layers=4", "train.global_batch_size=16")
-SAVED_AT = ("parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=2", "parallelism.microbatches=2")
+# Saved under ZeRO-1 (AdamW state in flat slices per DP rank, written per parameter) and
+# resumed under ZeRO-1 with other slices, and under plain AdamW.
+SAVED_AT = (
+    "parallelism.dp=2",
+    "parallelism.tp=2",
+    "parallelism.pp=2",
+    "parallelism.microbatches=2",
+    "parallelism.zero=1",
+)
 RESUME_AT = {
-    "4x1x2": ("parallelism.dp=4", "parallelism.tp=1", "parallelism.pp=2", "parallelism.microbatches=2"),
+    "4x1x2-zero1": (
+        "parallelism.dp=4",
+        "parallelism.tp=1",
+        "parallelism.pp=2",
+        "parallelism.microbatches=2",
+        "parallelism.zero=1",
+    ),
     "1x2x4": ("parallelism.dp=1", "parallelism.tp=2", "parallelism.pp=4", "parallelism.microbatches=4"),
     "1x1x1": ("parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=1", "parallelism.microbatches=1"),
 }

@@ -78,12 +78,13 @@ CASES = {
         "parallelism.schedule=Interleaved1F1B",
         "parallelism.microbatches=2",
     ],
-    "zbv-1x1x2": [
-        "parallelism.dp=1",
+    "zbv-zero1-2x1x2": [
+        "parallelism.dp=2",
         "parallelism.tp=1",
         "parallelism.pp=2",
         "parallelism.schedule=ZBVZeroBubble",
         "parallelism.microbatches=2",
+        "parallelism.zero=1",
     ],
     "loopedbfs-1x1x2": [
         "parallelism.dp=1",

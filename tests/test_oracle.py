@@ -34,6 +34,7 @@ def layout(dp, tp, pp, schedule="1F1B", microbatches=4, zero=0, *extra):
 
 LLAMA_CASES = {
     "1x1x1": layout(1, 1, 1, microbatches=1),
+    "1x1x1-accum-m4": layout(1, 1, 1, microbatches=4),  # gradient accumulation without a pipeline
     "2x1x1": layout(2, 1, 1, microbatches=2),
     "1x2x1": layout(1, 2, 1, microbatches=1),
     "1x1x2-gpipe": layout(1, 1, 2, "GPipe", 2),
@@ -41,9 +42,15 @@ LLAMA_CASES = {
     "2x2x1": layout(2, 2, 1, microbatches=2),
     "2x1x2": layout(2, 1, 2, microbatches=2),
     "1x2x2": layout(1, 2, 2, microbatches=2),
-    "2x2x2-1f1b-m4": layout(2, 2, 2, "1F1B", 4),
+    # ZeRO-1 with TP and PP; 1F1B at m=2 runs two forwards before a backward on stage 0.
+    "2x2x2-zero1-1f1b-m2": layout(2, 2, 2, "1F1B", 2, 1),
     "2x1x1-zero1": layout(2, 1, 1, microbatches=2, zero=1),
     "2x1x1-zero3": layout(2, 1, 1, microbatches=2, zero=3),
+    # Sequence parallelism is on by default at tp > 1 (every tp case above runs it); tp=4
+    # with and without a pipeline, and tp=2 with it switched off.
+    "1x4x1-sp": layout(1, 4, 1, microbatches=2),
+    "1x4x2-sp": layout(1, 4, 2, "1F1B", 2),
+    "1x2x2-nosp": layout(1, 2, 2, "1F1B", 2, 0, "parallelism.sequence_parallel=false"),
 }
 
 

@@ -3,7 +3,8 @@
 zero=0: FSDP2 on a (dp_replicate=dp, dp_shard=1) HSDP mesh, i.e. plain replication
         with gradient all-reduce. torch DDP cannot hold DTensor (TP) parameters, FSDP2
         composes with TP, so replication goes through FSDP2 at every tp.
-zero=1: DDP + ZeroRedundancyOptimizer (optimizer state sharded); tp=1 only (validated).
+zero=1: no wrapper; ZeroOneOptimizer reduce-scatters gradients and shards AdamW state and
+        the update over dp (distributed/zero1.py), at every tp and pp.
 zero=2: FSDP2 sharding, parameters kept gathered between forward and backward.
 zero=3: FSDP2 full sharding, parameters re-gathered for backward.
 """
@@ -12,9 +13,9 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.nn.parallel import DistributedDataParallel
 
 from raytrain_hybrid.distributed.parallel_dims import ParallelDims
+from raytrain_hybrid.distributed.zero1 import ZeroOneOptimizer
 from raytrain_hybrid.models.spec import ArchSpec
 
 
@@ -31,18 +32,7 @@ def apply_fsdp(stage, spec: ArchSpec, mesh, dims: ParallelDims) -> None:
     fully_shard(stage, mesh=fsdp_mesh, reshard_after_forward=reshard, mp_policy=mp)
 
 
-def apply_ddp(stage, mesh, dims: ParallelDims):
-    """After materialisation: DDP for zero=1 (it broadcasts rank 0's weights at start)."""
-    if dims.dp == 1 or dims.zero != 1:
-        return stage
-    return DistributedDataParallel(stage, process_group=mesh.dp.get_group())
-
-
 def build_optimizer(params, mesh, dims: ParallelDims, **adamw):
     if dims.zero == 1 and dims.dp > 1:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        return ZeroRedundancyOptimizer(
-            params, optimizer_class=torch.optim.AdamW, process_group=mesh.dp.get_group(), **adamw
-        )
+        return ZeroOneOptimizer(params, dp_group=mesh.dp.get_group(), tp=dims.tp, **adamw)
     return torch.optim.AdamW(params, **adamw)

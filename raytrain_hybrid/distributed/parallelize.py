@@ -19,9 +19,11 @@ def apply_activation_checkpointing(stage, spec: ArchSpec) -> None:
         blocks[key] = checkpoint_wrapper(blocks[key], preserve_rng_state=False)
 
 
-def parallelize_stage(stage, spec: ArchSpec, mesh, dims: ParallelDims, *, activation_checkpointing: bool) -> None:
+def parallelize_stage(
+    stage, spec: ArchSpec, mesh, dims: ParallelDims, *, activation_checkpointing: bool, sequence_parallel: bool
+) -> None:
     if dims.tp > 1:
-        apply_tp(stage, spec, mesh.tp)
+        apply_tp(stage, spec, mesh.tp, sequence_parallel=sequence_parallel)
     if activation_checkpointing:
         apply_activation_checkpointing(stage, spec)
     apply_fsdp(stage, spec, mesh, dims)

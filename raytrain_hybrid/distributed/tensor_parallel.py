@@ -1,40 +1,78 @@
-"""Apply an architecture's TP plan (DTensor) to a stage: its blocks, its embedding and head."""
+"""Apply an architecture's TP plan (DTensor) to a stage: its blocks, its embedding and head.
+
+With sequence parallelism (Korthikanti et al. 2022) the residual stream between the
+TP regions is sharded along the sequence (dim 1) instead of replicated: the norms run
+on 1/tp of the tokens (``SequenceParallel``), each attention/MLP input is all-gathered
+(``PrepareModuleInput``), and each row-wise output is reduce-scattered back to sequence
+shards instead of all-reduced. Same communication volume, activations / tp.
+"""
 
 from __future__ import annotations
 
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from raytrain_hybrid.models.spec import ArchSpec
 
-_STYLES = {
-    "colwise": ColwiseParallel,
-    "rowwise": RowwiseParallel,
-    # Vocab-parallel embedding: each rank holds vocab/tp rows; the partial lookups are all-reduced.
-    "embedding": lambda: RowwiseParallel(input_layouts=Replicate()),
-    # Vocab-parallel head: each rank computes vocab/tp logits; they are gathered for the loss.
-    "head": lambda: ColwiseParallel(output_layouts=Replicate()),
-}
+SEQ = Shard(1)  # [batch, sequence, hidden]
 
 
-def apply_tp(stage, spec: ArchSpec, tp_mesh) -> None:
-    """Column-wise in, row-wise out: one all-reduce per attention and per MLP, in forward and backward.
+def _style(style: str, sp: bool):
+    between = SEQ if sp else Replicate()  # layout of the residual stream between TP regions
+    if style == "colwise":
+        return ColwiseParallel()
+    if style == "rowwise":
+        return RowwiseParallel(output_layouts=between)
+    if style == "embedding":
+        # Vocab-parallel embedding: each rank holds vocab/tp rows; partial lookups are summed
+        # (all-reduce, or reduce-scatter onto sequence shards).
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
+    if style == "head":
+        # Vocab-parallel head: each rank computes vocab/tp logits; they are gathered for the loss.
+        return ColwiseParallel(input_layouts=between, output_layouts=Replicate())
+    if style == "norm":
+        return SequenceParallel()
+    if style.startswith("gather"):
+        # The module's input (positional, or the keyword after the colon) is all-gathered.
+        _, _, kwarg = style.partition(":")
+        if kwarg:
+            return PrepareModuleInput(
+                input_kwarg_layouts={kwarg: SEQ}, desired_input_kwarg_layouts={kwarg: Replicate()}
+            )
+        return PrepareModuleInput(input_layouts=(SEQ,), desired_input_layouts=(Replicate(),))
+    raise ValueError(f"unknown TP style {style!r}")
 
-    Norms (and GPT-2's position embedding) stay replicated: their inputs are full
-    activations on every TP rank, so their gradients agree across the group.
+
+def _owned(stage, path: str) -> bool:
+    parent, _, name = path.rpartition(".")
+    return getattr(stage.get_submodule(parent) if parent else stage, name) is not None
+
+
+def apply_tp(stage, spec: ArchSpec, tp_mesh, *, sequence_parallel: bool) -> None:
+    """Column-wise in, row-wise out: one all-reduce (or all-gather + reduce-scatter with
+    sequence parallelism) per attention and per MLP, in forward and backward.
+
+    Without sequence parallelism, norms (and GPT-2's position embedding) stay replicated:
+    their inputs are full activations on every TP rank, so their gradients agree.
     """
     tp = tp_mesh.size()
+    block_plan = {**spec.tp_plan, **(spec.sp_plan if sequence_parallel else {})}
     for block in stage.get_submodule(spec.layers).values():
-        parallelize_module(block, tp_mesh, {name: _STYLES[style]() for name, style in spec.tp_plan.items()})
+        parallelize_module(block, tp_mesh, {name: _style(s, sequence_parallel) for name, s in block_plan.items()})
         if spec.tp_adjust is not None:
             spec.tp_adjust(block, tp)
-    outer = {}
-    for path, style in spec.tp_plan_outer.items():
-        parent, _, name = path.rpartition(".")
-        if getattr(stage.get_submodule(parent) if parent else stage, name) is not None:  # owned by this stage
-            outer[path] = _STYLES[style]()
+    outer_plan = {**spec.tp_plan_outer, **(spec.sp_plan_outer if sequence_parallel else {})}
+    outer = {path: _style(s, sequence_parallel) for path, s in outer_plan.items() if _owned(stage, path)}
     if outer:
         parallelize_module(stage, tp_mesh, outer)
+    # Hidden states entering and leaving this stage hold 1/seq_shards of the sequence.
+    stage.seq_shards = tp if sequence_parallel else 1
 
 
 def align_grad_placements(module) -> None:

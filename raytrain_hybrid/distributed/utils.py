@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 
-def _copies(grad: torch.Tensor, ranks_per_stage: int) -> int:
+def shard_copies(grad: torch.Tensor, ranks_per_stage: int) -> int:
     """How many ranks of one pipeline stage hold this exact local shard."""
     if not isinstance(grad, DTensor):
         return ranks_per_stage  # a plain tensor is whole and the same on every rank of the stage
@@ -33,7 +33,7 @@ def global_grad_norm(params, ranks_per_stage: int, device: torch.device) -> torc
         if p.grad is None:
             continue
         local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        total += local.double().pow(2).sum() / _copies(p.grad, ranks_per_stage)
+        total += local.double().pow(2).sum() / shard_copies(p.grad, ranks_per_stage)
     if dist.is_initialized():
         dist.all_reduce(total)
     return total.sqrt().float()

@@ -124,6 +124,9 @@ SPEC = ArchSpec(
         "mlp.c_proj": "rowwise",
     },
     tp_plan_outer={"transformer.wte": "embedding", "lm_head": "head"},
+    sp_plan={"ln_1": "norm", "attn": "gather", "ln_2": "norm", "mlp": "gather"},
+    # Position rows sharded like the sequence: each rank looks up and adds its own positions.
+    sp_plan_outer={"transformer.wpe": "embedding", "transformer.ln_f": "norm"},
     tp_adjust=tp_adjust,
     stage_forward=stage_forward,
     to_hf=to_hf,

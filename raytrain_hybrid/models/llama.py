@@ -26,8 +26,11 @@ def hf_config(m) -> LlamaConfig:
 
 def stage_forward(stage, x: torch.Tensor) -> torch.Tensor:
     inner = stage.model
-    h = inner.embed_tokens(x) if inner.embed_tokens is not None else x
-    positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+    first = inner.embed_tokens is not None
+    h = inner.embed_tokens(x) if first else x
+    # Hidden states between stages may hold 1/seq_shards of the sequence (sequence parallelism).
+    seq = x.shape[1] if first else x.shape[1] * getattr(stage, "seq_shards", 1)
+    positions = torch.arange(seq, device=h.device).unsqueeze(0)
     rope = inner.rotary_emb(h, positions)
     for block in inner.layers.values():
         h = block(h, attention_mask=None, position_ids=positions, position_embeddings=rope)
@@ -60,6 +63,13 @@ SPEC = ArchSpec(
         "mlp.down_proj": "rowwise",
     },
     tp_plan_outer={"model.embed_tokens": "embedding", "lm_head": "head"},
+    sp_plan={
+        "input_layernorm": "norm",
+        "self_attn": "gather:hidden_states",
+        "post_attention_layernorm": "norm",
+        "mlp": "gather",
+    },
+    sp_plan_outer={"model.norm": "norm"},
     stage_forward=stage_forward,
     init_buffers=init_buffers,
 )

@@ -24,6 +24,11 @@ class ArchSpec:
     # Per stage, outside the blocks: module path -> "embedding" (vocab-sharded rows,
     # all-reduced output) | "head" (vocab-sharded columns, logits gathered).
     tp_plan_outer: dict[str, str] = field(default_factory=dict)
+    # Added with sequence parallelism: per block, the norms ("norm": SequenceParallel) and the
+    # modules whose input is all-gathered ("gather", or "gather:<keyword>" when passed by name);
+    # per stage, the same for the final norm (and any position embedding to shard by sequence).
+    sp_plan: dict[str, str] = field(default_factory=dict)
+    sp_plan_outer: dict[str, str] = field(default_factory=dict)
     # Adjust per-block attributes that count local heads or widths after TP (block, tp).
     tp_adjust: Callable[[Any, int], None] | None = None
     # Run one pipeline stage: (stage module, input ids or hidden states) -> output.

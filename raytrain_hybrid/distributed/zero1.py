@@ -1,0 +1,161 @@
+"""ZeRO-1, the sharded "distributed optimizer" of Megatron-LM, on any (dp, tp, pp).
+
+Parameters and gradients stay whole on every data-parallel rank (whole = this rank's
+TP shard of its pipeline stages). At the step, the gradients of all local shards are
+laid end to end in one flat buffer and reduce-scattered over the DP group: each DP
+rank receives the averaged gradient of one contiguous 1/dp slice, keeps the AdamW
+moments of that slice only, updates it, and the updated slices are all-gathered back
+into the parameters. Optimizer memory per rank is full / (tp * pp * dp).
+
+Works on DTensor parameters through their local shards, so it composes with TP and
+with any pipeline schedule (no DDP reducer: gradients accumulate locally over the
+micro-batches and are reduced once per step). torch's ZeroRedundancyOptimizer
+partitions whole parameters and needs DDP, which holds no DTensor; hence this class.
+The update itself is torch.optim.AdamW on the flat slice.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from raytrain_hybrid.distributed.utils import shard_copies
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+class ZeroOneOptimizer(torch.optim.Optimizer):
+    def __init__(self, params, *, dp_group, tp: int, **adamw) -> None:
+        self.model_params = list(params)
+        self.group = dp_group
+        self.dp = dist.get_world_size(dp_group)
+        self.dp_rank = dist.get_rank(dp_group)
+        sizes = [_local(p).numel() for p in self.model_params]
+        self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.sizes = sizes
+        total = sum(sizes)
+        self.slice_len = -(-total // self.dp)  # padded so that dp slices tile the buffer
+        self.padded = self.slice_len * self.dp
+        self.start = self.dp_rank * self.slice_len
+        # How many ranks of one DP replica's stage hold each element: TP-replicated
+        # parameters (norms, row-parallel biases) count once in the gradient norm.
+        self.copies = [shard_copies(p, tp) for p in self.model_params]
+        device = _local(self.model_params[0]).device
+        self.shard = torch.nn.Parameter(torch.zeros(self.slice_len, device=device))
+        self.optim = torch.optim.AdamW([self.shard], **adamw)
+        self._pull_params()
+        # The Optimizer base holds param_groups/state for the LR scheduler and state dicts:
+        # they are the inner AdamW's, so a scheduler's LR changes reach the update.
+        self.defaults = self.optim.defaults
+        self.param_groups = self.optim.param_groups
+        self.state = self.optim.state
+        self._grad_ready = False
+
+    # ------------------------------------------------------------ slices of the flat buffer
+
+    def _segments(self):
+        """(parameter index, start in the parameter, start in the slice, length) of the
+        parameters that overlap this rank's slice."""
+        lo, hi = self.start, self.start + self.slice_len
+        for i, (off, n) in enumerate(zip(self.offsets, self.sizes, strict=True)):
+            a, b = max(lo, off), min(hi, off + n)
+            if a < b:
+                yield i, a - off, a - lo, b - a
+
+    @torch.no_grad()
+    def _pull_params(self) -> None:
+        """Copy the current parameter values of this slice into the update buffer (the
+        parameters may have been set from outside, e.g. by a checkpoint load)."""
+        for i, p_at, s_at, n in self._segments():
+            self.shard[s_at : s_at + n] = _local(self.model_params[i]).reshape(-1)[p_at : p_at + n]
+
+    # ------------------------------------------------------------ the step, in three parts
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """Reduce-scatter the accumulated gradients: this rank gets the DP mean of its slice."""
+        flat = torch.zeros(self.padded, device=self.shard.device)
+        for p, off, n in zip(self.model_params, self.offsets, self.sizes, strict=True):
+            if p.grad is not None:
+                flat[off : off + n] = _local(p.grad).reshape(-1)
+        out = torch.empty(self.slice_len, device=flat.device)
+        dist.reduce_scatter_single(out, flat, group=self.group)
+        self.shard.grad = out.div_(self.dp)
+        self._grad_ready = True
+
+    @torch.no_grad()
+    def grad_norm_sq(self) -> torch.Tensor:
+        """This rank's part of the squared global gradient norm (sum it over the world)."""
+        total = torch.zeros((), dtype=torch.float64, device=self.shard.device)
+        for i, _, s_at, n in self._segments():
+            total += self.shard.grad[s_at : s_at + n].double().pow(2).sum() / self.copies[i]
+        return total
+
+    @torch.no_grad()
+    def clip_(self, coef: float) -> None:
+        self.shard.grad.mul_(coef)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if not self._grad_ready:
+            self.reduce_gradients()
+        self._pull_params()
+        self.optim.step()
+        flat = torch.empty(self.padded, device=self.shard.device)
+        dist.all_gather_single(flat, self.shard.detach(), group=self.group)
+        for p, off, n in zip(self.model_params, self.offsets, self.sizes, strict=True):
+            local = _local(p)
+            local.copy_(flat[off : off + n].view_as(local))
+        self._grad_ready = False
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.model_params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+        self.shard.grad = None
+
+    # ------------------------------------------------------------ checkpoints: per-parameter state
+
+    @torch.no_grad()
+    def gathered_state(self) -> dict[int, dict[str, torch.Tensor]]:
+        """AdamW's state per parameter (id -> step, exp_avg, exp_avg_sq), shaped like the
+        parameter (a DTensor where it is one), as a plain AdamW would hold it: checkpoints
+        stay layout-independent. The moments are all-gathered over DP for this."""
+        inner = self.optim.state[self.shard]
+        step = inner["step"].clone() if inner else torch.tensor(0.0)
+        moments = {}
+        for key in ("exp_avg", "exp_avg_sq"):
+            mine = inner[key] if inner else torch.zeros(self.slice_len, device=self.shard.device)
+            flat = torch.empty(self.padded, device=mine.device)
+            dist.all_gather_single(flat, mine, group=self.group)
+            moments[key] = flat
+        out = {}
+        for p, off, n in zip(self.model_params, self.offsets, self.sizes, strict=True):
+            state = {"step": step.clone()}
+            for key, flat in moments.items():
+                local = flat[off : off + n].view_as(_local(p))
+                if isinstance(p, DTensor):
+                    local = DTensor.from_local(
+                        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                    )
+                state[key] = local
+            out[id(p)] = state
+        return out
+
+    @torch.no_grad()
+    def scatter_state(self, per_param: dict[int, dict[str, torch.Tensor]]) -> None:
+        """The inverse of gathered_state (after a checkpoint was loaded into its tensors)."""
+        inner = self.optim.state[self.shard]
+        for key in ("exp_avg", "exp_avg_sq"):
+            buf = torch.zeros(self.slice_len, device=self.shard.device)
+            for i, p_at, s_at, n in self._segments():
+                value = _local(per_param[id(self.model_params[i])][key]).reshape(-1)
+                buf[s_at : s_at + n] = value[p_at : p_at + n]
+            inner[key] = buf
+        inner["step"] = per_param[id(self.model_params[0])]["step"].clone().float()
+        self._pull_params()
