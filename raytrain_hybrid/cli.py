@@ -35,6 +35,12 @@ def _parser() -> argparse.ArgumentParser:
         help="continue from a checkpoint: a run directory (its newest checkpoint) or checkpoints/step_<N>; "
         "any layout, the same model",
     )
+    train.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show Ray's own output (start-up notices, raylet warnings, Ray Data progress) on the terminal; "
+        "by default it goes to <run.output_dir>/driver.log",
+    )
     export = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
     export.add_argument("checkpoint", help="a checkpoints/step_<N> directory, or a run directory (its newest)")
     export.add_argument("out_dir", help="new directory for config.json + model.safetensors")
@@ -156,19 +162,33 @@ def _check(args, cfg) -> int:
     return 0
 
 
-def _train(cfg, resume: str | None = None) -> int:
-    from raytrain_hybrid.launcher import run
+def _train(cfg, resume: str | None = None, verbose: bool = False) -> int:
+    from pathlib import Path
 
-    try:
-        summary = run(cfg, resume=resume)
-    except (ConfigError, LayoutError):
-        raise
-    except Exception as exc:  # a worker failed: Ray's error carries its traceback
-        print(f"error: training failed: {exc}", file=sys.stderr)
-        return 1
+    from raytrain_hybrid.launcher import run
+    from raytrain_hybrid.observe import quiet_driver
+
+    import ray
+
+    connected_before = ray.is_initialized()  # e.g. a notebook's or a test's own session
+    log = Path(cfg.run.output_dir) / "driver.log"
+    with quiet_driver(log, quiet=not verbose) as (out, err):
+        try:
+            summary = run(cfg, resume=resume, stream=out)
+        except (ConfigError, LayoutError):
+            raise
+        except Exception as exc:  # a worker failed: Ray's error carries its traceback
+            print(f"error: training failed: {exc}", file=err)
+            if not verbose:
+                print(f"Ray's output of this run: {log}", file=err)
+            return 1
+        finally:
+            if ray.is_initialized() and not connected_before:
+                ray.shutdown()  # inside: Ray's listener threads print until they stop
     print(
         f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
         f"{summary['mean_tokens_per_s']:,.0f} tokens/s -> {cfg.run.output_dir}"
+        + ("" if verbose else f" (Ray's output: {log.name})")
     )
     return 0
 
@@ -263,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             return _plan(args, cfg)
         if args.command == "sweep":
             return _sweep(args, cfg)
-        return _train(cfg, args.resume)
+        return _train(cfg, args.resume, args.verbose)
     except (ConfigError, LayoutError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

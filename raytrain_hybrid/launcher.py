@@ -296,10 +296,11 @@ def check_resume(cfg: Config, resume: str | None) -> tuple[str | None, list[dict
     return str(path), history
 
 
-def run(cfg: Config, resume: str | None = None) -> dict:
+def run(cfg: Config, resume: str | None = None, stream=None) -> dict:
     """Train on Ray; write metrics.jsonl and summary.json to run.output_dir; return the summary.
 
     ``resume``: a checkpoint directory, or a run directory meaning its newest checkpoint.
+    ``stream``: where progress goes (default sys.stdout).
     """
     import uuid
 
@@ -360,7 +361,9 @@ def run(cfg: Config, resume: str | None = None) -> dict:
         except BaseException as exc:  # re-raised on the driver's main thread
             outcome["error"] = exc
 
-    progress = RunLog(out_dir, steps=cfg.train.steps, progress=cfg.run.progress, history=kept_history)
+    progress = RunLog(
+        out_dir, steps=cfg.train.steps, progress=cfg.run.progress, history=kept_history, stream=stream
+    )
     thread = threading.Thread(target=fit, daemon=True)
     marks["fit_called"] = time.time()
     thread.start()

@@ -7,7 +7,9 @@ driver), ``metrics.jsonl`` and TensorBoard event files in the run directory.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -25,6 +27,38 @@ _SCALARS = {
 _MEMORY = ("param_bytes", "grad_bytes", "optimizer_bytes", "max_rss_bytes", "max_cuda_allocated_bytes")
 
 
+@contextlib.contextmanager
+def quiet_driver(log_path: Path, *, quiet: bool = True):
+    """Send what Ray prints on the driver to ``log_path`` and keep the terminal for the run.
+
+    Ray writes start-up notices and Ray Data progress through loggers bound to stderr,
+    raylet warnings ("N PYTHON worker processes have been started...") to ``sys.stdout``
+    and its C++ core to file descriptor 2. Inside: fd 2 and ``sys.stdout`` go to the log;
+    yields (terminal_out, terminal_err) for the progress bar and our own messages.
+    """
+    if not quiet:
+        yield sys.stdout, sys.stderr
+        return
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    log = log_path.open("a", buffering=1)
+    terminal_out = sys.stdout
+    saved_fd = os.dup(2)
+    terminal_err = os.fdopen(os.dup(2), "w", buffering=1)
+    os.dup2(log.fileno(), 2)
+    sys.stdout = log
+    try:
+        yield terminal_out, terminal_err
+    finally:
+        sys.stdout = terminal_out
+        sys.stderr.flush()
+        os.dup2(saved_fd, 2)
+        os.close(saved_fd)
+        terminal_err.close()
+        log.close()
+
+
 def _status(m: dict) -> str:
     return f"loss {m['loss']:.4f}  grad_norm {m['grad_norm']:.3f}  {m['tokens_per_s']:,.0f} tok/s"
 
@@ -33,8 +67,16 @@ class RunLog:
     """Consumes ("step", metrics) and ("done", {"memory": per_rank}) events of one run."""
 
     def __init__(
-        self, out_dir: Path, *, steps: int, progress: bool, tensorboard: bool = True, history: list[dict] | None = None
+        self,
+        out_dir: Path,
+        *,
+        steps: int,
+        progress: bool,
+        tensorboard: bool = True,
+        history: list[dict] | None = None,
+        stream=None,
     ) -> None:
+        stream = stream or sys.stdout  # the terminal, also when quiet_driver diverts sys.stdout
         self.steps = steps
         self.path = out_dir / "metrics.jsonl"
         self.history: list[dict] = []
@@ -47,8 +89,10 @@ class RunLog:
         for m in history or ():  # the steps a resumed run did before its checkpoint
             self._record(m)
         self.bar = self.lines = None
-        if progress and sys.stdout.isatty():
+        if progress and stream.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            from rich.console import Console
 
             self.bar = Progress(
                 TextColumn("[bold]train"),
@@ -56,11 +100,12 @@ class RunLog:
                 MofNCompleteColumn(),
                 TextColumn("{task.fields[status]}"),
                 TimeRemainingColumn(),
+                console=Console(file=stream),
             )
             self.task = self.bar.add_task("train", total=steps, status="starting workers")
             self.bar.start()
         elif progress:  # no terminal (a job's log, a pipe): plain lines a log keeps
-            self.lines = sys.stdout
+            self.lines = stream
         self.tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter
