@@ -165,10 +165,10 @@ def _check(args, cfg) -> int:
 def _train(cfg, resume: str | None = None, verbose: bool = False) -> int:
     from pathlib import Path
 
+    import ray
+
     from raytrain_hybrid.launcher import run
     from raytrain_hybrid.observe import quiet_driver
-
-    import ray
 
     connected_before = ray.is_initialized()  # e.g. a notebook's or a test's own session
     log = Path(cfg.run.output_dir) / "driver.log"

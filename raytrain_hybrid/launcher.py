@@ -361,9 +361,7 @@ def run(cfg: Config, resume: str | None = None, stream=None) -> dict:
         except BaseException as exc:  # re-raised on the driver's main thread
             outcome["error"] = exc
 
-    progress = RunLog(
-        out_dir, steps=cfg.train.steps, progress=cfg.run.progress, history=kept_history, stream=stream
-    )
+    progress = RunLog(out_dir, steps=cfg.train.steps, progress=cfg.run.progress, history=kept_history, stream=stream)
     thread = threading.Thread(target=fit, daemon=True)
     marks["fit_called"] = time.time()
     thread.start()

@@ -90,9 +90,8 @@ class RunLog:
             self._record(m)
         self.bar = self.lines = None
         if progress and stream.isatty():
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
             from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self.bar = Progress(
                 TextColumn("[bold]train"),
