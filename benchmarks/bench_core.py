@@ -121,6 +121,13 @@ LAYOUTS = {
         "parallelism.microbatches=2",
         "parallelism.zero=1",
     ],
+    "2x2x2-zero1": [
+        "parallelism.dp=2",
+        "parallelism.tp=2",
+        "parallelism.pp=2",
+        "parallelism.microbatches=4",
+        "parallelism.zero=1",
+    ],
     "2x1x1-zero3": [
         "parallelism.dp=2",
         "parallelism.tp=1",
@@ -151,9 +158,12 @@ def total_param_count(cfg) -> int:
     return sum(p.numel() for p in meta.parameters())
 
 
-def bench_memory(tmp) -> dict:
-    out = {}
+def bench_memory(tmp, only: list[str] | None = None, previous: dict | None = None) -> dict:
+    """``only``: re-measure these layouts and keep the other rows of ``previous``."""
+    out = dict((previous or {}).get("layouts", {})) if only else {}
     for name, layout in LAYOUTS.items():
+        if only and name not in only:
+            continue
         _, summary = ray_step_times([*layout, "train.steps=2"], tmp)
         cfg = _cfg(layout, tmp)
         par = cfg.parallelism
@@ -202,6 +212,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--parts", default="overhead,memory,scaling")
     parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--layouts", default="", help="memory part: only these LAYOUTS names (comma-separated)")
     args = parser.parse_args()
     import ray
 
@@ -218,7 +229,10 @@ def main() -> None:
     OUT.parent.mkdir(parents=True, exist_ok=True)
     parts = {
         "overhead": ("overhead_1x1x1", lambda tmp: bench_overhead(tmp, args.steps, threads=2)),
-        "memory": ("memory", bench_memory),
+        "memory": (
+            "memory",
+            lambda tmp: bench_memory(tmp, [x for x in args.layouts.split(",") if x], results.get("memory")),
+        ),
         "scaling": ("scaling_dp", lambda tmp: bench_scaling(tmp, args.steps)),
     }
     with tempfile.TemporaryDirectory() as tmp:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 # metrics.jsonl key -> TensorBoard tag
@@ -33,16 +35,18 @@ def quiet_driver(log_path: Path, *, quiet: bool = True):
 
     Ray writes start-up notices and Ray Data progress through loggers bound to stderr,
     raylet warnings ("N PYTHON worker processes have been started...") to ``sys.stdout``
-    and its C++ core to file descriptor 2. Inside: fd 2 and ``sys.stdout`` go to the log;
-    yields (terminal_out, terminal_err) for the progress bar and our own messages.
+    and its C++ core to file descriptor 2. Inside: fd 2 and ``sys.stdout`` go to a log;
+    yields (terminal_out, terminal_err) for the progress bar and our own messages. The log
+    is written in the temp dir and moved to ``log_path`` at the end if its directory exists
+    (a refused run creates nothing in run.output_dir).
     """
     if not quiet:
         yield sys.stdout, sys.stderr
         return
-    log_path.parent.mkdir(parents=True, exist_ok=True)
     sys.stdout.flush()
     sys.stderr.flush()
-    log = log_path.open("a", buffering=1)
+    fd, tmp = tempfile.mkstemp(prefix="raytrain-hybrid-driver-", suffix=".log")
+    log = os.fdopen(fd, "a", buffering=1)
     terminal_out = sys.stdout
     saved_fd = os.dup(2)
     terminal_err = os.fdopen(os.dup(2), "w", buffering=1)
@@ -57,6 +61,10 @@ def quiet_driver(log_path: Path, *, quiet: bool = True):
         os.close(saved_fd)
         terminal_err.close()
         log.close()
+        if log_path.parent.is_dir():
+            shutil.move(tmp, log_path)
+        else:
+            os.unlink(tmp)
 
 
 def _status(m: dict) -> str:

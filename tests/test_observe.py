@@ -1,0 +1,48 @@
+"""The driver's terminal during a run: Ray's output diverted to the run's log, ours kept."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from raytrain_hybrid.observe import quiet_driver
+
+
+def test_quiet_driver_sends_ray_output_to_the_log_and_keeps_the_terminal(tmp_path, capfd):
+    log = tmp_path / "driver.log"
+    # Ray's loggers hold the process's stderr (file descriptor 2), bound before the run.
+    stderr_fd = open(2, "w", closefd=False)  # noqa: SIM115
+    handler = logging.StreamHandler(stderr_fd)
+    logger = logging.getLogger("fake_ray")
+    logger.addHandler(handler)
+    try:
+        with quiet_driver(log) as (out, err):
+            print("(raylet) WARNING: 8 PYTHON worker processes have been started")  # Ray: sys.stdout
+            logger.warning("Started a local Ray instance.")  # Ray's loggers: the stderr they hold
+            os.write(2, b"[C++ core] fd 2\n")  # Ray's core: the file descriptor
+            print("step 1/3  loss 8.3", file=out)
+            print("error: something the user must see", file=err)
+    finally:
+        logger.removeHandler(handler)
+        stderr_fd.close()
+    print("after")
+    seen = capfd.readouterr()
+    assert seen.out == "step 1/3  loss 8.3\nafter\n"
+    assert seen.err == "error: something the user must see\n"
+    text = log.read_text()
+    for line in ("(raylet) WARNING", "Started a local Ray instance.", "[C++ core] fd 2"):
+        assert line in text
+
+
+def test_a_run_refused_before_its_directory_exists_creates_nothing(tmp_path):
+    with quiet_driver(tmp_path / "run" / "driver.log"):
+        print("Ray said something")
+    assert not (tmp_path / "run").exists()
+
+
+def test_verbose_keeps_everything_on_the_terminal(tmp_path, capfd):
+    with quiet_driver(tmp_path / "driver.log", quiet=False) as (out, err):
+        print("(raylet) WARNING")
+        print("step 1/3", file=out)
+    assert capfd.readouterr().out == "(raylet) WARNING\nstep 1/3\n"
+    assert not (tmp_path / "driver.log").exists()
