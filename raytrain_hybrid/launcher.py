@@ -131,16 +131,12 @@ def _ensure_ray(cfg: Config, world_size: int) -> None:
     )
 
 
-# A local cluster's raylet starts one idle Python worker per logical CPU when the driver
-# connects. They are not used by the train workers (actors get their own processes with the
-# run's runtime env) and, on a machine with few cores, their start-up competes with the
-# workers' (benchmarks/bench_startup.py measures the difference).
-_LOCAL_SYSTEM_CONFIG = {"enable_worker_prestart": False}
-
-
 def _local_system_config() -> dict:
+    """Ray system config of a private local cluster: Ray's defaults, or the JSON in
+    RAYTRAIN_HYBRID_RAY_SYSTEM_CONFIG (start-up experiments: benchmarks/bench_startup.py).
+    Measured: turning off the raylet's idle-worker prestart made the start ~10 s slower."""
     override = os.environ.get("RAYTRAIN_HYBRID_RAY_SYSTEM_CONFIG")
-    return json.loads(override) if override else dict(_LOCAL_SYSTEM_CONFIG)
+    return json.loads(override) if override else {}
 
 
 def _use_gpu(cfg: Config, world_size: int) -> bool:
