@@ -242,4 +242,26 @@ def schema_check(cfg: Config) -> int:
             raise ConfigError(key, column, f"has type {kind} in {f}, not a list of integer token ids")
     if rows == 0:
         raise ConfigError("data.path", d.path, "has no rows")
+    if d.text_column:
+        _check_tokenizer(cfg)
     return rows
+
+
+def _check_tokenizer(cfg: Config) -> None:
+    """Text is tokenized in Ray Data's tasks: a missing tokenizer, or one whose ids do not fit
+    the model's embedding, must stop the run here rather than in a worker."""
+    from raytrain_hybrid.data import load_tokenizer
+    from raytrain_hybrid.errors import ConfigError
+
+    try:
+        size = load_tokenizer(cfg.data.tokenizer).get_vocab_size()
+    except FileNotFoundError as exc:
+        raise ConfigError("data.tokenizer", cfg.data.tokenizer, "does not exist; give a local tokenizer.json") from exc
+    except Exception as exc:  # tokenizers raises its own error types for a malformed file
+        raise ConfigError("data.tokenizer", cfg.data.tokenizer, f"is not a tokenizer.json: {exc}") from exc
+    if size > cfg.model.vocab_size:
+        raise ConfigError(
+            "data.tokenizer",
+            cfg.data.tokenizer or "(the shipped BPE)",
+            f"has {size} tokens, more than model.vocab_size={cfg.model.vocab_size}; set model.vocab_size >= {size}",
+        )

@@ -101,7 +101,7 @@ def test_token_id_outside_vocab_names_file_and_column(ray_local, tmp_path):
 
 @pytest.mark.parametrize(
     "case",
-    ["missing-column", "empty", "non-text", "non-token", "corrupt", "no-files"],
+    ["missing-column", "empty", "non-text", "non-token", "corrupt", "no-files", "tokenizer-vocab", "no-tokenizer"],
 )
 def test_bad_data_is_refused_before_workers(tmp_path, case):
     from raytrain_hybrid.data_ray import schema_check
@@ -120,6 +120,12 @@ def test_bad_data_is_refused_before_workers(tmp_path, case):
     elif case == "non-token":
         _write(d, pa.table({"input_ids": ["a", "b"]}), files=1)
         key = "data.token_column"
+    elif case in ("tokenizer-vocab", "no-tokenizer"):
+        # Text with a tokenizer the model cannot take: the shipped BPE has 4096 tokens.
+        _write(d, pa.table({"body": ["some text here"] * 4}), files=1)
+        extra = ["data.text_column=body"]
+        extra += ["model.vocab_size=1024"] if case == "tokenizer-vocab" else [f"data.tokenizer={tmp_path}/nope.json"]
+        key = "data.tokenizer"
     elif case == "corrupt":
         _write(d, pa.table({"input_ids": pa.array([[1, 2]], type=pa.list_(pa.int32()))}), files=1)
         (d / "part-9.parquet").write_bytes(b"PAR1 this is not parquet")

@@ -96,6 +96,13 @@ def test_large_layouts_fit_with_small_microbatches(model, hardware, world, gbs, 
     assert min(per_replica // r["microbatches"] for r in feasible) <= 4
 
 
+def test_70b_pure_data_parallel_on_one_node_of_80gb_stays_infeasible():
+    model = [f"{k}={v}" for k, v in LLAMA3_70B.items()]
+    cfg = Config.from_dict(parse_overrides([*model, "train.global_batch_size=64"]))
+    rows = plan(cfg, 8, PROFILES["h100"], fixed={"tp": 1, "pp": 1})
+    assert rows and not any(r["feasible"] for r in rows)  # even ZeRO-3 over 8: 70e9 x 16 B / 8 = 140 GB
+
+
 def test_microbatch_search_reaches_one_sequence_and_accumulates_at_pp1():
     cfg = load_config(None, ["train.global_batch_size=16"])
     rows = plan(cfg, 2, PROFILES["h100"], fixed={"dp": 2, "tp": 1, "pp": 1})
