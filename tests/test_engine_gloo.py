@@ -52,11 +52,23 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], queue, nodes
     os._exit(0 if status[0] == "ok" else 1)
 
 
+_PRELOAD = ["torch", "torch.distributed.tensor", "transformers.models.llama.modeling_llama", "raytrain_hybrid.worker"]
+
+
+def _context():
+    """Processes forked from a server that has imported torch, transformers and the engine once:
+    each gloo rank starts in a fraction of a second instead of re-importing them (spawn),
+    while the test process itself stays fork-free (it may hold Ray's threads)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def run_gloo(overrides: list[str], nodes: int = 1, resume: str | None = None) -> dict:
     from raytrain_hybrid.config import load_config
 
     world = load_config(None, overrides).parallelism.world_size
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, overrides, queue, nodes, resume)) for r in range(world)]
