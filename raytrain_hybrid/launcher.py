@@ -37,6 +37,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     import torch
 
     cfg = Config.from_dict(loop_config["config"])
+    os.environ.update(loop_config.get("data_env", {}))  # before this worker's Ray Data executor starts
     torch.set_num_threads(max(1, int(cfg.cluster.cpus_per_worker)))
     from raytrain_hybrid.worker import run_worker
 
@@ -137,6 +138,24 @@ def _local_system_config() -> dict:
     Measured: turning off the raylet's idle-worker prestart made the start ~10 s slower."""
     override = os.environ.get("RAYTRAIN_HYBRID_RAY_SYSTEM_CONFIG")
     return json.loads(override) if override else {}
+
+
+# Ray Data's Parquet reader (datasource V2) starts RAY_DATA_PARQUET_FOOTER_NUM_ACTORS (32)
+# footer-reading actors, a Python process each, every time a dataset is executed, i.e. once
+# per replica leader. For a handful of files that is most of the data path's start-up on a
+# small machine; scale them with the files (a user's own setting wins).
+_FOOTER_ACTORS = "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS"
+
+
+def _data_env(cfg: Config) -> dict[str, str]:
+    if cfg.data.path == "memory":
+        return {}
+    if _FOOTER_ACTORS in os.environ:
+        return {_FOOTER_ACTORS: os.environ[_FOOTER_ACTORS]}
+    import pyarrow.dataset as pads
+
+    files = len(pads.dataset(cfg.data.path, format="parquet").files)
+    return {_FOOTER_ACTORS: str(min(32, max(1, math.ceil(files / 64))))}
 
 
 def _use_gpu(cfg: Config, world_size: int) -> bool:
@@ -334,6 +353,14 @@ def run(cfg: Config, resume: str | None = None, stream=None) -> dict:
     cfg = prepare_input(cfg)
     marks["input_checked"] = time.time()
     backend = cfg.cluster.backend if cfg.cluster.backend != "auto" else ("nccl" if use_gpu else "gloo")
+    data_env = _data_env(cfg)
+    saved_env = {k: os.environ.get(k) for k in data_env}
+    os.environ.update(data_env)  # also where the dataset is built, here on the driver
+    try:
+        datasets = _datasets(cfg)
+    finally:
+        for k, v in saved_env.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     sink = Queue(actor_options={"num_cpus": 0})
     trainer = TorchTrainer(
         train_loop_per_worker,
@@ -343,9 +370,10 @@ def run(cfg: Config, resume: str | None = None, stream=None) -> dict:
             "use_gpu": use_gpu,
             "resume": resume,
             "launch_id": uuid.uuid4().hex,
+            "data_env": data_env,
         },
         torch_config=TorchConfig(backend=backend),
-        **_datasets(cfg),
+        **datasets,
         scaling_config=ScalingConfig(
             num_workers=world,
             use_gpu=use_gpu,
