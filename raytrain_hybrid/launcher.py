@@ -128,16 +128,7 @@ def _ensure_ray(cfg: Config, world_size: int) -> None:
         runtime_env=env,
         log_to_driver=False,
         include_dashboard=False,
-        _system_config=_local_system_config(),
     )
-
-
-def _local_system_config() -> dict:
-    """Ray system config of a private local cluster: Ray's defaults, or the JSON in
-    RAYTRAIN_HYBRID_RAY_SYSTEM_CONFIG (start-up experiments: benchmarks/bench_startup.py).
-    Measured: turning off the raylet's idle-worker prestart made the start ~10 s slower."""
-    override = os.environ.get("RAYTRAIN_HYBRID_RAY_SYSTEM_CONFIG")
-    return json.loads(override) if override else {}
 
 
 # Ray Data's Parquet reader (datasource V2) starts RAY_DATA_PARQUET_FOOTER_NUM_ACTORS (32)
