@@ -150,9 +150,8 @@ class Trainer:
     @staticmethod
     def _grad_sync(module, sync: bool):
         """Reduce gradients across replicas on the last micro-batch only."""
-        if isinstance(module, FSDPModule):
+        if isinstance(module, FSDPModule):  # ZeRO-1 reduces once per step, in the optimizer
             module.set_requires_gradient_sync(sync)
-            return contextlib.nullcontext()
         return contextlib.nullcontext()
 
     def train_step(self, step: int, batch: Batch) -> dict:

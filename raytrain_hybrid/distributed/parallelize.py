@@ -1,5 +1,5 @@
 """Turn one meta-device stage into its parallel form, in a fixed order:
-TP -> activation checkpointing -> FSDP2 (then materialise, then DDP for zero=1)."""
+TP (+SP) -> activation checkpointing -> FSDP2 (then materialise; zero=1 wraps nothing)."""
 
 from __future__ import annotations
 
