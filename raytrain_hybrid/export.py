@@ -26,7 +26,7 @@ def load_full_state_dict(path: Path, cfg: Config) -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
 
     spec = get_arch(cfg.model.arch)
-    meta = build_stage(spec, spec.hf_config(cfg.model), list(range(cfg.model.num_layers)), first=True, last=True)
+    meta = build_stage(spec, spec.hf_config(cfg), list(range(spec.num_blocks(cfg.model))), first=True, last=True)
     state = {name: torch.empty(p.shape, dtype=torch.float32) for name, p in meta.named_parameters()}
     dcp.load({"model": state}, storage_reader=checkpoint.SafeFileSystemReader(str(path)), no_dist=True)
     return state
@@ -41,8 +41,15 @@ def export_hf(source: str | Path, out_dir: str | Path) -> Path:
     if out.exists() and any(out.iterdir()):
         raise ConfigError("OUT_DIR", str(out), "exists and is not empty; give a new directory (nothing was written)")
     cfg = Config.from_dict(manifest["config"])
+    if cfg.model.arch not in _HF_CLASSES:
+        raise ConfigError(
+            "CHECKPOINT",
+            str(path),
+            f"holds a {cfg.model.arch} model, which has no single transformers class to export to; "
+            "load its weights with raytrain_hybrid.export.load_full_state_dict",
+        )
     spec = get_arch(cfg.model.arch)
-    hf_config = spec.hf_config(cfg.model)
+    hf_config = spec.hf_config(cfg)
     model = getattr(transformers, _HF_CLASSES[cfg.model.arch])(hf_config)
     missing, unexpected = model.load_state_dict(spec.to_hf(load_full_state_dict(path, cfg)), strict=False)
     # Only buffers transformers recomputes (rotary frequencies, GPT-2's causal mask) may be absent.

@@ -18,7 +18,13 @@ from typing import Any
 
 from raytrain_hybrid import checkpoint
 from raytrain_hybrid.config import Config
-from raytrain_hybrid.data_ray import ReplicaDataConfig, build_dataset, builtin_dataset, schema_check
+from raytrain_hybrid.data_ray import (
+    ReplicaDataConfig,
+    build_dataset,
+    build_rows_dataset,
+    builtin_dataset,
+    schema_check,
+)
 from raytrain_hybrid.distributed.parallel_dims import ParallelDims, arrange_ranks
 from raytrain_hybrid.errors import ConfigError
 from raytrain_hybrid.observe import RunLog
@@ -72,6 +78,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         use_gpu=loop_config["use_gpu"],
         on_step=on_step,
         dataset_fn=None if cfg.data.path == "memory" else (lambda: ray.train.get_dataset_shard("train")),
+        val_fn=(lambda: ray.train.get_dataset_shard("val"))
+        if cfg.data.val_path and cfg.data.path != "memory"
+        else None,
         resume=_restart_point(loop_config),
         launch_id=loop_config["launch_id"],
         on_checkpoint=on_checkpoint,
@@ -160,11 +169,21 @@ def _use_gpu(cfg: Config, world_size: int) -> bool:
 def _datasets(cfg: Config) -> dict:
     if cfg.data.path == "memory":
         return {}
-    return {"datasets": {"train": build_dataset(cfg)}, "dataset_config": ReplicaDataConfig()}
+    datasets = {"train": build_dataset(cfg)}
+    if cfg.data.val_path:
+        datasets["val"] = build_rows_dataset(cfg, cfg.data.val_path)
+    return {"datasets": datasets, "dataset_config": ReplicaDataConfig()}
 
 
 def prepare_input(cfg: Config) -> Config:
     """Resolve data.path ("builtin" is prepared once) and check the files before workers start."""
+    if cfg.data.text_columns and cfg.data.path in ("builtin", "memory"):  # a classifier: the shipped rows
+        from raytrain_hybrid.rows import BUILTIN_TRAIN, BUILTIN_VAL
+
+        path = cfg.data.path if cfg.data.path == "memory" else str(BUILTIN_TRAIN)
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=path))
+        if not cfg.data.val_path:
+            cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, val_path=str(BUILTIN_VAL)))
     if cfg.data.path == "memory":
         return cfg
     if cfg.data.path == "builtin":
@@ -278,6 +297,10 @@ def summarize(cfg: Config, history: list[dict], memory: list[dict], restarts: in
     for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "max_rss_bytes", "data_wait_fraction"):
         summary[key] = max((m[key] for m in memory if m.get(key) is not None), default=None)
     summary["per_rank"] = memory
+    evals = [{k: h[k] for k in h if k == "step" or k.startswith("val_")} for h in history if "val_accuracy" in h]
+    if evals:  # classifiers: every evaluation, and the last one on its own
+        summary["evals"] = evals
+        summary["final_eval"] = evals[-1]
     return summary
 
 

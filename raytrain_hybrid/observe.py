@@ -25,6 +25,10 @@ _SCALARS = {
     "tflops_per_device": "perf/tflops_per_device",
     "mfu": "perf/mfu",
     "data_wait_s": "data/wait_s",
+    "val_loss": "val/loss",
+    "val_accuracy": "val/accuracy",
+    "val_f1": "val/f1",
+    "val_auc": "val/auc",
 }
 _MEMORY = ("param_bytes", "grad_bytes", "optimizer_bytes", "max_rss_bytes", "max_cuda_allocated_bytes")
 
@@ -68,7 +72,11 @@ def quiet_driver(log_path: Path, *, quiet: bool = True):
 
 
 def _status(m: dict) -> str:
-    return f"loss {m['loss']:.4f}  grad_norm {m['grad_norm']:.3f}  {m['tokens_per_s']:,.0f} tok/s"
+    line = f"loss {m['loss']:.4f}  grad_norm {m['grad_norm']:.3f}  {m['tokens_per_s']:,.0f} tok/s"
+    if "val_accuracy" in m:  # a classifier's evaluation step
+        auc = f"{m['val_auc']:.3f}" if m.get("val_auc") is not None else "n/a"
+        line += f"  val acc {m['val_accuracy']:.3f} f1 {m['val_f1']:.3f} auc {auc}"
+    return line
 
 
 class RunLog:

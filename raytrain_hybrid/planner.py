@@ -20,7 +20,7 @@ from pathlib import Path
 
 from raytrain_hybrid.config import Config, validate
 from raytrain_hybrid.errors import ConfigError
-from raytrain_hybrid.flops import flops_per_token
+from raytrain_hybrid.flops import flops_per_token, tokens_per_row
 
 GiB = 1024**3
 
@@ -101,9 +101,29 @@ def load_hardware(name: str) -> Hardware:
     return Hardware(**json.loads(path.read_text()))
 
 
+def num_blocks(model) -> int:
+    from raytrain_hybrid.models import get_arch
+
+    return get_arch(model.arch).num_blocks(model)
+
+
+def bert_embedding_params(model) -> int:
+    """One BERT encoder's embeddings: words, 512 positions, 2 token types, LayerNorm."""
+    h = model.hidden_size
+    return model.vocab_size * h + max(512, model.seq_len) * h + 2 * h + 2 * h
+
+
 def param_parts(model) -> tuple[int, int, int]:
-    """(per block, first stage extra: embeddings, last stage extra: final norm + head)."""
+    """(per block, first stage extra: embeddings, last stage extra: final norm + head).
+    multimodal-bert: the first stage's extra is encoder A's embeddings and the tabular
+    network; encoder B's embeddings sit with its first block (max_rank_params)."""
     h, f, v = model.hidden_size, model.ffn_hidden_size, model.vocab_size
+    if model.arch == "multimodal-bert":
+        per_layer = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h  # BERT block: like GPT-2's
+        th, fh = model.tabular_hidden_size, model.fusion_hidden_size
+        tabular = 3 * th + th + th * th + th  # three features is the shipped set's width
+        head = (2 * h + th) * fh + fh + fh * model.num_classes + model.num_classes
+        return per_layer, bert_embedding_params(model) + tabular, head
     if model.arch == "gpt2":
         per_layer = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h  # qkv+o with biases, mlp, 2 LayerNorms
         return per_layer, v * h + model.seq_len * h, 2 * h + v * h
@@ -115,7 +135,8 @@ def param_parts(model) -> tuple[int, int, int]:
 def param_count(model) -> int:
     """All parameters of the model as built (untied embedding and head)."""
     per_layer, first, last = param_parts(model)
-    return model.num_layers * per_layer + first + last
+    second = bert_embedding_params(model) if model.arch == "multimodal-bert" else 0
+    return num_blocks(model) * per_layer + first + last + second
 
 
 def max_rank_params(cfg: Config) -> float:
@@ -126,13 +147,17 @@ def max_rank_params(cfg: Config) -> float:
     if par.pp == 1:
         return float(param_count(cfg.model))
     per_layer, first, last = param_parts(cfg.model)
-    split = split_layers(cfg.model.num_layers, par.num_stages)
+    split = split_layers(num_blocks(cfg.model), par.num_stages)
+    # multimodal-bert: encoder B's embeddings live with its first block.
+    anchored = cfg.model.num_layers if cfg.model.arch == "multimodal-bert" else None
     best = 0.0
     for rank in range(par.pp):
         ids = stage_ids(par.schedule, rank, par.pp, par.stages_per_rank)
         n = sum(len(split[i]) * per_layer for i in ids)
         n += first if 0 in ids else 0
         n += last if par.num_stages - 1 in ids else 0
+        if anchored is not None and any(anchored in split[i] for i in ids):
+            n += bert_embedding_params(cfg.model)
         best = max(best, n)
     return best
 
@@ -181,12 +206,14 @@ def activation_bytes(cfg: Config, micro_batch: int) -> float:
     sp = t > 1 and par.sequence_parallel
     width = 2.0 if cfg.train.dtype == "bfloat16" else 4.0  # the formula counts 2-byte activations
     per_layer = layer_activation_bytes(s, b, h, t, sp=sp, checkpointed=par.activation_checkpointing)
-    layers_per_rank = m.num_layers / par.pp
+    layers_per_rank = num_blocks(m) / par.pp
     in_flight = in_flight_microbatches(par.schedule, par.pp, par.microbatches, par.stages_per_rank if par.pp > 1 else 1)
     stash = per_layer * (width / 2) * layers_per_rank * in_flight
     if par.activation_checkpointing:  # the layer being recomputed holds its full activations
         stash += layer_activation_bytes(s, b, h, t, sp=sp, checkpointed=False) * (width / 2)
     logits = 2 * 4.0 * b * s * m.vocab_size  # fp32 logits and their gradient, gathered on the last stage
+    if m.arch == "multimodal-bert":  # a class per row, not a vocabulary per token
+        logits = 2 * 4.0 * b * m.num_classes
     return stash + logits
 
 
@@ -206,7 +233,7 @@ def predict(cfg: Config, hw: Hardware) -> dict:
     memory = {**states, "activations": act}
     memory["total"] = sum(memory.values())
 
-    tokens = t.global_batch_size * m.seq_len
+    tokens = t.global_batch_size * tokens_per_row(m)
     flops = flops_per_token(m) * tokens / (dp * tp * pp)
     if par.activation_checkpointing:
         flops *= 4 / 3  # one more forward
@@ -220,7 +247,7 @@ def predict(cfg: Config, hw: Hardware) -> dict:
 
     width = 2.0 if t.dtype == "bfloat16" else 4.0
     act_msg = micro_batch * m.seq_len * m.hidden_size * width
-    layers_per_rank = m.num_layers / pp
+    layers_per_rank = num_blocks(m) / pp
     # TP: two all-reduces forward and two backward per block and micro-batch, inside a node.
     tp_s = 4 * layers_per_rank * mb * _allreduce_s(act_msg, tp, hw.intra_node_gbps, hw.latency_s)
     if tp > 1:  # attention and MLP are one column/row pair each

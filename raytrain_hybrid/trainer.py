@@ -24,7 +24,7 @@ from raytrain_hybrid.distributed.parallelize import parallelize_stage
 from raytrain_hybrid.distributed.tensor_parallel import align_grad_placements
 from raytrain_hybrid.distributed.utils import clip_grads_, global_grad_norm
 from raytrain_hybrid.distributed.zero1 import ZeroOneOptimizer
-from raytrain_hybrid.flops import device_peak_tflops, flops_per_token
+from raytrain_hybrid.flops import device_peak_tflops, flops_per_token, tokens_per_row
 from raytrain_hybrid.models import get_arch
 from raytrain_hybrid.models.common import build_stage, full_init_state_dict
 
@@ -42,6 +42,29 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
+class ClassLoss:
+    """sum(weight[label] * cross-entropy) / rows of one micro-batch.
+
+    Not F.cross_entropy(weight=...): that divides by the micro-batch's sum of weights,
+    which depends on how the batch is cut into micro-batches and replicas, so layouts
+    would train different models. Dividing by the row count keeps the mean over
+    micro-batches and replicas equal to the global batch's.
+    """
+
+    def __init__(self, weights: list[float], classes: int, device: torch.device) -> None:
+        self.weights = torch.tensor(weights or [1.0] * classes, dtype=torch.float32, device=device)
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        per_row = F.cross_entropy(logits.float(), labels, reduction="none")
+        return (self.weights[labels] * per_row).mean()
+
+
+def make_loss(cfg: Config, task: str, device: torch.device):
+    if task == "lm":
+        return lm_loss
+    return ClassLoss(cfg.model.class_weights, cfg.model.num_classes, device)
+
+
 def _local_bytes(t: torch.Tensor) -> int:
     local = t.to_local() if isinstance(t, DTensor) else t
     return local.numel() * local.element_size()
@@ -52,11 +75,12 @@ class Trainer:
         self.cfg, self.dims, self.mesh, self.device = cfg, dims, mesh, device
         par = cfg.parallelism
         self.spec = get_arch(cfg.model.arch)
-        self.hf_config = self.spec.hf_config(cfg.model)
+        self.hf_config = self.spec.hf_config(cfg)
+        self.loss_fn = make_loss(cfg, self.spec.task, device)
         self.pp_rank = mesh.pp.get_local_rank()
         self.dp_rank = mesh.dp.get_local_rank()
         num_stages = par.num_stages if dims.pp > 1 else 1
-        split = pipeline.split_layers(cfg.model.num_layers, num_stages)
+        split = pipeline.split_layers(self.spec.num_blocks(cfg.model), num_stages)
         ids = pipeline.stage_ids(par.schedule, self.pp_rank, dims.pp, par.stages_per_rank) if dims.pp > 1 else [0]
         self.stage_ids = ids
         self.has_first = 0 in ids
@@ -81,13 +105,20 @@ class Trainer:
         self.schedule = None
         if dims.pp > 1:
             stages = [
-                PipelineStage(m, sid, num_stages, device, group=mesh.pp.get_group())
+                PipelineStage(m, sid, num_stages, device, group=mesh.pp.get_group(), **self._stage_io(split[sid]))
                 for m, sid in zip(self.modules, ids, strict=True)
             ]
-            self.schedule = pipeline.build_schedule(par.schedule, stages, par.microbatches, lm_loss)
+            self.schedule = pipeline.build_schedule(par.schedule, stages, par.microbatches, self.loss_fn)
         self.grad_bytes = 0
         self.flops_per_token = flops_per_token(cfg.model)
         self.peak_tflops = device_peak_tflops(device)
+
+    def _stage_io(self, blocks: list[int]) -> dict:
+        if self.spec.stage_io is None:
+            return {}  # inferred by torch.distributed.pipelining on the first step
+        rows = self.cfg.train.global_batch_size // self.dims.dp // self.cfg.parallelism.microbatches
+        inputs, outputs = self.spec.stage_io(self.hf_config, blocks, rows, self.cfg.model.seq_len, self.device)
+        return {"input_args": inputs, "output_args": outputs}
 
     def restore_schedule(self, steps_done: int) -> None:
         """Put the LR schedule where it is after ``steps_done`` optimizer steps."""
@@ -101,14 +132,18 @@ class Trainer:
     def _build(self, stage_id: int, layer_ids: list[int], num_stages: int):
         stage = build_stage(self.spec, self.hf_config, layer_ids, first=stage_id == 0, last=stage_id == num_stages - 1)
         shapes = {name: p.shape for name, p in stage.named_parameters()}
-        full = full_init_state_dict(stage, self.cfg.train.seed, self.cfg.train.init_std, shapes)
+        if self.spec.initial_state is not None:  # e.g. pretrained weights
+            full = self.spec.initial_state(self.cfg, stage, shapes)
+        else:
+            full = full_init_state_dict(stage, self.cfg.train.seed, self.cfg.train.init_std, shapes)
         parallelize_stage(
             stage,
             self.spec,
             self.mesh,
             self.dims,
             activation_checkpointing=self.cfg.parallelism.activation_checkpointing,
-            sequence_parallel=self.cfg.parallelism.sequence_parallel,
+            # Only architectures with a sequence-parallel plan run it.
+            sequence_parallel=self.cfg.parallelism.sequence_parallel and bool(self.spec.sp_plan),
         )
         stage.to_empty(device=self.device)
         if self.spec.init_buffers is not None:
@@ -128,7 +163,7 @@ class Trainer:
         m = self.cfg.parallelism.microbatches
         if self.schedule is not None:
             losses: list[torch.Tensor] = []
-            args = (batch.input_ids.to(self.device),) if self.has_first else ()
+            args = tuple(x.to(self.device) for x in batch.inputs) if self.has_first else ()
             kwargs = {"target": batch.labels.to(self.device), "losses": losses} if self.has_last else {}
             with self._autocast():
                 self.schedule.step(*args, **kwargs)
@@ -136,16 +171,36 @@ class Trainer:
                 return torch.zeros((), device=self.device)
             return torch.stack([loss.detach().float() for loss in losses]).mean()
         (module,) = self.modules
-        xs = batch.input_ids.to(self.device).chunk(m)
+        xs = list(zip(*(x.to(self.device).chunk(m) for x in batch.inputs), strict=True))
         ys = batch.labels.to(self.device).chunk(m)
         total = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
             last = i == m - 1
             with self._grad_sync(module, last), self._autocast():
-                loss = lm_loss(module(x), y)
+                loss = self.loss_fn(module(*x), y)
             (loss / m).backward()
             total += loss.detach().float() / m
         return total
+
+    @torch.no_grad()
+    def predict(self, batch: Batch) -> torch.Tensor | None:
+        """Forward only, in eval mode: the logits on ranks holding the last stage, else None.
+        The batch must have the training replica batch's row count (pipeline shapes are fixed)."""
+        for module in self.modules:
+            module.eval()
+        try:
+            with self._autocast():
+                if self.schedule is not None:
+                    args = tuple(x.to(self.device) for x in batch.inputs) if self.has_first else ()
+                    # The schedule computes its loss on the last stage, so it needs the labels.
+                    kwargs = {"target": batch.labels.to(self.device), "losses": []} if self.has_last else {}
+                    out = self.schedule.eval(*args, **kwargs)
+                    return out.float() if self.has_last else None
+                (module,) = self.modules
+                return module(*(x.to(self.device) for x in batch.inputs)).float()
+        finally:
+            for module in self.modules:
+                module.train()
 
     @staticmethod
     def _grad_sync(module, sync: bool):
@@ -175,7 +230,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - t0
-        tokens = self.cfg.train.global_batch_size * self.cfg.model.seq_len
+        tokens = self.cfg.train.global_batch_size * tokens_per_row(self.cfg.model)
         tflops = self.flops_per_token * tokens / elapsed / self.dims.world_size / 1e12
         return {
             "step": step,

@@ -22,7 +22,14 @@ from raytrain_hybrid import checkpoint
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.data import Batch, TokenWindows, tokenize_corpus
 from raytrain_hybrid.distributed.parallel_dims import ParallelDims, arrange_ranks
+from raytrain_hybrid.evaluation import ValidationSet, evaluate
+from raytrain_hybrid.rows import BUILTIN_TRAIN, RowBatches, feed_schema, read_parquet_rows, to_batch
 from raytrain_hybrid.trainer import Trainer
+
+
+def replica_device(meshes) -> torch.device:
+    cuda = meshes.world.device_type == "cuda"
+    return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
 
 def pick_device(use_gpu: bool) -> torch.device:
@@ -50,9 +57,8 @@ class ReplicaFeed:
 
         self.group = meshes.replica.get_group()
         self.leader = meshes.replica.get_local_rank() == 0
-        self.shape = (cfg.train.global_batch_size // dims.dp, cfg.model.seq_len + 1)
-        cuda = meshes.world.device_type == "cuda"
-        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self.schema = feed_schema(cfg, cfg.train.global_batch_size // dims.dp)
+        self.device = replica_device(meshes)
         self.stream = None
         if self.leader:
             self.stream = replica_stream(cfg, dataset_fn(), dp=dims.dp, dp_rank=dp_rank, skip_steps=skip_steps)
@@ -72,7 +78,7 @@ class ReplicaFeed:
 
     def _post(self):
         status = torch.zeros(1, dtype=torch.int64, device=self.device)
-        rows = torch.zeros(self.shape, dtype=torch.int64, device=self.device)
+        bufs = {k: torch.zeros(shape, dtype=dtype, device=self.device) for k, (shape, dtype) in self.schema.items()}
         error = None
         if self.leader:
             item = self._queue.get()
@@ -82,13 +88,15 @@ class ReplicaFeed:
                 status.fill_(self.ERROR)
                 error = item
             else:
-                rows.copy_(torch.from_numpy(item))
+                arrays = item if isinstance(item, dict) else {"tokens": item}
+                for k, buf in bufs.items():
+                    buf.copy_(torch.from_numpy(arrays[k]))
                 status.fill_(self.OK)
-        works = [dist.broadcast(t, group=self.group, group_src=0, async_op=True) for t in (status, rows)]
-        return status, rows, works, error
+        works = [dist.broadcast(t, group=self.group, group_src=0, async_op=True) for t in (status, *bufs.values())]
+        return status, bufs, works, error
 
     def next(self) -> Batch | None:
-        status, rows, works, error = self._pending or self._post()
+        status, bufs, works, error = self._pending or self._post()
         self._pending = None
         for work in works:
             work.wait()
@@ -98,8 +106,7 @@ class ReplicaFeed:
         if code == self.END:
             return None
         self._pending = self._post()  # prefetch the next step's rows
-        rows = rows.cpu()
-        return Batch(input_ids=rows[:, :-1].contiguous(), labels=rows[:, 1:].contiguous())
+        return to_batch({k: v.cpu() for k, v in bufs.items()})
 
     def close(self) -> None:
         """Complete the prefetch in flight (every rank of the replica posted it)."""
@@ -117,6 +124,7 @@ def run_worker(
     on_step: Callable[[dict], None] | None = None,
     device: torch.device | None = None,
     dataset_fn: Callable[[], object] | None = None,
+    val_fn: Callable[[], object] | None = None,
     resume: str | None = None,
     launch_id: str = "",
     on_checkpoint: Callable[[int, Path, dict], None] | None = None,
@@ -125,7 +133,9 @@ def run_worker(
     """Train up to ``cfg.train.steps`` steps; returns per-step metrics and this rank's memory stats.
 
     ``dataset_fn`` returns this rank's Ray Data iterator (called by replica leaders only);
-    without it the input is the shipped corpus, windowed in memory (engine tests without Ray).
+    without it the input is the shipped corpus, windowed in memory (engine tests without Ray),
+    or for classifiers the shipped rows. ``val_fn``, likewise, the validation rows' iterator
+    (classifiers evaluate every ``train.eval_interval`` steps and after the last).
     ``resume`` is a verified checkpoint directory to continue from (model, optimizer, LR
     schedule, RNG, data position); with ``checkpoint.interval`` the run saves its own, and
     ``on_checkpoint(steps_done, directory, metrics)`` runs on every rank after each save.
@@ -155,8 +165,15 @@ def run_worker(
     if dataset_fn is not None:
         next_batch = lambda step: feed.next()  # noqa: E731
     else:
-        data = TokenWindows(tokenize_corpus(tokenizer=cfg.data.tokenizer), cfg.model.seq_len, cfg.train.seed)
+        if trainer.spec.task == "lm":
+            data = TokenWindows(tokenize_corpus(tokenizer=cfg.data.tokenizer), cfg.model.seq_len, cfg.train.seed)
+        else:
+            data = RowBatches(read_parquet_rows(BUILTIN_TRAIN, cfg), cfg.train.seed)
         next_batch = lambda step: data.replica_batch(step, cfg.train.global_batch_size, dims.dp, trainer.dp_rank)  # noqa: E731
+    validation = None
+    if trainer.spec.task != "lm":
+        validation = ValidationSet.open(cfg, mesh, val_fn=val_fn, in_memory=dataset_fn is None)
+    every = cfg.train.eval_interval
     history = []
     digest = hashlib.sha256()  # of every row this rank trained on: replicas' ranks must agree
     rows = 0
@@ -179,6 +196,8 @@ def run_worker(
         if dataset_fn is not None and feed.stream is not None:
             pos = feed.stream.position
             metrics.update(data_epoch=pos.epoch, data_windows_in_epoch=pos.windows_in_epoch)
+        if validation is not None and ((every and (step + 1) % every == 0) or step + 1 == cfg.train.steps):
+            metrics.update(evaluate(trainer, validation))
         history.append(metrics)
         if on_step is not None and rank == 0:
             on_step(metrics)

@@ -113,9 +113,9 @@ def test_export_round_trip_logits(saved_run, tmp_path):
     cfg = load_config(None, list(COMMON))
     batch = TokenWindows(tokenize_corpus(), cfg.model.seq_len, 0).rows_to_batch(torch.arange(4).numpy()).input_ids
     spec = get_arch("llama")
-    stage = build_stage(spec, spec.hf_config(cfg.model), list(range(4)), first=True, last=True)
+    stage = build_stage(spec, spec.hf_config(cfg), list(range(4)), first=True, last=True)
     stage.to_empty(device="cpu")
-    spec.init_buffers(stage, spec.hf_config(cfg.model), torch.device("cpu"))
+    spec.init_buffers(stage, spec.hf_config(cfg), torch.device("cpu"))
     stage.load_state_dict(load_full_state_dict(out / "checkpoints" / "step_4", cfg))
     trained: list = []
     reference_run(cfg, keep_model=trained)

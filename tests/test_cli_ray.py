@@ -20,6 +20,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from conftest import reference_history
 
 MODULES = ["json", "csv", "argparse", "logging", "pathlib", "subprocess", "threading", "collections", "functools"]
@@ -81,3 +82,91 @@ def test_raw_text_parquet_trains_the_same_at_1x1x1_and_2x2x2_and_the_terminal_is
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
     assert runs["1x1x1"][0]["loss"] > 7.0  # learning from scratch on the shipped 4096-token BPE
+
+
+@pytest.fixture(scope="module")
+def labelled_rows(tmp_path_factory) -> tuple[Path, Path]:
+    """A user's labelled table, written with plain pyarrow from the standard library: per
+    function or class, its docstring's first paragraph and its signature (two texts), three
+    raw numbers (unscaled) and a label (does the docstring mention what it returns)."""
+    rows = []
+    for name in MODULES:
+        mod = importlib.import_module(name)
+        for attr in sorted(a for a in dir(mod) if not a.startswith("_")):
+            obj = getattr(mod, attr)
+            doc = inspect.getdoc(obj) if inspect.isfunction(obj) or inspect.isclass(obj) else None
+            if not doc:
+                continue
+            try:
+                sig = str(inspect.signature(obj))
+            except (TypeError, ValueError):
+                sig = "(...)"
+            params = sig.count(",") + (sig not in ("()", "(...)"))
+            rows.append(
+                (
+                    doc.split("\n\n")[0],
+                    f"{name}.{attr}{sig}",
+                    len(doc),
+                    params,
+                    float(inspect.isclass(obj)),
+                    int("return" in doc.lower()),
+                )
+            )
+    out = tmp_path_factory.mktemp("labelled")
+    names = ["summary", "signature", "doc_chars", "n_params", "is_class", "mentions_return"]
+    for file, part in (("train.parquet", rows[: len(rows) * 4 // 5]), ("val.parquet", rows[len(rows) * 4 // 5 :])):
+        pq.write_table(pa.table(dict(zip(names, map(list, zip(*part, strict=True)), strict=True))), out / file)
+    return out / "train.parquet", out / "val.parquet"
+
+
+MULTIMODAL = (
+    "model.arch=multimodal-bert",
+    "model.pretrained=none",  # the shape of MiniLM at a tiny width: the suite's time budget
+    "model.num_layers=2",
+    "model.hidden_size=32",
+    "model.num_heads=4",
+    "model.vocab_size=30522",
+    "model.seq_len=24",
+    "model.class_weights=[1, 3]",
+    "train.steps=3",
+    "train.global_batch_size=8",
+    "train.lr=1e-3",
+    "train.eval_interval=2",
+    "data.text_columns=summary,signature",
+    "data.tabular_columns=doc_chars,n_params,is_class",
+    "data.label_column=mentions_return",
+)
+
+
+def test_multimodal_classifier_from_the_cli_matches_single_process_and_evaluates(ray_local, labelled_rows, tmp_path):
+    from reference import classifier_reference_run, ray_data_rows
+
+    from raytrain_hybrid.config import load_config
+    from raytrain_hybrid.rows import read_parquet_rows
+
+    train, val = labelled_rows
+    sets = [*MULTIMODAL, f"data.path={train}", f"data.val_path={val}", f"run.output_dir={tmp_path / 'run'}"]
+    sets += ["parallelism.dp=2", "parallelism.tp=1", "parallelism.pp=2", "parallelism.microbatches=2"]
+    sets.append(f"cluster.address={ray_local.get_runtime_context().gcs_address}")
+    exe = Path(sys.executable).parent / "raytrain-hybrid"
+    proc = subprocess.run(
+        [str(exe), "train", *[a for s in sets for a in ("--set", s)]], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    steps = [ln for ln in proc.stdout.splitlines() if ln.startswith("step ")]
+    assert ["val acc" in ln for ln in steps] == [False, True, True], steps  # every 2 steps and after the last
+    history = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert [e["step"] for e in summary["evals"]] == [1, 2]
+    assert summary["final_eval"] == {k: v for k, v in history[-1].items() if k == "step" or k.startswith("val_")}
+    cfg = load_config(None, [*MULTIMODAL, f"data.path={train}", f"data.val_path={val}"])
+    reference = classifier_reference_run(cfg, ray_data_rows(cfg, 3), val_rows=read_parquet_rows(val, cfg))
+    for got, want in zip(history, reference, strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+    logits, labels = reference[-1]["val_logits"], reference[-1]["val_labels"]
+    assert history[-1]["val_rows"] == len(labels)
+    assert history[-1]["val_accuracy"] == pytest.approx((logits.argmax(1) == labels).sum().item() / len(labels))
+    weights = torch.tensor([1.0, 3.0])[labels]
+    val_loss = (weights * torch.nn.functional.cross_entropy(logits, labels, reduction="none")).mean().item()
+    assert history[-1]["val_loss"] == pytest.approx(val_loss, rel=1e-4)

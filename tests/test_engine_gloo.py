@@ -42,7 +42,9 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], queue, nodes
         dist.barrier()
         dist.destroy_process_group()
     except BaseException as exc:
-        status = ("error", f"rank {rank}: {exc!r}")
+        import traceback
+
+        status = ("error", f"rank {rank}: {exc!r}\n{traceback.format_exc()}")
     if rank == 0 or status[0] == "error":
         queue.put(status)
     queue.close()

@@ -11,9 +11,9 @@ from raytrain_hybrid.models.spec import ArchSpec
 
 
 def _registry() -> dict[str, ArchSpec]:
-    from raytrain_hybrid.models import gpt2, llama
+    from raytrain_hybrid.models import gpt2, llama, multimodal_bert
 
-    return {"llama": llama.SPEC, "gpt2": gpt2.SPEC}
+    return {"llama": llama.SPEC, "gpt2": gpt2.SPEC, "multimodal-bert": multimodal_bert.SPEC}
 
 
 def get_arch(name: str) -> ArchSpec:

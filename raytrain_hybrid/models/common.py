@@ -26,8 +26,8 @@ class StageModule(nn.Module):
         self._spec = spec
         self._hf_config = hf_config
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._spec.stage_forward(self, x)
+    def forward(self, *xs: torch.Tensor):
+        return self._spec.stage_forward(self, *xs)
 
 
 def _set_submodule(root: nn.Module, path: str, value) -> None:
@@ -46,6 +46,9 @@ def build_stage(spec: ArchSpec, hf_config, layer_ids: list[int], first: bool, la
         _set_submodule(model, path, None)
     for path in spec.last_stage if not last else ():
         _set_submodule(model, path, None)
+    for path, block in spec.anchors(hf_config).items():
+        if block not in layer_ids:
+            _set_submodule(model, path, None)
     return StageModule(model, spec, hf_config)
 
 

