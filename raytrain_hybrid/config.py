@@ -197,8 +197,9 @@ class TrainConfig:
     seed: int = 0
     # Samples per step over all replicas.
     global_batch_size: int = 16
-    # Peak learning rate (AdamW).
-    lr: float = 3e-3
+    # Peak learning rate (AdamW). 0 picks one for the model: 3e-3 for the language models
+    # (trained from scratch), 2e-4 for multimodal-bert (fine-tuning pretrained encoders).
+    lr: float = 0.0
     # Final learning rate of the cosine decay, as a fraction of lr.
     min_lr_ratio: float = 0.1
     # Linear warmup steps before the cosine decay.
@@ -219,8 +220,8 @@ class TrainConfig:
         for key in ("steps", "global_batch_size"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"train.{key}", getattr(self, key), "must be >= 1")
-        if self.lr <= 0:
-            raise ConfigError("train.lr", self.lr, "must be > 0, e.g. 3e-4")
+        if self.lr < 0:
+            raise ConfigError("train.lr", self.lr, "must be > 0, e.g. 3e-4 (0 picks one for the model)")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError("train.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
         if self.warmup_steps < 0:
@@ -495,6 +496,8 @@ def validate(cfg: Config) -> None:
 
     par, model, train = cfg.parallelism, cfg.model, cfg.train
     spec = get_arch(model.arch)
+    if train.lr == 0:
+        train.lr = 2e-4 if model.arch in CLASSIFIERS else 3e-3
     tp = par.tp
     sharded = [
         ("model.num_heads", model.num_heads),

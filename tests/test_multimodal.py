@@ -181,31 +181,19 @@ def classifier_reference():
     return classifier_reference_run(cfg, val_rows=read_parquet_rows(BUILTIN_VAL, cfg))
 
 
-@pytest.mark.parametrize(
-    "name, layout",
-    [
-        ("2x1x2", _layout(2, 1, 2)),
-        ("1x2x2", _layout(1, 2, 2)),
-        ("2x2x2-zero1", _layout(2, 2, 2, zero=1)),
-    ],
-)
-def test_layout_matches_single_process(name, layout, classifier_reference):
-    from test_engine_gloo import run_gloo
-
-    result = run_gloo([*TINY, *layout])
-    history = result["history"]
-    assert len(history) == STEPS
-    for got, want in zip(history, classifier_reference, strict=True):
+def assert_matches_reference(history, reference, first: int = 0):
+    assert [h["step"] for h in history] == list(range(first, STEPS))
+    for got in history:
+        want = reference[got["step"]]
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-4), f"loss at step {want['step']}"
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), f"grad_norm at step {want['step']}"
     # Evaluated after the last step, over every validation row once (dp shares, padded rounds).
-    final, want = history[-1], classifier_reference[-1]
+    final, want = history[-1], reference[-1]
     logits, labels = want["val_logits"], want["val_labels"]
     assert final["val_rows"] == len(labels) == 500
     accuracy = (logits.argmax(1) == labels).sum().item() / len(labels)
-    loss = (
-        torch.tensor([1.0, 2.0])[labels] * torch.nn.functional.cross_entropy(logits, labels, reduction="none")
-    ).mean()
+    per_row = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+    loss = (torch.tensor([1.0, 2.0])[labels] * per_row).mean()
     from sklearn.metrics import roc_auc_score
 
     auc = roc_auc_score(labels.numpy(), torch.softmax(logits, 1)[:, 1].numpy())
@@ -213,7 +201,37 @@ def test_layout_matches_single_process(name, layout, classifier_reference):
     assert final["val_loss"] == pytest.approx(loss.item(), rel=1e-4)
     assert final["val_auc"] == pytest.approx(auc, abs=1e-4)
     assert final["val_majority"] == pytest.approx(max(labels.float().mean().item(), 1 - labels.float().mean().item()))
-    assert "val_accuracy" not in history[0]  # eval_interval=0: after the last step only
+    assert all("val_accuracy" not in h for h in history[:-1])  # eval_interval=0: after the last step only
+
+
+@pytest.mark.parametrize("name, layout", [("2x1x2", _layout(2, 1, 2)), ("1x2x2", _layout(1, 2, 2))])
+def test_layout_matches_single_process(name, layout, classifier_reference):
+    from test_engine_gloo import run_gloo
+
+    assert_matches_reference(run_gloo([*TINY, *layout])["history"], classifier_reference)
+
+
+@pytest.fixture(scope="module")
+def saved_3d_run(tmp_path_factory):
+    """(2,2,2) with ZeRO-1, a checkpoint after step 2 (and after the last)."""
+    from test_engine_gloo import run_gloo
+
+    out = tmp_path_factory.mktemp("mm") / "run"
+    return out, run_gloo([*TINY, *_layout(2, 2, 2, zero=1), "checkpoint.interval=2", f"run.output_dir={out}"])
+
+
+def test_3d_zero1_matches_single_process(saved_3d_run, classifier_reference):
+    assert_matches_reference(saved_3d_run[1]["history"], classifier_reference)
+
+
+def test_checkpoint_resumes_under_another_layout(saved_3d_run, classifier_reference):
+    """Saved at (2,2,2) under ZeRO-1 after 2 steps, resumed at (1,1,2): the uninterrupted
+    run's last step (data position, optimizer state, LR schedule restored)."""
+    from test_engine_gloo import run_gloo
+
+    out, _ = saved_3d_run
+    resumed = run_gloo([*TINY, *_layout(1, 1, 2)], resume=str(out / "checkpoints" / "step_2"))
+    assert_matches_reference(resumed["history"], classifier_reference, first=2)
 
 
 @pytest.mark.parametrize(
@@ -282,3 +300,11 @@ def test_summary_lists_evaluations():
     assert summary["final_eval"]["val_accuracy"] == 0.9
     assert json.loads(json.dumps(summary))["final_eval"]["step"] == 1
     assert np.isfinite(summary["final_loss"])
+
+
+def test_learning_rate_default_follows_the_model():
+    """0 (the default) picks a rate: fine-tuning pretrained encoders wants far less than a
+    language model trained from scratch; a rate the user sets is kept."""
+    assert load_config(None, ["model.arch=multimodal-bert"]).train.lr == 2e-4
+    assert load_config(None, []).train.lr == 3e-3
+    assert load_config(None, ["model.arch=multimodal-bert", "train.lr=1e-5"]).train.lr == 1e-5
