@@ -308,3 +308,25 @@ def test_learning_rate_default_follows_the_model():
     assert load_config(None, ["model.arch=multimodal-bert"]).train.lr == 2e-4
     assert load_config(None, []).train.lr == 3e-3
     assert load_config(None, ["model.arch=multimodal-bert", "train.lr=1e-5"]).train.lr == 1e-5
+
+
+def test_multiclass_metrics_agree_with_scikit_learn():
+    """Three classes: macro F1, one-vs-rest macro AUC, the weighted loss over rows, and no AUC
+    when a class is missing from the labels."""
+    from sklearn.metrics import f1_score, roc_auc_score
+
+    from raytrain_hybrid.evaluation import classification_metrics
+
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 3, size=200)
+    logits = rng.normal(size=(200, 3)).astype(np.float32)
+    logits[np.arange(200), labels] += 1.0  # better than chance
+    got = classification_metrics(logits, labels, [1.0, 2.0, 0.5])
+    probs = torch.softmax(torch.from_numpy(logits), 1).numpy()
+    assert got["val_accuracy"] == pytest.approx((logits.argmax(1) == labels).mean())
+    assert got["val_f1"] == pytest.approx(f1_score(labels, logits.argmax(1), average="macro"))
+    assert got["val_auc"] == pytest.approx(roc_auc_score(labels, probs, multi_class="ovr"))
+    ce = torch.nn.functional.cross_entropy(torch.from_numpy(logits), torch.from_numpy(labels), reduction="none")
+    assert got["val_loss"] == pytest.approx((torch.tensor([1.0, 2.0, 0.5])[labels] * ce).mean().item(), rel=1e-6)
+    assert got["val_majority"] == pytest.approx(np.bincount(labels).max() / 200)
+    assert classification_metrics(logits, np.where(labels == 2, 0, labels), [])["val_auc"] is None
