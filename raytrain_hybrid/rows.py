@@ -53,8 +53,21 @@ def encode(columns: dict, *, text_columns, tabular_columns, label_column, tokeni
         encs = tok.encode_batch([str(t) if t is not None else "" for t in columns[name]])
         out[f"ids_{suffix}"] = np.asarray([e.ids for e in encs], dtype=np.int64).reshape(-1, seq_len)
         out[f"mask_{suffix}"] = np.asarray([e.attention_mask for e in encs], dtype=np.int64).reshape(-1, seq_len)
-    out["tabular"] = np.stack([np.asarray(columns[c], dtype=np.float32) for c in tabular_columns], axis=1)
-    out["label"] = np.asarray(columns[label_column]).astype(np.int64)
+    out["tabular"] = np.stack([_numbers(columns[c], c, "data.tabular_columns") for c in tabular_columns], axis=1)
+    out["label"] = _numbers(columns[label_column], label_column, "data.label_column").astype(np.int64)
+    return out
+
+
+def _numbers(values, column: str, key: str) -> np.ndarray:
+    """A numeric column as float32; a missing or non-numeric value stops the run, named."""
+    try:
+        out = np.asarray(values, dtype=np.float32)
+    except (TypeError, ValueError):
+        out = None
+    if out is None or np.isnan(out).any():
+        raise ValueError(
+            f"column {column!r} ({key}) holds missing or non-numeric values; fill or drop those rows first"
+        )
     return out
 
 

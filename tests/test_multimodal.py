@@ -300,6 +300,20 @@ def test_out_of_range_label_names_the_file(tmp_path):
         read_parquet_rows(path, cfg)
 
 
+def test_missing_numbers_are_refused_naming_the_column(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raytrain_hybrid.rows import read_parquet_rows
+
+    path = tmp_path / "rows.parquet"
+    table = {"dialogue": ["a"] * 8, "shiptrack": ["b"] * 8, "feature_1": [1.0] * 7 + [None], "label": [0] * 8}
+    pq.write_table(pa.table(table), path)
+    cfg = load_config(None, [*TINY, "data.text_columns=dialogue,shiptrack", "data.tabular_columns=feature_1"])
+    with pytest.raises(ValueError, match=r"column 'feature_1' \(data.tabular_columns\) holds missing"):
+        read_parquet_rows(path, cfg)
+
+
 def test_summary_lists_evaluations():
     from raytrain_hybrid.launcher import summarize
 
