@@ -101,6 +101,13 @@ def load_hardware(name: str) -> Hardware:
     return Hardware(**json.loads(path.read_text()))
 
 
+def _has_sp(model) -> bool:
+    """Whether the architecture has a sequence-parallel plan (BERT's post-LN blocks do not)."""
+    from raytrain_hybrid.models import get_arch
+
+    return bool(get_arch(model.arch).sp_plan)
+
+
 def num_blocks(model) -> int:
     from raytrain_hybrid.models import get_arch
 
@@ -203,7 +210,7 @@ def layer_activation_bytes(s: int, b: int, h: int, t: int, *, sp: bool, checkpoi
 def activation_bytes(cfg: Config, micro_batch: int) -> float:
     m, par = cfg.model, cfg.parallelism
     s, b, h, t = m.seq_len, micro_batch, m.hidden_size, par.tp
-    sp = t > 1 and par.sequence_parallel
+    sp = t > 1 and par.sequence_parallel and _has_sp(m)
     width = 2.0 if cfg.train.dtype == "bfloat16" else 4.0  # the formula counts 2-byte activations
     per_layer = layer_activation_bytes(s, b, h, t, sp=sp, checkpointed=par.activation_checkpointing)
     layers_per_rank = num_blocks(m) / par.pp
@@ -288,6 +295,7 @@ def _candidates(world: int, cfg: Config, gpus_per_node: int, fixed: dict):
         return [v for v in values if key not in fixed or fixed[key] == v]
 
     divisors = [d for d in range(1, world + 1) if world % d == 0]
+    has_sp = _has_sp(cfg.model)
     for tp in allowed("tp", [d for d in divisors if d <= gpus_per_node]):
         for pp in allowed("pp", [d for d in divisors if (world // tp) % d == 0]):
             dp = world // (tp * pp)
@@ -298,7 +306,7 @@ def _candidates(world: int, cfg: Config, gpus_per_node: int, fixed: dict):
                 for mb in allowed("microbatches", _microbatch_counts(cfg.train.global_batch_size // dp)):
                     for zero in allowed("zero", [0] if dp == 1 else [0, 1, 2, 3]):
                         for ac in allowed("activation_checkpointing", [False, True]):
-                            for sp in allowed("sequence_parallel", [True, False] if tp > 1 else [False]):
+                            for sp in allowed("sequence_parallel", [True, False] if tp > 1 and has_sp else [False]):
                                 yield {
                                     "dp": dp,
                                     "tp": tp,
