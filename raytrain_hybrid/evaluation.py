@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from raytrain_hybrid.rows import BUILTIN_VAL, read_parquet_rows, to_batch
+from raytrain_hybrid.distributed.utils import mesh_device
+from raytrain_hybrid.rows import BUILTIN_VAL, feed_schema, read_parquet_rows, schema_buffers, to_batch
 
 
 class ValidationSet:
@@ -29,9 +30,7 @@ class ValidationSet:
 
     @classmethod
     def open(cls, cfg, mesh, *, val_fn, in_memory: bool) -> ValidationSet | None:
-        from raytrain_hybrid.worker import replica_device
-
-        device = replica_device(mesh)
+        device = mesh_device(mesh.world)
         if in_memory:  # every rank reads the (small) file itself
             arrays = read_parquet_rows(cfg.data.val_path or BUILTIN_VAL, cfg)
             return cls(cfg, mesh, arrays, len(arrays["label"]), broadcast=False, device=device)
@@ -45,22 +44,17 @@ class ValidationSet:
 
     def chunks(self, dp_rank: int):
         """(Batch, valid rows) per round for replica ``dp_rank``; same count on every replica."""
-        from raytrain_hybrid.rows import feed_schema
-
         per_round = self.dp * self.share
         for r in range(math.ceil(self.rows / per_round)):
             start = r * per_round + dp_rank * self.share
             valid = max(0, min(self.share, self.rows - start))
+            arrays = None
             if self.arrays is not None:
                 idx = np.arange(start, start + self.share)
                 idx[valid:] = 0  # padding: any real row, dropped afterwards
-                arrays = {k: torch.from_numpy(v[idx]) for k, v in self.arrays.items()}
-            if self.broadcast:
-                schema = feed_schema(self.cfg, self.share)
-                bufs = {k: torch.zeros(shape, dtype=dt, device=self.device) for k, (shape, dt) in schema.items()}
-                if self.arrays is not None:
-                    for k, buf in bufs.items():
-                        buf.copy_(arrays[k])
+                arrays = {k: v[idx] for k, v in self.arrays.items()}
+            if self.broadcast:  # the replica's leader holds the rows
+                bufs = schema_buffers(feed_schema(self.cfg, self.share), self.device, arrays)
                 for buf in bufs.values():
                     dist.broadcast(buf, group=self.mesh.replica.get_group(), group_src=0)
                 arrays = {k: v.cpu() for k, v in bufs.items()}

@@ -104,6 +104,14 @@ def feed_schema(cfg, rows: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]
     return schema
 
 
+def schema_buffers(schema: dict, device, arrays: dict | None = None) -> dict[str, torch.Tensor]:
+    """Tensors for a broadcast of ``schema`` on ``device``, filled from ``arrays`` (the sender's)."""
+    bufs = {k: torch.zeros(shape, dtype=dtype, device=device) for k, (shape, dtype) in schema.items()}
+    for k, buf in bufs.items() if arrays is not None else ():
+        buf.copy_(torch.as_tensor(arrays[k]))
+    return bufs
+
+
 def to_batch(arrays: dict) -> Batch:
     """Broadcast tensors (or arrays) -> a Batch: LM windows shift by one token."""
     t = {k: torch.as_tensor(v) for k, v in arrays.items()}

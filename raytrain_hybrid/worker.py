@@ -22,14 +22,10 @@ from raytrain_hybrid import checkpoint
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.data import Batch, TokenWindows, tokenize_corpus
 from raytrain_hybrid.distributed.parallel_dims import ParallelDims, arrange_ranks
+from raytrain_hybrid.distributed.utils import mesh_device
 from raytrain_hybrid.evaluation import ValidationSet, evaluate
-from raytrain_hybrid.rows import BUILTIN_TRAIN, RowBatches, feed_schema, read_parquet_rows, to_batch
+from raytrain_hybrid.rows import BUILTIN_TRAIN, RowBatches, feed_schema, read_parquet_rows, schema_buffers, to_batch
 from raytrain_hybrid.trainer import Trainer
-
-
-def replica_device(meshes) -> torch.device:
-    cuda = meshes.world.device_type == "cuda"
-    return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
 
 def pick_device(use_gpu: bool) -> torch.device:
@@ -58,7 +54,7 @@ class ReplicaFeed:
         self.group = meshes.replica.get_group()
         self.leader = meshes.replica.get_local_rank() == 0
         self.schema = feed_schema(cfg, cfg.train.global_batch_size // dims.dp)
-        self.device = replica_device(meshes)
+        self.device = mesh_device(meshes.world)
         self.stream = None
         if self.leader:
             self.stream = replica_stream(cfg, dataset_fn(), dp=dims.dp, dp_rank=dp_rank, skip_steps=skip_steps)
@@ -78,8 +74,7 @@ class ReplicaFeed:
 
     def _post(self):
         status = torch.zeros(1, dtype=torch.int64, device=self.device)
-        bufs = {k: torch.zeros(shape, dtype=dtype, device=self.device) for k, (shape, dtype) in self.schema.items()}
-        error = None
+        arrays = error = None
         if self.leader:
             item = self._queue.get()
             if isinstance(item, StopIteration):
@@ -89,9 +84,8 @@ class ReplicaFeed:
                 error = item
             else:
                 arrays = item if isinstance(item, dict) else {"tokens": item}
-                for k, buf in bufs.items():
-                    buf.copy_(torch.from_numpy(arrays[k]))
                 status.fill_(self.OK)
+        bufs = schema_buffers(self.schema, self.device, arrays)
         works = [dist.broadcast(t, group=self.group, group_src=0, async_op=True) for t in (status, *bufs.values())]
         return status, bufs, works, error
 

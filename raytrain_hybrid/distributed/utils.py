@@ -46,3 +46,9 @@ def clip_grads_(params, max_norm: float, total_norm: torch.Tensor) -> None:
     for p in params:
         if p.grad is not None:
             p.grad.mul_(coef.to(p.grad.dtype) if not isinstance(p.grad, DTensor) else coef.item())
+
+
+def mesh_device(mesh) -> torch.device:
+    """The device this rank's collectives on ``mesh`` run on (its current CUDA device, or the CPU)."""
+    cuda = mesh.device_type == "cuda"
+    return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
