@@ -581,11 +581,15 @@ def _validate_task(cfg: Config) -> None:
             raise ConfigError(
                 "train.eval_interval", cfg.train.eval_interval, "evaluation is for classifiers (multimodal-bert); use 0"
             )
+        for key in ("text_columns", "tabular_columns", "val_path"):  # these make the data path read rows
+            if getattr(data, key):
+                raise ConfigError(
+                    f"data.{key}", getattr(data, key), f"is for classifiers (multimodal-bert), not {model.arch}"
+                )
         return
-    if data.path in ("builtin", "memory"):
-        builtin = cfg.data  # the shipped shipments set: its columns unless the user named others
-        builtin.text_columns = builtin.text_columns or ["dialogue", "shiptrack"]
-        builtin.tabular_columns = builtin.tabular_columns or ["feature_1", "feature_2", "feature_3"]
+    if data.path in ("builtin", "memory"):  # the shipped shipments set: its columns unless the user named others
+        data.text_columns = data.text_columns or ["dialogue", "shiptrack"]
+        data.tabular_columns = data.tabular_columns or ["feature_1", "feature_2", "feature_3"]
     if len(data.text_columns) != 2:
         raise ConfigError(
             "data.text_columns",

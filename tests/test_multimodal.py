@@ -263,9 +263,11 @@ def test_bad_keys_are_refused_naming_the_key(overrides, key):
     assert err.value.key == key, err.value
 
 
-def test_eval_interval_is_for_classifiers():
+def test_classifier_keys_are_refused_for_language_models():
     with pytest.raises(ConfigError, match="train.eval_interval"):
         load_config(None, ["train.eval_interval=5"])
+    with pytest.raises(ConfigError, match="data.text_columns=.* is for classifiers"):
+        load_config(None, ["data.text_columns=a,b"])
 
 
 def test_wrong_columns_fail_before_workers_start(tmp_path):
