@@ -23,7 +23,7 @@ from pathlib import Path
 import ray
 
 from raytrain_hybrid.config import load_config
-from raytrain_hybrid.launcher import run
+from raytrain_hybrid.launch.driver import run
 from raytrain_hybrid.models import get_arch
 from raytrain_hybrid.models.common import build_stage
 

@@ -19,8 +19,10 @@ from pathlib import Path
 import ray
 
 from raytrain_hybrid.config import load_config
-from raytrain_hybrid.data_ray import build_dataset, ordered_iterator, replica_stream
-from raytrain_hybrid.launcher import prepare_input, run
+from raytrain_hybrid.data.ray_data import build_dataset, ordered_iterator
+from raytrain_hybrid.data.stream import replica_stream
+from raytrain_hybrid.launch.driver import run
+from raytrain_hybrid.launch.inputs import prepare_input
 
 OUT = Path(__file__).resolve().parent / "results" / "data.json"
 

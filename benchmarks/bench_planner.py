@@ -18,10 +18,10 @@ from pathlib import Path
 
 import ray
 
-from raytrain_hybrid.calibrate import calibrate
 from raytrain_hybrid.config import load_config
-from raytrain_hybrid.planner import load_hardware
-from raytrain_hybrid.tune import rank_correlation, sweep
+from raytrain_hybrid.planner.calibrate import calibrate
+from raytrain_hybrid.planner.hardware import load_hardware
+from raytrain_hybrid.tools.sweep import rank_correlation, sweep
 
 OUT = Path(__file__).resolve().parent / "results"
 LAYOUTS = [

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_published.py
 
-For each run in raytrain_hybrid/published.py (sources cited there): the planner's best row at
+For each run in raytrain_hybrid/planner/published.py (sources cited there): the planner's best row at
 the published layout (dp, tp, pp and what the source fixes; micro-batches, ZeRO stage,
 recomputation and SP searched), whether it fits, and predicted against published MFU and
 tokens/s per GPU. Pure arithmetic: no GPU, seconds to run.
@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from raytrain_hybrid.published import RUNS, assess
+from raytrain_hybrid.planner.published import RUNS, assess
 
 OUT = Path(__file__).resolve().parent / "results" / "published.json"
 

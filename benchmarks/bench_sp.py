@@ -69,14 +69,14 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], queue) -> No
 
     from raytrain_hybrid.config import load_config
     from raytrain_hybrid.distributed.parallel_dims import ParallelDims
-    from raytrain_hybrid.trainer import Trainer
+    from raytrain_hybrid.engine.trainer import Trainer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     cfg = load_config(None, overrides)
     par = cfg.parallelism
-    dims = ParallelDims(dp=par.dp, tp=par.tp, pp=par.pp, zero=par.zero)
+    dims = ParallelDims.from_config(par)
     mesh = dims.build_mesh("cpu", list(range(world)))
     trainer = Trainer(cfg, dims, mesh, torch.device("cpu"))
     (module,) = trainer.modules
@@ -116,7 +116,7 @@ def measure(tp: int, sp: bool) -> int:
 
 def main() -> None:
     from raytrain_hybrid.config import load_config
-    from raytrain_hybrid.planner import layer_activation_bytes
+    from raytrain_hybrid.planner.cost import layer_activation_bytes
 
     cfg = load_config(None, [*MODEL, "parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=1"])
     s, h, layers = cfg.model.seq_len, cfg.model.hidden_size, cfg.model.num_layers

@@ -83,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
 def _prepare(args) -> int:
     import ray
 
-    from raytrain_hybrid.data_prep import prepare_data
+    from raytrain_hybrid.data.prepare import prepare_data
 
     try:
         if not ray.is_initialized():
@@ -106,11 +106,11 @@ def _live_topology(cfg, world: int) -> list[int]:
         return [world]
     import ray
 
-    from raytrain_hybrid.launcher import _use_gpu
-    from raytrain_hybrid.placement import live_node_totals, predict_workers_per_node, worker_resources
+    from raytrain_hybrid.launch.placement import live_node_totals, predict_workers_per_node, worker_resources
+    from raytrain_hybrid.launch.session import resolve_use_gpu
 
     ray.init(address=address, log_to_driver=False)
-    per_worker = worker_resources(cfg, _use_gpu(cfg, world))
+    per_worker = worker_resources(cfg, resolve_use_gpu(cfg, world))
     counts = predict_workers_per_node(live_node_totals(), world, per_worker, cfg.cluster.placement_strategy)
     if counts is None:
         raise LayoutError(
@@ -121,10 +121,10 @@ def _live_topology(cfg, world: int) -> list[int]:
 
 
 def _check(args, cfg) -> int:
-    from raytrain_hybrid.distributed.parallel_dims import ParallelDims, arrange_ranks, axis_groups
+    from raytrain_hybrid.distributed.parallel_dims import ParallelDims, placement_report
 
     par = cfg.parallelism
-    dims = ParallelDims(dp=par.dp, tp=par.tp, pp=par.pp, zero=par.zero)
+    dims = ParallelDims.from_config(par)
     if args.topology:
         try:
             counts = [int(c) for c in args.topology.split(",")]
@@ -136,13 +136,8 @@ def _check(args, cfg) -> int:
             )
     else:
         counts = _live_topology(cfg, dims.world_size)
-    nodes = [f"node{i}" for i, c in enumerate(counts) for _ in range(c)]
-    arrangement = arrange_ranks(dims, nodes)
-    ranks = []
-    for slot, rank in enumerate(arrangement):
-        ranks.append({"rank": rank, "node": nodes[rank], **dims.coords(slot)})
-    ranks.sort(key=lambda r: r["rank"])
-    groups = axis_groups(dims, arrangement)
+    report = placement_report(dims, counts)
+    ranks, groups = report["ranks"], report["groups"]
     if args.json:
         print(json.dumps({"ranks": ranks, "groups": groups}))
         return 0
@@ -153,7 +148,8 @@ def _check(args, cfg) -> int:
     for axis, gs in groups.items():
         print(f"{axis} groups: {gs}")
     if args.hardware:
-        from raytrain_hybrid.planner import describe, load_hardware
+        from raytrain_hybrid.planner.hardware import load_hardware
+        from raytrain_hybrid.planner.search import describe
 
         hw = load_hardware(args.hardware)
         if cfg.cluster.gpus_per_node:
@@ -167,8 +163,8 @@ def _train(cfg, resume: str | None = None, verbose: bool = False) -> int:
 
     import ray
 
-    from raytrain_hybrid.launcher import run
-    from raytrain_hybrid.observe import quiet_driver
+    from raytrain_hybrid.launch.driver import run
+    from raytrain_hybrid.launch.progress import quiet_driver
 
     connected_before = ray.is_initialized()  # e.g. a notebook's or a test's own session
     log = Path(cfg.run.output_dir) / "driver.log"
@@ -194,7 +190,8 @@ def _train(cfg, resume: str | None = None, verbose: bool = False) -> int:
 
 
 def _plan(args, cfg) -> int:
-    from raytrain_hybrid.planner import load_hardware, plan
+    from raytrain_hybrid.planner.hardware import load_hardware
+    from raytrain_hybrid.planner.search import plan
 
     hw = dataclasses.replace(load_hardware(args.hardware), gpus_per_node=args.gpus_per_node)
     rows = plan(cfg, args.world_size, hw)
@@ -220,7 +217,7 @@ def _plan(args, cfg) -> int:
         )
         print(json.dumps([{k: r[k] for k in keep} for r in shown], indent=1))
         return 0
-    from raytrain_hybrid.planner import format_table
+    from raytrain_hybrid.planner.search import format_table
 
     print(f"{len(rows)} layouts of {args.world_size} ranks on {hw.name}, best first:")
     print(format_table(shown))
@@ -230,9 +227,9 @@ def _plan(args, cfg) -> int:
 def _sweep(args, cfg) -> int:
     from pathlib import Path
 
-    from raytrain_hybrid.calibrate import DEFAULT_PROFILE
-    from raytrain_hybrid.planner import load_hardware
-    from raytrain_hybrid.tune import set_line, sweep
+    from raytrain_hybrid.planner.calibrate import DEFAULT_PROFILE
+    from raytrain_hybrid.planner.hardware import load_hardware
+    from raytrain_hybrid.tools.sweep import set_line, sweep
 
     hw = load_hardware(args.hardware or (str(DEFAULT_PROFILE) if DEFAULT_PROFILE.exists() else "h100"))
     rows = sweep(cfg, args.world_size, hw, top=args.top, steps=args.steps, out_dir=Path(args.out))
@@ -254,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "prepare-data":
         return _prepare(args)
     if args.command == "export":
-        from raytrain_hybrid.export import export_hf
+        from raytrain_hybrid.checkpoint.export import export_hf
 
         try:
             out = export_hf(args.checkpoint, args.out_dir)
@@ -266,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "calibrate":
         from pathlib import Path
 
-        from raytrain_hybrid.calibrate import DEFAULT_PROFILE, calibrate
+        from raytrain_hybrid.planner.calibrate import DEFAULT_PROFILE, calibrate
 
         path = Path(args.out) if args.out else DEFAULT_PROFILE
         profile = calibrate(path, threads=args.threads)

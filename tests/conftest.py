@@ -36,7 +36,7 @@ def ray_local():
 def run_layout(ray_local, tmp_path_factory):
     """Run a config (overrides on the defaults) through the launcher; return (history, summary)."""
     from raytrain_hybrid.config import load_config
-    from raytrain_hybrid.launcher import run
+    from raytrain_hybrid.launch.driver import run
 
     def _run(overrides: list[str], name: str):
         out = tmp_path_factory.mktemp(name)

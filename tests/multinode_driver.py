@@ -18,7 +18,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from raytrain_hybrid.config import load_config
-from raytrain_hybrid.launcher import run
+from raytrain_hybrid.launch.driver import run
 
 
 def main() -> None:

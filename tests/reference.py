@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from raytrain_hybrid.config import Config
-from raytrain_hybrid.data import TokenWindows, tokenize_corpus
+from raytrain_hybrid.data.corpus import TokenWindows, tokenize_corpus
 from raytrain_hybrid.models import get_arch
 from raytrain_hybrid.models.common import build_stage, full_init_state_dict
 
@@ -29,8 +29,9 @@ def initial_hf_state_dict(cfg: Config) -> dict:
 
 def ray_data_batches(cfg: Config, steps: int) -> list:
     """The global batches of the Ray Data input, read in this process as one replica (dp=1)."""
-    from raytrain_hybrid.data_ray import build_dataset, ordered_iterator, replica_stream
-    from raytrain_hybrid.launcher import prepare_input
+    from raytrain_hybrid.data.ray_data import build_dataset, ordered_iterator
+    from raytrain_hybrid.data.stream import replica_stream
+    from raytrain_hybrid.launch.inputs import prepare_input
 
     cfg = prepare_input(cfg)
     stream = replica_stream(cfg, ordered_iterator(build_dataset(cfg)), dp=1, dp_rank=0)
@@ -65,8 +66,9 @@ def _update(model, opt, loss, t) -> float:
 
 def ray_data_rows(cfg: Config, steps: int) -> list[dict]:
     """Classifiers: the global batches of labelled rows the launcher's Ray Data input gives."""
-    from raytrain_hybrid.data_ray import build_dataset, ordered_iterator, replica_stream
-    from raytrain_hybrid.launcher import prepare_input
+    from raytrain_hybrid.data.ray_data import build_dataset, ordered_iterator
+    from raytrain_hybrid.data.stream import replica_stream
+    from raytrain_hybrid.launch.inputs import prepare_input
 
     cfg = prepare_input(cfg)
     out = []
@@ -113,8 +115,8 @@ def classifier_reference_run(cfg: Config, batches: list | None = None, val_rows:
     the in-memory rows (or ``batches``: per step, the global batch as a dict of arrays).
     With ``val_rows``, the last step's entry also holds the trained model's validation
     logits and labels ("val_logits", "val_labels")."""
+    from raytrain_hybrid.data.rows import BUILTIN_TRAIN, INPUTS, RowBatches, read_parquet_rows
     from raytrain_hybrid.models.multimodal_bert import MultimodalBert
-    from raytrain_hybrid.rows import BUILTIN_TRAIN, INPUTS, RowBatches, read_parquet_rows
 
     spec = get_arch(cfg.model.arch)
     hf_config = spec.hf_config(cfg)

@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from raytrain_hybrid.config import load_config
-from raytrain_hybrid.planner import describe, load_hardware
+from raytrain_hybrid.planner.hardware import load_hardware
+from raytrain_hybrid.planner.search import describe
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCHER_YAMLS = sorted((ROOT / "cluster_configs").glob("*-gpu.yaml"))

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from raytrain_hybrid import cli
 from raytrain_hybrid.config import load_config
-from raytrain_hybrid.planner import load_hardware, plan
+from raytrain_hybrid.planner.hardware import load_hardware
+from raytrain_hybrid.planner.search import plan
 
 
 def test_calibrate_writes_a_loadable_profile(tmp_path):

@@ -18,7 +18,8 @@ import torch
 from conftest import reference_history
 from test_engine_gloo import run_gloo
 
-from raytrain_hybrid import checkpoint
+from raytrain_hybrid.checkpoint import manifest as checkpoint
+from raytrain_hybrid.checkpoint.reader import SafeFileSystemReader
 from raytrain_hybrid.cli import main as cli
 
 STEPS = 4
@@ -93,9 +94,9 @@ def test_export_round_trip_logits(saved_run, tmp_path):
     from reference import reference_run
     from transformers import AutoModelForCausalLM
 
+    from raytrain_hybrid.checkpoint.export import load_full_state_dict
     from raytrain_hybrid.config import load_config
-    from raytrain_hybrid.data import TokenWindows, tokenize_corpus
-    from raytrain_hybrid.export import load_full_state_dict
+    from raytrain_hybrid.data.corpus import TokenWindows, tokenize_corpus
     from raytrain_hybrid.models import get_arch
     from raytrain_hybrid.models.common import build_stage
 
@@ -206,9 +207,9 @@ def test_metadata_pickle_with_foreign_objects_is_not_loaded(saved_run, tmp_path)
             return (print, ("pwned",))
 
     (bad / ".metadata").write_bytes(pickle.dumps(Exploit()))
-    reader = checkpoint.SafeFileSystemReader(str(bad))
+    reader = SafeFileSystemReader(str(bad))
     with pytest.raises(pickle.UnpicklingError, match="builtins.print"):
         reader.read_metadata()
-    meta = checkpoint.SafeFileSystemReader(str(out / "checkpoints" / "step_4")).read_metadata()
+    meta = SafeFileSystemReader(str(out / "checkpoints" / "step_4")).read_metadata()
     assert "model.model.embed_tokens.weight" in meta.state_dict_metadata
     assert json.loads((out / "checkpoints" / "step_4" / "manifest.json").read_text())["step"] == 4

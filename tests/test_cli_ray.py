@@ -142,7 +142,7 @@ def test_multimodal_classifier_from_the_cli_matches_single_process_and_evaluates
     from reference import classifier_reference_run, ray_data_rows
 
     from raytrain_hybrid.config import load_config
-    from raytrain_hybrid.rows import read_parquet_rows
+    from raytrain_hybrid.data.rows import read_parquet_rows
 
     train, val = labelled_rows
     sets = [*MULTIMODAL, f"data.path={train}", f"data.val_path={val}", f"run.output_dir={tmp_path / 'run'}"]

@@ -68,7 +68,7 @@ def test_bad_config_names_key_and_exits_before_workers(name, monkeypatch, capsys
     def must_not_launch(cfg):
         raise AssertionError("workers were started for an invalid config")
 
-    monkeypatch.setattr("raytrain_hybrid.launcher.run", must_not_launch)
+    monkeypatch.setattr("raytrain_hybrid.launch.driver.run", must_not_launch)
     argv = ["train"] + [a for o in overrides for a in ("--set", o)]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err

@@ -48,7 +48,8 @@ def _cfg(path, *extra):
 
 
 def _stream(cfg, dp, dp_rank):
-    from raytrain_hybrid.data_ray import build_dataset, ordered_iterator, replica_stream
+    from raytrain_hybrid.data.ray_data import build_dataset, ordered_iterator
+    from raytrain_hybrid.data.stream import replica_stream
 
     return replica_stream(cfg, ordered_iterator(build_dataset(cfg)), dp=dp, dp_rank=dp_rank)
 
@@ -82,7 +83,7 @@ def test_text_column_is_tokenized_with_ray_data(ray_local, tmp_path):
     text = (Path(__file__).resolve().parents[1] / "raytrain_hybrid/assets/corpus.txt").read_text().split("\n\n")[:50]
     path = _write(tmp_path / "text", pa.table({"body": text}), files=2)
     cfg = _cfg(path, "data.text_column=body", "data.epochs=1")
-    from raytrain_hybrid.data_ray import schema_check
+    from raytrain_hybrid.data.checks import schema_check
 
     assert schema_check(cfg) == 50  # data.token_column keeps its default and must not get in the way
     batches = list(_stream(cfg, 1, 0))
@@ -104,7 +105,7 @@ def test_token_id_outside_vocab_names_file_and_column(ray_local, tmp_path):
     ["missing-column", "empty", "non-text", "non-token", "corrupt", "no-files", "tokenizer-vocab", "no-tokenizer"],
 )
 def test_bad_data_is_refused_before_workers(tmp_path, case):
-    from raytrain_hybrid.data_ray import schema_check
+    from raytrain_hybrid.data.checks import schema_check
 
     d = tmp_path / case
     extra: list[str] = []

@@ -28,7 +28,7 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], queue, nodes
     import torch.distributed as dist
 
     from raytrain_hybrid.config import load_config
-    from raytrain_hybrid.worker import run_worker
+    from raytrain_hybrid.engine.worker import run_worker
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -54,7 +54,12 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], queue, nodes
     os._exit(0 if status[0] == "ok" else 1)
 
 
-_PRELOAD = ["torch", "torch.distributed.tensor", "transformers.models.llama.modeling_llama", "raytrain_hybrid.worker"]
+_PRELOAD = [
+    "torch",
+    "torch.distributed.tensor",
+    "transformers.models.llama.modeling_llama",
+    "raytrain_hybrid.engine.worker",
+]
 
 
 def _context():

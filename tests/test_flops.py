@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from raytrain_hybrid.config import load_config
-from raytrain_hybrid.flops import flops_per_token, matmul_params
 from raytrain_hybrid.models import get_arch
 from raytrain_hybrid.models.common import build_stage
+from raytrain_hybrid.models.flops import flops_per_token, matmul_params
 
 
 @pytest.mark.parametrize("overrides", [["model.num_kv_heads=2"], ["model.arch=gpt2"]])
@@ -24,7 +24,7 @@ def test_matmul_params_counts_every_linear_weight(overrides):
 
 
 def test_cpu_has_no_mfu():
-    from raytrain_hybrid.flops import device_peak_tflops
+    from raytrain_hybrid.models.flops import device_peak_tflops
 
     assert device_peak_tflops(torch.device("cpu")) is None
 
@@ -32,8 +32,8 @@ def test_cpu_has_no_mfu():
 def test_multimodal_counts_match_the_built_model():
     """Per encoder, the blocks' matmul weights (a row's tokens go through one encoder each);
     the planner's parameter count is every parameter of the built model (MiniLM's sizes)."""
-    from raytrain_hybrid.flops import tokens_per_row
-    from raytrain_hybrid.planner import param_count
+    from raytrain_hybrid.models.flops import tokens_per_row
+    from raytrain_hybrid.models.params import param_count
 
     cfg = load_config(None, ["model.arch=multimodal-bert", "model.seq_len=64"])
     spec = get_arch(cfg.model.arch)

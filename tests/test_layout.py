@@ -87,7 +87,7 @@ def test_check_json(capsys):
 
 
 def test_predicted_placement():
-    from raytrain_hybrid.placement import predict_workers_per_node
+    from raytrain_hybrid.launch.placement import predict_workers_per_node
 
     nodes = [{"CPU": 1}, {"CPU": 4, "GPU": 4}, {"CPU": 4, "GPU": 4}]
     gpu = {"CPU": 1, "GPU": 1}

@@ -57,9 +57,9 @@ def _sharded_forward(rank: int, world: int, port: int, queue) -> None:
 
     import torch.distributed as dist
 
+    from raytrain_hybrid.data.rows import encode, encoder_kwargs, to_batch
     from raytrain_hybrid.distributed.parallel_dims import ParallelDims, arrange_ranks
-    from raytrain_hybrid.rows import encode, encoder_kwargs, to_batch
-    from raytrain_hybrid.trainer import Trainer
+    from raytrain_hybrid.engine.trainer import Trainer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -176,7 +176,7 @@ def _layout(dp, tp, pp, microbatches=2, zero=0):
 def classifier_reference():
     from reference import classifier_reference_run
 
-    from raytrain_hybrid.rows import BUILTIN_VAL, read_parquet_rows
+    from raytrain_hybrid.data.rows import BUILTIN_VAL, read_parquet_rows
 
     cfg = load_config(None, list(TINY))
     return classifier_reference_run(cfg, val_rows=read_parquet_rows(BUILTIN_VAL, cfg))
@@ -274,7 +274,7 @@ def test_wrong_columns_fail_before_workers_start(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from raytrain_hybrid.launcher import prepare_input
+    from raytrain_hybrid.launch.inputs import prepare_input
 
     pq.write_table(
         pa.table({"dialogue": ["a"] * 8, "shiptrack": ["b"] * 8, "feature_1": ["x"] * 8, "label": [0] * 8}),
@@ -291,7 +291,7 @@ def test_out_of_range_label_names_the_file(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from raytrain_hybrid.rows import read_parquet_rows
+    from raytrain_hybrid.data.rows import read_parquet_rows
 
     path = tmp_path / "rows.parquet"
     pq.write_table(
@@ -306,7 +306,7 @@ def test_missing_numbers_are_refused_naming_the_column(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from raytrain_hybrid.rows import read_parquet_rows
+    from raytrain_hybrid.data.rows import read_parquet_rows
 
     path = tmp_path / "rows.parquet"
     table = {"dialogue": ["a"] * 8, "shiptrack": ["b"] * 8, "feature_1": [1.0] * 7 + [None], "label": [0] * 8}
@@ -317,7 +317,7 @@ def test_missing_numbers_are_refused_naming_the_column(tmp_path):
 
 
 def test_summary_lists_evaluations():
-    from raytrain_hybrid.launcher import summarize
+    from raytrain_hybrid.launch.summary import summarize
 
     cfg = load_config(None, list(TINY))
     step = {"loss": 1.0, "tokens_per_s": 1.0, "step_time_s": 1.0, "tflops_per_device": 0.0, "mfu": None}
@@ -342,7 +342,7 @@ def test_multiclass_metrics_agree_with_scikit_learn():
     when a class is missing from the labels."""
     from sklearn.metrics import f1_score, roc_auc_score
 
-    from raytrain_hybrid.evaluation import classification_metrics
+    from raytrain_hybrid.engine.evaluation import classification_metrics
 
     rng = np.random.default_rng(0)
     labels = rng.integers(0, 3, size=200)

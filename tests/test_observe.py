@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 
-from raytrain_hybrid.observe import quiet_driver
+from raytrain_hybrid.launch.progress import quiet_driver
 
 
 def test_quiet_driver_sends_ray_output_to_the_log_and_keeps_the_terminal(tmp_path, capfd):

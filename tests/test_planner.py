@@ -1,6 +1,6 @@
 """Cost model: hand-computed memory cases, and published training configurations.
 
-Published runs (each with its source in raytrain_hybrid/published.py): GPT-3 175B on 1024 A100
+Published runs (each with its source in raytrain_hybrid/planner/published.py): GPT-3 175B on 1024 A100
 (Megatron-LM, SC'21), Llama 3 405B on 8192 H100 (Meta), Llama 3.1 405B / 70B / 8B on H100
 (torchtitan's published benchmarks).
 """
@@ -14,8 +14,11 @@ import pytest
 
 from raytrain_hybrid import cli
 from raytrain_hybrid.config import Config, load_config, parse_overrides
-from raytrain_hybrid.planner import PROFILES, layer_activation_bytes, param_count, plan, predict, state_bytes
-from raytrain_hybrid.published import LLAMA3_70B, LLAMA3_405B, RUNS, assess
+from raytrain_hybrid.models.params import param_count
+from raytrain_hybrid.planner.cost import layer_activation_bytes, predict, state_bytes
+from raytrain_hybrid.planner.hardware import PROFILES
+from raytrain_hybrid.planner.published import LLAMA3_70B, LLAMA3_405B, RUNS, assess
+from raytrain_hybrid.planner.search import plan
 
 PHI = 1e9
 
@@ -66,7 +69,7 @@ LLAMA2_70B = [
 
 @pytest.mark.parametrize("run", RUNS, ids=[r.name for r in RUNS])
 def test_published_runs_are_feasible_at_their_layout(run):
-    """Each run in raytrain_hybrid.published (sources cited there) trained for real at its layout."""
+    """Each run in raytrain_hybrid.planner.published (sources cited there) trained for real at its layout."""
     got = assess(run)
     assert got["rows"] > 0, "the validator refused every row of the published layout"
     assert got["feasible"], got["best"]["reason"]

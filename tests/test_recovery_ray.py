@@ -30,7 +30,7 @@ def _train_worker_pids() -> list[int]:
 @pytest.mark.slow
 def test_killed_worker_recovers_from_checkpoint_with_identical_losses(ray_local, tmp_path):
     from raytrain_hybrid.config import load_config
-    from raytrain_hybrid.launcher import run
+    from raytrain_hybrid.launch.driver import run
 
     out = tmp_path / "run"
     cfg = load_config(

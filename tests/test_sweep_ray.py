@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from raytrain_hybrid.config import load_config
-from raytrain_hybrid.planner import PROFILES
-from raytrain_hybrid.tune import sweep
+from raytrain_hybrid.planner.hardware import PROFILES
+from raytrain_hybrid.tools.sweep import sweep
 
 
 def test_sweep_three_layouts(ray_local, tmp_path, capsys):

@@ -36,6 +36,11 @@ class ParallelDims:
     pp: int
     zero: int = 0
 
+    @classmethod
+    def from_config(cls, parallelism) -> ParallelDims:
+        """The degrees of a validated ``config.ParallelismConfig`` (the one place they are read)."""
+        return cls(dp=parallelism.dp, tp=parallelism.tp, pp=parallelism.pp, zero=parallelism.zero)
+
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp"):
             if getattr(self, name) < 1:
@@ -117,3 +122,16 @@ def axis_groups(dims: ParallelDims, arrangement: list[int]) -> dict[str, list[li
         for t in range(dims.tp):
             groups["pp"].append([slots[(p, d, t)] for p in range(dims.pp)])
     return groups
+
+
+def placement_report(dims: ParallelDims, workers_per_node: list[int]) -> dict:
+    """Where every rank lands on nodes holding ``workers_per_node`` workers (Ray's rank order:
+    one node's workers are consecutive), and the groups along each axis; a LayoutError when
+    a TP group would cross nodes."""
+    nodes = [f"node{i}" for i, c in enumerate(workers_per_node) for _ in range(c)]
+    arrangement = arrange_ranks(dims, nodes)
+    ranks = sorted(
+        ({"rank": rank, "node": nodes[rank], **dims.coords(slot)} for slot, rank in enumerate(arrangement)),
+        key=lambda r: r["rank"],
+    )
+    return {"ranks": ranks, "groups": axis_groups(dims, arrangement)}

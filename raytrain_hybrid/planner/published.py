@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from raytrain_hybrid.config import Config, parse_overrides
-from raytrain_hybrid.planner import PROFILES, plan
+from raytrain_hybrid.planner.hardware import PROFILES
+from raytrain_hybrid.planner.search import plan
 
 GPT3_175B = {
     "model.arch": "gpt2",

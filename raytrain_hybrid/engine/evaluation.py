@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from raytrain_hybrid.data.rows import BUILTIN_VAL, feed_schema, read_parquet_rows, schema_buffers, to_batch
 from raytrain_hybrid.distributed.utils import mesh_device
-from raytrain_hybrid.rows import BUILTIN_VAL, feed_schema, read_parquet_rows, schema_buffers, to_batch
 
 
 class ValidationSet:
@@ -63,7 +63,7 @@ class ValidationSet:
 
 def read_iterator(iterator, cfg) -> dict:
     """All rows of a Ray Data iterator over encoded rows, in order."""
-    from raytrain_hybrid.rows import check_labels
+    from raytrain_hybrid.data.rows import check_labels
 
     parts: dict[str, list] = {}
     for batch in iterator.iter_batches(batch_size=256, batch_format="numpy"):

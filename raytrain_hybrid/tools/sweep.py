@@ -13,7 +13,8 @@ import json
 from pathlib import Path
 
 from raytrain_hybrid.config import Config
-from raytrain_hybrid.planner import Hardware, plan
+from raytrain_hybrid.planner.hardware import Hardware
+from raytrain_hybrid.planner.search import plan
 
 LAYOUT_KEYS = ("dp", "tp", "pp", "microbatches", "schedule", "zero", "activation_checkpointing", "sequence_parallel")
 
@@ -21,7 +22,7 @@ LAYOUT_KEYS = ("dp", "tp", "pp", "microbatches", "schedule", "zero", "activation
 def _trial(config: dict) -> None:
     from ray import tune
 
-    from raytrain_hybrid.launcher import run
+    from raytrain_hybrid.launch.driver import run
 
     cfg = Config.from_dict(config["base"])
     trial = config["trial"]
@@ -69,7 +70,7 @@ def sweep(
     each partial layout in ``only``, e.g. ``{"dp": 2, "tp": 2, "pp": 1}``) as Tune trials."""
     from ray import tune
 
-    from raytrain_hybrid.launcher import _ensure_ray
+    from raytrain_hybrid.launch.session import ensure_ray
 
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -87,7 +88,7 @@ def sweep(
             seen.add(key)
             planned.append(p)
     base = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))
-    _ensure_ray(cfg, world)
+    ensure_ray(cfg, world)
     trials = [{"name": _name(p), "layout": {k: p[k] for k in LAYOUT_KEYS}} for p in planned]
     tuner = tune.Tuner(
         tune.with_resources(_trial, {"CPU": 0.01}),  # the trial waits; its TorchTrainer holds the CPUs
@@ -147,7 +148,7 @@ def _save(rows: list[dict], out_dir: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from raytrain_hybrid.viz import plot_sweep
+    from raytrain_hybrid.tools.plots import plot_sweep
 
     fig = plot_sweep(rows)
     fig.savefig(out_dir / "sweep.png", dpi=120)

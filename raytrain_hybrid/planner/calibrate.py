@@ -118,7 +118,7 @@ def gloo_allreduce(nbytes: int = 16 * 2**20) -> tuple[float, float]:
 
 
 def calibrate(path: Path = DEFAULT_PROFILE, threads: int = 1) -> dict:
-    from raytrain_hybrid.planner import Hardware
+    from raytrain_hybrid.planner.hardware import Hardware
 
     tflops = matmul_tflops(threads=threads)
     gbps, latency = gloo_allreduce()

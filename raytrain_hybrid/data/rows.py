@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from raytrain_hybrid.data import ASSETS, Batch
+from raytrain_hybrid.data.corpus import ASSETS, Batch
 
 BUILTIN_TRAIN = ASSETS / "shipments_train.parquet"
 BUILTIN_VAL = ASSETS / "shipments_val.parquet"

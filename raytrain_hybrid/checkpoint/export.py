@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from raytrain_hybrid import checkpoint
+from raytrain_hybrid.checkpoint.manifest import resolve
+from raytrain_hybrid.checkpoint.reader import SafeFileSystemReader
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.errors import ConfigError
 from raytrain_hybrid.models import get_arch
@@ -28,7 +29,7 @@ def load_full_state_dict(path: Path, cfg: Config) -> dict[str, torch.Tensor]:
     spec = get_arch(cfg.model.arch)
     meta = build_stage(spec, spec.hf_config(cfg), list(range(spec.num_blocks(cfg.model))), first=True, last=True)
     state = {name: torch.empty(p.shape, dtype=torch.float32) for name, p in meta.named_parameters()}
-    dcp.load({"model": state}, storage_reader=checkpoint.SafeFileSystemReader(str(path)), no_dist=True)
+    dcp.load({"model": state}, storage_reader=SafeFileSystemReader(str(path)), no_dist=True)
     return state
 
 
@@ -36,7 +37,7 @@ def export_hf(source: str | Path, out_dir: str | Path) -> Path:
     """Write the model of a checkpoint (or a run directory's newest one) as a HF directory."""
     import transformers
 
-    path, manifest = checkpoint.resolve(source, key="CHECKPOINT")
+    path, manifest = resolve(source, key="CHECKPOINT")
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise ConfigError("OUT_DIR", str(out), "exists and is not empty; give a new directory (nothing was written)")
@@ -46,7 +47,7 @@ def export_hf(source: str | Path, out_dir: str | Path) -> Path:
             "CHECKPOINT",
             str(path),
             f"holds a {cfg.model.arch} model, which has no single transformers class to export to; "
-            "load its weights with raytrain_hybrid.export.load_full_state_dict",
+            "load its weights with raytrain_hybrid.checkpoint.export.load_full_state_dict",
         )
     spec = get_arch(cfg.model.arch)
     hf_config = spec.hf_config(cfg)
@@ -60,7 +61,7 @@ def export_hf(source: str | Path, out_dir: str | Path) -> Path:
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
-    from raytrain_hybrid.data_ray import resolve_tokenizer
+    from raytrain_hybrid.data.ray_data import resolve_tokenizer
 
     shutil.copy(resolve_tokenizer(cfg), tmp / "tokenizer.json")
     if out.exists():

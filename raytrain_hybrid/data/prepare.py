@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from raytrain_hybrid.data import load_tokenizer
+from raytrain_hybrid.data.corpus import load_tokenizer
 
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 
@@ -67,7 +67,7 @@ def prepare_data(source: str, out_dir: str, *, text_column: str = "text", tokeni
     import ray
     import ray.data
 
-    from raytrain_hybrid.data import DEFAULT_TOKENIZER
+    from raytrain_hybrid.data.corpus import DEFAULT_TOKENIZER
 
     tokenizer = str(Path(tokenizer or DEFAULT_TOKENIZER).resolve())
     load_tokenizer(tokenizer)  # fail here, not in a Ray task, on a bad path

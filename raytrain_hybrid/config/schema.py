@@ -1,41 +1,38 @@
-"""Typed, validated run configuration: a TOML file plus repeatable ``--set key=value``.
-
-Each section is a kw-only dataclass; a field's docstring is the comment above it.
-Per-field checks live in ``__post_init__``; checks that need several sections
-(layout against model, batch against micro-batches) live in ``validate``.
-Every user error is a :class:`ConfigError` naming the key, the value and a fix.
+"""The run configuration's sections: kw-only dataclasses, one field per key, each documented by the
+comment above it. ``__post_init__`` checks one field at a time; checks across sections live in
+``config.validate``. Every user error is a :class:`ConfigError` naming the key, the value and a fix.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
-import tomllib
-
+from raytrain_hybrid.config.coerce import build_section, choices, divisors
 from raytrain_hybrid.errors import ConfigError
 
 # Pipeline schedules from torch.distributed.pipelining that this project drives.
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
+
+
 MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
+
+
 V_SCHEDULES = ("ZBVZeroBubble",)
+
+
 SCHEDULES = SINGLE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES + V_SCHEDULES
+
+
 ZERO_STAGES = (0, 1, 2, 3)
+
+
 ARCHS = ("llama", "gpt2", "multimodal-bert")
+
+
 # Architectures that classify rows (a label per row) instead of predicting the next token.
 CLASSIFIERS = ("multimodal-bert",)
-
-
-def _choices(values) -> str:
-    return "{" + ", ".join(str(v) for v in values) + "}"
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @dataclass(kw_only=True)
@@ -69,9 +66,9 @@ class ParallelismConfig:
             if value < 1:
                 raise ConfigError(f"parallelism.{key}", value, "must be >= 1")
         if self.schedule not in SCHEDULES:
-            raise ConfigError("parallelism.schedule", self.schedule, f"must be one of {_choices(SCHEDULES)}")
+            raise ConfigError("parallelism.schedule", self.schedule, f"must be one of {choices(SCHEDULES)}")
         if self.zero not in ZERO_STAGES:
-            raise ConfigError("parallelism.zero", self.zero, f"must be one of {_choices(ZERO_STAGES)}")
+            raise ConfigError("parallelism.zero", self.zero, f"must be one of {choices(ZERO_STAGES)}")
         if self.virtual_stages < 0:
             raise ConfigError("parallelism.virtual_stages", self.virtual_stages, "must be >= 0 (0 picks a default)")
         if self.schedule in V_SCHEDULES and self.virtual_stages not in (0, 2):
@@ -83,7 +80,7 @@ class ParallelismConfig:
                 "parallelism.virtual_stages",
                 self.virtual_stages,
                 f"{self.schedule} holds one stage per rank; use 1, or a multi-stage schedule "
-                f"{_choices(MULTI_STAGE_SCHEDULES)}",
+                f"{choices(MULTI_STAGE_SCHEDULES)}",
             )
 
     @property
@@ -136,7 +133,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
-            raise ConfigError("model.arch", self.arch, f"must be one of {_choices(ARCHS)}")
+            raise ConfigError("model.arch", self.arch, f"must be one of {choices(ARCHS)}")
         for key in ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_len"):
             value = getattr(self, key)
             if value < 1:
@@ -156,7 +153,7 @@ class ModelConfig:
             raise ConfigError(
                 "model.num_heads",
                 self.num_heads,
-                f"must divide model.hidden_size={self.hidden_size}; try one of {_choices(_divisors(self.hidden_size))}",
+                f"must divide model.hidden_size={self.hidden_size}; try one of {choices(divisors(self.hidden_size))}",
             )
         if self.arch == "gpt2" and self.num_kv_heads != self.num_heads:
             raise ConfigError(
@@ -166,7 +163,7 @@ class ModelConfig:
             raise ConfigError(
                 "model.num_kv_heads",
                 self.num_kv_heads,
-                f"must divide model.num_heads={self.num_heads}; try one of {_choices(_divisors(self.num_heads))}",
+                f"must divide model.num_heads={self.num_heads}; try one of {choices(divisors(self.num_heads))}",
             )
 
     def _check_classifier(self) -> None:
@@ -280,6 +277,8 @@ class DataConfig:
 
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
 BACKENDS = ("auto", "nccl", "gloo")
 
 
@@ -309,10 +308,10 @@ class ClusterConfig:
             raise ConfigError(
                 "cluster.placement_strategy",
                 self.placement_strategy,
-                f"must be one of {_choices(PLACEMENT_STRATEGIES)}",
+                f"must be one of {choices(PLACEMENT_STRATEGIES)}",
             )
         if self.backend not in BACKENDS:
-            raise ConfigError("cluster.backend", self.backend, f"must be one of {_choices(BACKENDS)}")
+            raise ConfigError("cluster.backend", self.backend, f"must be one of {choices(BACKENDS)}")
 
 
 @dataclass(kw_only=True)
@@ -363,244 +362,4 @@ class Config:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Config:
-        return _build(cls, data, prefix="")
-
-
-def _section_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _coerce(key: str, value: Any, annotation: Any) -> Any:
-    """Check (and, for strings from --set, convert) one value against its annotation."""
-    origin = typing.get_origin(annotation)
-    if origin is Literal:
-        allowed = typing.get_args(annotation)
-        if value not in allowed:
-            raise ConfigError(key, value, f"must be one of {_choices(allowed)}")
-        return value
-    if origin in (types.UnionType, typing.Union):
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "auto")):
-            return None
-        return _coerce(key, value, args[0])
-    if annotation is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-        raise ConfigError(key, value, "must be a boolean (true or false)")
-    if annotation is int:
-        if isinstance(value, bool):
-            raise ConfigError(key, value, "must be an integer")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-        raise ConfigError(key, value, "must be an integer")
-    if annotation is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(key, value, "must be a number")
-    if annotation is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(key, value, "must be a string")
-    if origin is list:
-        (item,) = typing.get_args(annotation)
-        if isinstance(value, str):  # from --set: "a,b" or "[a, b]"
-            text = value.strip().removeprefix("[").removesuffix("]")
-            value = [v.strip().strip("'\"") for v in text.split(",") if v.strip()]
-        if not isinstance(value, list):
-            raise ConfigError(key, value, "must be a list, e.g. [a, b] in TOML or a,b with --set")
-        return [_coerce(key, v, item) for v in value]
-    raise TypeError(f"unsupported annotation {annotation!r} for {key}")
-
-
-def _build(cls: type, data: dict[str, Any], prefix: str):
-    if not isinstance(data, dict):
-        raise ConfigError(prefix.rstrip(".") or "<config>", data, "must be a table of keys")
-    hints = _section_types(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in data.items():
-        full = f"{prefix}{key}"
-        if key not in known:
-            raise ConfigError(full, value, f"is not a known key; known keys here: {_choices(sorted(known))}")
-        annotation = hints[key]
-        if dataclasses.is_dataclass(annotation):
-            kwargs[key] = _build(annotation, value, prefix=f"{full}.")
-        else:
-            kwargs[key] = _coerce(full, value, annotation)
-    return cls(**kwargs)
-
-
-def _set_nested(tree: dict[str, Any], dotted: str, value: str) -> None:
-    parts = dotted.split(".")
-    node = tree
-    for part in parts[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(dotted, value, f"{part} is a value, not a section")
-        node = child
-    node[parts[-1]] = value
-
-
-def parse_overrides(overrides: list[str]) -> dict[str, Any]:
-    tree: dict[str, Any] = {}
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(item, item, "a --set needs the form key=value, e.g. parallelism.tp=2")
-        key, value = item.split("=", 1)
-        _set_nested(tree, key.strip(), value.strip())
-    return tree
-
-
-def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Read a TOML file (or the defaults), apply ``--set`` overrides, validate everything."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError("config file", str(path), "does not exist; pass a TOML file or omit it for the defaults")
-        try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError("config file", str(path), f"is not valid TOML: {exc}") from exc
-    data = _merge(data, parse_overrides(overrides or []))
-    cfg = Config.from_dict(data)
-    validate(cfg)
-    return cfg
-
-
-def validate(cfg: Config) -> None:
-    """Cross-section checks: the layout against the model and the batch."""
-    from raytrain_hybrid.models import get_arch  # local: models import torch, config must stay light
-
-    par, model, train = cfg.parallelism, cfg.model, cfg.train
-    spec = get_arch(model.arch)
-    if train.lr == 0:
-        train.lr = 2e-4 if model.arch in CLASSIFIERS else 3e-3
-    tp = par.tp
-    sharded = [
-        ("model.num_heads", model.num_heads),
-        ("model.num_kv_heads", model.num_kv_heads),
-        ("model.ffn_hidden_size", model.ffn_hidden_size),
-    ]
-    if "embedding" in spec.tp_plan_outer.values():  # vocab-parallel embedding and head
-        sharded.append(("model.vocab_size", model.vocab_size))
-    for key, value in sharded:
-        if value % tp:
-            fits = [d for d in _divisors(value) if d <= 64]
-            raise ConfigError("parallelism.tp", tp, f"does not divide {key}={value}; try tp in {_choices(fits)}")
-    blocks = spec.num_blocks(model)
-    if par.num_stages > blocks:
-        what = f"pp={par.pp}" if par.stages_per_rank == 1 else f"pp*virtual_stages={par.pp}*{par.stages_per_rank}"
-        have = f"model.num_layers={model.num_layers}" + (f" ({blocks} blocks)" if blocks != model.num_layers else "")
-        raise ConfigError(
-            "parallelism.pp",
-            par.pp,
-            f"{what} stages exceed {have}; every stage needs a block, "
-            f"so use pp <= {blocks // par.stages_per_rank} or more layers",
-        )
-    if par.pp == 1 and par.schedule not in SINGLE_STAGE_SCHEDULES:
-        raise ConfigError(
-            "parallelism.schedule",
-            par.schedule,
-            f"needs pp >= 2; with pp=1 use one of {_choices(SINGLE_STAGE_SCHEDULES)}",
-        )
-    if par.pp > 1 and par.microbatches < par.pp and par.schedule != "GPipe":
-        raise ConfigError(
-            "parallelism.microbatches",
-            par.microbatches,
-            f"{par.schedule} with pp={par.pp} needs at least pp micro-batches; use microbatches >= {par.pp}",
-        )
-    if par.schedule in MULTI_STAGE_SCHEDULES + V_SCHEDULES and par.microbatches % par.pp:
-        raise ConfigError(
-            "parallelism.microbatches",
-            par.microbatches,
-            f"{par.schedule} needs a multiple of pp={par.pp}; try {par.pp * max(1, par.microbatches // par.pp)}",
-        )
-    per_step = par.dp * par.microbatches
-    if train.global_batch_size % per_step:
-        good = per_step * max(1, round(train.global_batch_size / per_step))
-        raise ConfigError(
-            "train.global_batch_size",
-            train.global_batch_size,
-            f"must be divisible by dp*microbatches={par.dp}*{par.microbatches}={per_step}; try {good}",
-        )
-    if tp > 1 and par.sequence_parallel and spec.sp_plan and model.seq_len % tp:
-        fits = [d for d in _divisors(model.seq_len) if d <= 64]
-        raise ConfigError(
-            "parallelism.tp",
-            tp,
-            f"sequence parallelism splits model.seq_len={model.seq_len} across the TP group and tp does not "
-            f"divide it; try tp in {_choices(fits)} or parallelism.sequence_parallel=false",
-        )
-    cluster = cfg.cluster
-    if tp > 1 and cluster.placement_strategy == "STRICT_SPREAD":
-        raise ConfigError(
-            "cluster.placement_strategy",
-            "STRICT_SPREAD",
-            f"puts every worker on its own node, so TP groups of tp={tp} would cross nodes; use PACK or tp=1",
-        )
-    gpn = cluster.gpus_per_node
-    if gpn and cluster.use_gpu is not False and (tp > gpn or gpn % tp):
-        fits = [d for d in _divisors(gpn) if all(v % d == 0 for v in (model.num_heads, model.num_kv_heads))]
-        raise ConfigError(
-            "parallelism.tp",
-            tp,
-            f"TP groups must stay inside a node of cluster.gpus_per_node={gpn}; try tp in {_choices(fits)}",
-        )
-    spec.check(model)
-    _validate_task(cfg)
-
-
-def _validate_task(cfg: Config) -> None:
-    """Data keys against the kind of model: token streams for LMs, labelled rows for classifiers."""
-    data, model = cfg.data, cfg.model
-    if model.arch not in CLASSIFIERS:
-        if cfg.train.eval_interval:
-            raise ConfigError(
-                "train.eval_interval", cfg.train.eval_interval, "evaluation is for classifiers (multimodal-bert); use 0"
-            )
-        for key in ("text_columns", "tabular_columns", "val_path"):  # these make the data path read rows
-            if getattr(data, key):
-                raise ConfigError(
-                    f"data.{key}", getattr(data, key), f"is for classifiers (multimodal-bert), not {model.arch}"
-                )
-        return
-    if data.path in ("builtin", "memory"):  # the shipped shipments set: its columns unless the user named others
-        data.text_columns = data.text_columns or ["dialogue", "shiptrack"]
-        data.tabular_columns = data.tabular_columns or ["feature_1", "feature_2", "feature_3"]
-    if len(data.text_columns) != 2:
-        raise ConfigError(
-            "data.text_columns",
-            data.text_columns,
-            f'{model.arch} has two text encoders: name two text columns, e.g. ["dialogue", "shiptrack"]',
-        )
-    if not data.tabular_columns:
-        raise ConfigError("data.tabular_columns", [], "name at least one numeric column for the tabular network")
-    if not data.label_column:
-        raise ConfigError("data.label_column", "", "name the integer label column")
-    if data.text_column:
-        raise ConfigError(
-            "data.text_column", data.text_column, f"is for language models; {model.arch} reads data.text_columns"
-        )
+        return build_section(cls, data, prefix="")

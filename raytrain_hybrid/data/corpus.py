@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ASSETS = Path(__file__).resolve().parent / "assets"
+ASSETS = Path(__file__).resolve().parent.parent / "assets"  # raytrain_hybrid/assets
 DEFAULT_CORPUS = ASSETS / "corpus.txt"
 DEFAULT_TOKENIZER = ASSETS / "tokenizer.json"
 EOT = "<|endoftext|>"

@@ -153,7 +153,7 @@ def plot_memory(rows: list[dict], top: int = 12):
     """Stacked per-rank memory (parameters, gradients, optimizer, activations) of planner rows."""
     import matplotlib.pyplot as plt
 
-    from raytrain_hybrid.planner import GiB
+    from raytrain_hybrid.planner.hardware import GiB
 
     rows = rows[:top]
     labels = [

@@ -1,0 +1,94 @@
+"""Typed values from TOML or ``--set`` strings, checked against a section's annotations."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Literal
+
+from raytrain_hybrid.errors import ConfigError
+
+
+def choices(values) -> str:
+    return "{" + ", ".join(str(v) for v in values) + "}"
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _section_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    """Check (and, for strings from --set, convert) one value against its annotation."""
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        allowed = typing.get_args(annotation)
+        if value not in allowed:
+            raise ConfigError(key, value, f"must be one of {choices(allowed)}")
+        return value
+    if origin in (types.UnionType, typing.Union):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "auto")):
+            return None
+        return _coerce(key, value, args[0])
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(key, value, "must be a boolean (true or false)")
+    if annotation is int:
+        if isinstance(value, bool):
+            raise ConfigError(key, value, "must be an integer")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ConfigError(key, value, "must be an integer")
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(key, value, "must be a number")
+    if annotation is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(key, value, "must be a string")
+    if origin is list:
+        (item,) = typing.get_args(annotation)
+        if isinstance(value, str):  # from --set: "a,b" or "[a, b]"
+            text = value.strip().removeprefix("[").removesuffix("]")
+            value = [v.strip().strip("'\"") for v in text.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(key, value, "must be a list, e.g. [a, b] in TOML or a,b with --set")
+        return [_coerce(key, v, item) for v in value]
+    raise TypeError(f"unsupported annotation {annotation!r} for {key}")
+
+
+def build_section(cls: type, data: dict[str, Any], prefix: str):
+    if not isinstance(data, dict):
+        raise ConfigError(prefix.rstrip(".") or "<config>", data, "must be a table of keys")
+    hints = _section_types(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{prefix}{key}"
+        if key not in known:
+            raise ConfigError(full, value, f"is not a known key; known keys here: {choices(sorted(known))}")
+        annotation = hints[key]
+        if dataclasses.is_dataclass(annotation):
+            kwargs[key] = build_section(annotation, value, prefix=f"{full}.")
+        else:
+            kwargs[key] = _coerce(full, value, annotation)
+    return cls(**kwargs)

@@ -1,0 +1,62 @@
+"""A run's configuration: a TOML file plus repeatable ``--set key=value`` overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from raytrain_hybrid.config.schema import (
+    Config,
+)
+from raytrain_hybrid.config.validate import validate
+from raytrain_hybrid.errors import ConfigError
+
+
+def _set_nested(tree: dict[str, Any], dotted: str, value: str) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(dotted, value, f"{part} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(item, item, "a --set needs the form key=value, e.g. parallelism.tp=2")
+        key, value = item.split("=", 1)
+        _set_nested(tree, key.strip(), value.strip())
+    return tree
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a TOML file (or the defaults), apply ``--set`` overrides, validate everything."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError("config file", str(path), "does not exist; pass a TOML file or omit it for the defaults")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError("config file", str(path), f"is not valid TOML: {exc}") from exc
+    data = _merge(data, parse_overrides(overrides or []))
+    cfg = Config.from_dict(data)
+    validate(cfg)
+    return cfg

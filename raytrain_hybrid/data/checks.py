@@ -1,0 +1,134 @@
+"""Checks of the input files before any worker starts: Parquet footers, columns, types, tokenizer."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from raytrain_hybrid.config import Config
+
+
+def schema_check(cfg: Config) -> int:
+    """Before any worker starts: the files open, the column exists with the right type, rows exist.
+
+    Returns the number of rows. Reads only Parquet footers.
+    """
+    import pyarrow.dataset as pads
+
+    from raytrain_hybrid.errors import ConfigError
+
+    d = cfg.data
+    if d.text_columns:
+        rows = _rows_schema_check(cfg, "data.path", d.path)
+        if d.val_path:
+            _rows_schema_check(cfg, "data.val_path", d.val_path)
+        return rows
+    try:
+        dataset = pads.dataset(d.path, format="parquet")
+        files = dataset.files
+    except (OSError, pa.ArrowInvalid, FileNotFoundError) as exc:
+        raise ConfigError("data.path", d.path, f"cannot be read as Parquet: {exc}") from exc
+    if not files:
+        raise ConfigError("data.path", d.path, "holds no Parquet files")
+    rows = 0
+    for f in files:
+        try:
+            meta = pads.dataset(f, format="parquet")
+            schema = meta.schema
+            rows += meta.count_rows()
+        except (OSError, pa.ArrowInvalid) as exc:
+            raise ConfigError("data.path", f, f"is not a readable Parquet file: {exc}") from exc
+        key, column = ("data.text_column", d.text_column) if d.text_column else ("data.token_column", d.token_column)
+        if column not in schema.names:
+            raise ConfigError(key, column, f"is not a column of {f}; its columns are {schema.names}")
+        kind = schema.field(column).type
+        if d.text_column and not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            raise ConfigError(key, column, f"has type {kind} in {f}, not text; use data.token_column for token ids")
+        # text_column wins when set: token_column keeps its default then and must not be checked.
+        if not d.text_column and not (
+            (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and pa.types.is_integer(kind.value_type)
+        ):
+            raise ConfigError(key, column, f"has type {kind} in {f}, not a list of integer token ids")
+    if rows == 0:
+        raise ConfigError("data.path", d.path, "has no rows")
+    if d.text_column:
+        _check_tokenizer(cfg)
+    return rows
+
+
+def _check_tokenizer(cfg: Config) -> None:
+    """Text is tokenized in Ray Data's tasks: a missing tokenizer, or one whose ids do not fit
+    the model's embedding, must stop the run here rather than in a worker."""
+    from raytrain_hybrid.data.corpus import load_tokenizer
+    from raytrain_hybrid.errors import ConfigError
+
+    try:
+        size = load_tokenizer(cfg.data.tokenizer).get_vocab_size()
+    except FileNotFoundError as exc:
+        raise ConfigError("data.tokenizer", cfg.data.tokenizer, "does not exist; give a local tokenizer.json") from exc
+    except Exception as exc:  # tokenizers raises its own error types for a malformed file
+        raise ConfigError("data.tokenizer", cfg.data.tokenizer, f"is not a tokenizer.json: {exc}") from exc
+    if size > cfg.model.vocab_size:
+        raise ConfigError(
+            "data.tokenizer",
+            cfg.data.tokenizer or "(the shipped BPE)",
+            f"has {size} tokens, more than model.vocab_size={cfg.model.vocab_size}; set model.vocab_size >= {size}",
+        )
+
+
+def _rows_schema_check(cfg: Config, key: str, path: str) -> int:
+    """A classifier's Parquet: the text, numeric and label columns exist with usable types."""
+    import pyarrow.dataset as pads
+
+    from raytrain_hybrid.errors import ConfigError
+    from raytrain_hybrid.models.pretrained import read_config
+
+    d = cfg.data
+    try:
+        dataset = pads.dataset(path, format="parquet")
+        schema, files = dataset.schema, dataset.files
+    except (OSError, pa.ArrowInvalid, FileNotFoundError) as exc:
+        raise ConfigError(key, path, f"cannot be read as Parquet: {exc}") from exc
+    if not files:
+        raise ConfigError(key, path, "holds no Parquet files")
+    kinds = [
+        ("data.text_columns", d.text_columns, lambda t: pa.types.is_string(t) or pa.types.is_large_string(t), "text"),
+        (
+            "data.tabular_columns",
+            d.tabular_columns,
+            lambda t: pa.types.is_integer(t) or pa.types.is_floating(t),
+            "numeric",
+        ),
+        ("data.label_column", [d.label_column], pa.types.is_integer, "integer"),
+    ]
+    for field_key, columns, ok, what in kinds:
+        for column in columns:
+            if column not in schema.names:
+                raise ConfigError(field_key, column, f"is not a column of {path}; its columns are {schema.names}")
+            if not ok(schema.field(column).type):
+                raise ConfigError(field_key, column, f"has type {schema.field(column).type} in {path}, not {what}")
+    rows = dataset.count_rows()
+    if key == "data.path" and rows < cfg.train.global_batch_size:
+        raise ConfigError(
+            key, path, f"has {rows} rows, fewer than train.global_batch_size={cfg.train.global_batch_size}"
+        )
+    if rows == 0:
+        raise ConfigError(key, path, "has no rows")
+    from raytrain_hybrid.data.rows import tokenizer_path
+
+    tok = tokenizer_path(cfg)
+    try:
+        from tokenizers import Tokenizer
+
+        size = Tokenizer.from_file(tok).get_vocab_size()
+    except Exception as exc:
+        raise ConfigError(
+            "data.tokenizer", cfg.data.tokenizer or tok, f"is not a usable tokenizer.json: {exc}"
+        ) from exc
+    if size > cfg.model.vocab_size:
+        raise ConfigError(
+            "data.tokenizer",
+            cfg.data.tokenizer or tok,
+            f"has {size} tokens, more than model.vocab_size={cfg.model.vocab_size}; set model.vocab_size >= {size}"
+            + (" (or use the checkpoint's own tokenizer)" if read_config(cfg.model.pretrained) else ""),
+        )
+    return rows

@@ -1,0 +1,91 @@
+"""Ray Datasets of the run's input, read in a defined order, and the DataConfig that hands every rank
+an iterator over all of it (replica leaders read; see data.stream).
+"""
+
+from __future__ import annotations
+
+from ray.train import DataConfig
+
+from raytrain_hybrid.config import Config
+
+
+def build_rows_dataset(cfg: Config, path: str):
+    """Classifiers: the labelled rows of ``path``, tokenized and encoded in Ray Data's tasks."""
+    import ray.data
+
+    from raytrain_hybrid.data.rows import encode, encoder_kwargs
+
+    d = cfg.data
+    kwargs = encoder_kwargs(cfg)
+    ds = ray.data.read_parquet(path).select_columns([*d.text_columns, *d.tabular_columns, d.label_column])
+    return ds.map_batches(lambda b: encode(b, **kwargs), batch_format="numpy", batch_size=256)
+
+
+def build_dataset(cfg: Config):
+    """The Ray Dataset the trainer streams: documents with token ids (tokenized here if text)."""
+    import ray.data
+
+    from raytrain_hybrid.data.prepare import tokenize_batch
+
+    d = cfg.data
+    if d.text_columns:  # a classifier's rows (validate() fills text_columns for those only)
+        return build_rows_dataset(cfg, d.path)
+    ds = ray.data.read_parquet(d.path, include_paths=True).select_columns([d.text_column or d.token_column, "path"])
+    if d.text_column:
+        tokenizer = resolve_tokenizer(cfg)
+        ds = ds.map_batches(
+            lambda b: tokenize_batch(b, text_column=d.text_column, tokenizer=tokenizer).append_column(
+                "path", b.column("path")
+            ),
+            batch_format="pyarrow",
+            batch_size=256,
+        )
+    return ds
+
+
+class ReplicaDataConfig(DataConfig):
+    """Every rank gets an iterator over the whole ordered dataset; only replica leaders use it
+    (see the module docstring). Nothing is split here: the split is by position in the stream."""
+
+    def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
+        out = [{} for _ in range(world_size)]
+        for name, ds in datasets.items():
+            for rank in range(world_size):
+                out[rank][name] = ordered_iterator(ds)
+        return out
+
+
+def ordered_iterator(ds):
+    """An iterator over ``ds`` in its defined order: the order is what defines the batches."""
+    ds = ds.copy(ds)
+    ds.context.execution_options.preserve_order = True
+    return ds.iterator()
+
+
+def builtin_dataset(cfg: Config) -> str:
+    """The shipped corpus as token Parquet, prepared once per corpus+tokenizer into a cache."""
+    import hashlib
+    import os
+    from pathlib import Path
+
+    from raytrain_hybrid.data.corpus import DEFAULT_CORPUS
+    from raytrain_hybrid.data.prepare import prepare_data
+
+    tokenizer = resolve_tokenizer(cfg)
+    digest = hashlib.sha256(DEFAULT_CORPUS.read_bytes() + Path(tokenizer).read_bytes()).hexdigest()[:16]
+    cache = Path(os.environ.get("RAYTRAIN_HYBRID_CACHE", "~/.cache/raytrain_hybrid")).expanduser()
+    out = cache / f"builtin-{digest}"
+    if not (out / "_DONE").exists():
+        tmp = cache / f"builtin-{digest}.tmp{os.getpid()}"
+        prepare_data(str(DEFAULT_CORPUS), str(tmp), tokenizer=tokenizer)
+        (tmp / "_DONE").write_text("ok\n")
+        tmp.rename(out) if not out.exists() else None
+    return str(out)
+
+
+def resolve_tokenizer(cfg: Config) -> str:
+    from pathlib import Path
+
+    from raytrain_hybrid.data.corpus import DEFAULT_TOKENIZER
+
+    return str(Path(cfg.data.tokenizer or DEFAULT_TOKENIZER).resolve())

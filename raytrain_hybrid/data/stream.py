@@ -1,0 +1,188 @@
+"""Training input through Ray Data, sharded along the DP axis only.
+
+Why not Ray Train's default split: it gives every *worker* its own shard, but
+all tp*pp ranks of a data-parallel replica must see the same rows. And a
+streaming split hands blocks to whichever consumer asks first, so the rows a
+replica gets would depend on timing and on dp, and the single-process oracle
+would no longer hold.
+
+What we do instead: the dataset is read in a fixed order (``preserve_order``,
+a local shuffle of documents seeded per epoch; blocks keep their stored order). One leader per replica (its
+rank at pp=0, tp=0) iterates that stream, packs documents into windows of
+``seq_len + 1`` tokens (short documents are packed, never dropped), cuts the
+windows into global batches of ``global_batch_size`` and keeps its contiguous
+share; it broadcasts the share to the other ranks of its replica. So the global
+batch of step k is the same for every layout, each window is used once per epoch
+across replicas, and only one rank per replica reads. The price: every replica
+leader streams the whole dataset and drops the (dp-1)/dp it does not keep.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from raytrain_hybrid.config import Config
+
+
+@dataclass
+class StreamPosition:
+    """Where the stream is: enough to skip to the same place after a restart."""
+
+    epoch: int = 0
+    windows_in_epoch: int = 0
+    documents_in_epoch: int = 0
+    steps: int = 0
+
+
+@dataclass
+class ReplicaStream:
+    """One replica's share of each global batch, from a Ray Data iterator of documents."""
+
+    iterator: object  # ray.data.DataIterator over rows with a token column (and "path")
+    token_column: str
+    seq_len: int
+    vocab_size: int
+    global_batch: int
+    dp: int
+    dp_rank: int
+    seed: int
+    epochs: int = 0  # 0: as many as the run needs
+    shuffle_buffer: int = 0
+    skip_steps: int = 0  # global batches already trained on (a resumed run)
+    position: StreamPosition = field(default_factory=StreamPosition)
+
+    def _documents(self, epoch: int) -> Iterator[tuple[np.ndarray, str]]:
+        kwargs = {}
+        if self.shuffle_buffer:
+            kwargs = {"local_shuffle_buffer_size": self.shuffle_buffer, "local_shuffle_seed": self.seed + epoch}
+        for batch in self.iterator.iter_batches(batch_size=64, batch_format="pyarrow", **kwargs):
+            column = batch.column(self.token_column)
+            paths = batch.column("path").to_pylist() if "path" in batch.column_names else [""] * len(batch)
+            for i, ids in enumerate(column.to_pylist()):
+                yield np.asarray(ids, dtype=np.int64), paths[i]
+
+    def _windows(self) -> Iterator[np.ndarray]:
+        width = self.seq_len + 1
+        epoch = 0
+        while self.epochs == 0 or epoch < self.epochs:
+            buffer: list[np.ndarray] = []
+            held = 0
+            self.position.epoch, self.position.windows_in_epoch, self.position.documents_in_epoch = epoch, 0, 0
+            any_rows = False
+            for ids, path in self._documents(epoch):
+                any_rows = True
+                self.position.documents_in_epoch += 1
+                if ids.size and (ids.max() >= self.vocab_size or ids.min() < 0):
+                    bad = int(ids.max() if ids.max() >= self.vocab_size else ids.min())
+                    raise ValueError(
+                        f"token id {bad} in column {self.token_column!r} of {path or 'the dataset'} is outside "
+                        f"[0, model.vocab_size={self.vocab_size}); raise model.vocab_size or re-tokenize"
+                    )
+                buffer.append(ids)
+                held += ids.size
+                if held >= width:
+                    flat = np.concatenate(buffer)
+                    n = flat.size // width
+                    for w in flat[: n * width].reshape(n, width):
+                        self.position.windows_in_epoch += 1
+                        yield w
+                    rest = flat[n * width :]
+                    buffer, held = [rest], rest.size
+            if not any_rows:
+                raise ValueError("the dataset is empty: no rows to train on (data.path)")
+            epoch += 1  # the tail shorter than one window is carried into no window
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        """Yields [global_batch/dp, seq_len+1] int64 arrays, one per step."""
+        share = self.global_batch // self.dp
+        lo, hi = self.dp_rank * share, (self.dp_rank + 1) * share
+        batch: list[np.ndarray] = []
+        for window in self._windows():
+            batch.append(window)
+            if len(batch) == self.global_batch:
+                self.position.steps += 1
+                if self.position.steps > self.skip_steps:
+                    yield np.stack(batch[lo:hi])
+                batch = []
+
+
+@dataclass
+class RowStream:
+    """Classifiers: one replica's share of each global batch of labelled rows (encoded by
+    Ray Data's tasks, build_rows_dataset), in the dataset's order. Rows of an epoch that do
+    not fill a last global batch are dropped; ``position.windows_in_epoch`` counts rows."""
+
+    iterator: object
+    global_batch: int
+    dp: int
+    dp_rank: int
+    seed: int
+    num_classes: int
+    epochs: int = 0
+    shuffle_buffer: int = 0
+    skip_steps: int = 0
+    position: StreamPosition = field(default_factory=StreamPosition)
+
+    def __iter__(self) -> Iterator[dict]:
+        from raytrain_hybrid.data.rows import check_labels
+
+        share = self.global_batch // self.dp
+        lo, hi = self.dp_rank * share, (self.dp_rank + 1) * share
+        epoch = 0
+        while self.epochs == 0 or epoch < self.epochs:
+            self.position.epoch, self.position.windows_in_epoch, self.position.documents_in_epoch = epoch, 0, 0
+            kwargs = {}
+            if self.shuffle_buffer:
+                kwargs = {"local_shuffle_buffer_size": self.shuffle_buffer, "local_shuffle_seed": self.seed + epoch}
+            held: dict[str, list] = {}
+            count = 0
+            for batch in self.iterator.iter_batches(
+                batch_size=self.global_batch, batch_format="numpy", drop_last=False, **kwargs
+            ):
+                check_labels(np.asarray(batch["label"]), self.num_classes, "data.path")
+                for k, v in batch.items():
+                    held.setdefault(k, []).append(np.asarray(v))
+                count += len(batch["label"])
+                while count >= self.global_batch:
+                    rows = {k: np.concatenate(v) for k, v in held.items()}
+                    step_rows = {k: v[: self.global_batch] for k, v in rows.items()}
+                    held = {k: [v[self.global_batch :]] for k, v in rows.items()}
+                    count -= self.global_batch
+                    self.position.windows_in_epoch += self.global_batch
+                    self.position.documents_in_epoch = self.position.windows_in_epoch
+                    self.position.steps += 1
+                    if self.position.steps > self.skip_steps:
+                        yield {k: v[lo:hi] for k, v in step_rows.items()}
+            if self.position.windows_in_epoch == 0:
+                raise ValueError(
+                    f"the dataset holds {count} rows, fewer than one global batch "
+                    f"(train.global_batch_size={self.global_batch}): no step can run (data.path)"
+                )
+            epoch += 1
+
+
+def replica_stream(cfg: Config, iterator, *, dp: int, dp_rank: int, skip_steps: int = 0):
+    """A classifier's rows (RowStream) or a language model's token windows (ReplicaStream)."""
+    d = cfg.data
+    common = {
+        "iterator": iterator,
+        "global_batch": cfg.train.global_batch_size,
+        "dp": dp,
+        "dp_rank": dp_rank,
+        "seed": d.shuffle_seed,
+        "epochs": d.epochs,
+        "shuffle_buffer": d.shuffle_buffer,
+        "skip_steps": skip_steps,
+    }
+    if d.text_columns:
+        return RowStream(num_classes=cfg.model.num_classes, **common)
+    return ReplicaStream(
+        token_column=token_column(cfg), seq_len=cfg.model.seq_len, vocab_size=cfg.model.vocab_size, **common
+    )
+
+
+def token_column(cfg: Config) -> str:
+    return "input_ids" if cfg.data.text_column else cfg.data.token_column

@@ -1,0 +1,88 @@
+"""Input for one data-parallel replica: its leader reads, the others receive by broadcast."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import torch
+import torch.distributed as dist
+
+from raytrain_hybrid.config import Config
+from raytrain_hybrid.data.corpus import Batch
+from raytrain_hybrid.data.rows import feed_schema, schema_buffers, to_batch
+from raytrain_hybrid.distributed.parallel_dims import ParallelDims
+from raytrain_hybrid.distributed.utils import mesh_device
+
+
+class ReplicaFeed:
+    """The step's rows for this replica: its leader reads the Ray Data stream, the other
+    tp*pp ranks of the replica receive them by broadcast. A status goes first, so that the
+    end of the data or a reading error stops every rank of the replica together.
+
+    The broadcast of step k+1 is posted as soon as step k's rows arrive, so it travels while
+    step k computes and the ranks behind the leader in the pipeline do not wait for it.
+    """
+
+    OK, END, ERROR = 1, 0, 2
+
+    def __init__(self, cfg: Config, meshes, dims: ParallelDims, dp_rank: int, dataset_fn, skip_steps: int = 0) -> None:
+        from raytrain_hybrid.data.stream import replica_stream
+
+        self.group = meshes.replica.get_group()
+        self.leader = meshes.replica.get_local_rank() == 0
+        self.schema = feed_schema(cfg, cfg.train.global_batch_size // dims.dp)
+        self.device = mesh_device(meshes.world)
+        self.stream = None
+        if self.leader:
+            self.stream = replica_stream(cfg, dataset_fn(), dp=dims.dp, dp_rank=dp_rank, skip_steps=skip_steps)
+        self._pending = None
+        if self.leader:
+            # Read in a thread from the start: Ray Data's executor spins up while the model builds.
+            self._queue: queue.Queue = queue.Queue(maxsize=2)
+            threading.Thread(target=self._read, daemon=True, name="replica-reader").start()
+
+    def _read(self) -> None:
+        try:
+            for rows in self.stream:
+                self._queue.put(rows)
+            self._queue.put(StopIteration())
+        except Exception as exc:  # handed to the training thread, which broadcasts it
+            self._queue.put(exc)
+
+    def _post(self):
+        status = torch.zeros(1, dtype=torch.int64, device=self.device)
+        arrays = error = None
+        if self.leader:
+            item = self._queue.get()
+            if isinstance(item, StopIteration):
+                status.fill_(self.END)
+            elif isinstance(item, Exception):  # still broadcast, so the replica does not hang
+                status.fill_(self.ERROR)
+                error = item
+            else:
+                arrays = item if isinstance(item, dict) else {"tokens": item}
+                status.fill_(self.OK)
+        bufs = schema_buffers(self.schema, self.device, arrays)
+        works = [dist.broadcast(t, group=self.group, group_src=0, async_op=True) for t in (status, *bufs.values())]
+        return status, bufs, works, error
+
+    def next(self) -> Batch | None:
+        status, bufs, works, error = self._pending or self._post()
+        self._pending = None
+        for work in works:
+            work.wait()
+        code = int(status.item())
+        if code == self.ERROR:
+            raise error if error is not None else RuntimeError("this replica's data leader failed reading")
+        if code == self.END:
+            return None
+        self._pending = self._post()  # prefetch the next step's rows
+        return to_batch({k: v.cpu() for k, v in bufs.items()})
+
+    def close(self) -> None:
+        """Complete the prefetch in flight (every rank of the replica posted it)."""
+        if self._pending is not None:
+            for work in self._pending[2]:
+                work.wait()
+            self._pending = None

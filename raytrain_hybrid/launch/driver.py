@@ -1,0 +1,168 @@
+"""Config -> Ray Train TorchTrainer: the driver's side of one run.
+
+Per-step metrics reach the driver through a Ray queue that rank 0 feeds
+(``Result.metrics`` keeps only the latest checkpoint's metrics), so the driver
+can draw a progress bar and write ``metrics.jsonl`` while the run goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from raytrain_hybrid.checkpoint.manifest import check_compatible, resolve, step_dirs
+from raytrain_hybrid.config import Config
+from raytrain_hybrid.errors import ConfigError
+from raytrain_hybrid.launch.entry import train_loop_per_worker
+from raytrain_hybrid.launch.inputs import build_datasets, prepare_input, reader_env
+from raytrain_hybrid.launch.placement import worker_resources
+from raytrain_hybrid.launch.preflight import check_placement, waiting_for
+from raytrain_hybrid.launch.progress import RunLog
+from raytrain_hybrid.launch.session import ensure_ray, resolve_use_gpu
+from raytrain_hybrid.launch.summary import startup_breakdown, summarize
+
+
+class StartupTimeout(RuntimeError):
+    """The run did not reach its first step in time; the message says what Ray waits for."""
+
+
+def check_resume(cfg: Config, resume: str | None) -> tuple[str | None, list[dict]]:
+    """Before anything starts: the checkpoint to resume is intact and fits this config, and no
+    earlier run's checkpoints in run.output_dir would be overwritten. Returns the checkpoint
+    directory and the metrics history to keep (the resumed run's, when it continues in place)."""
+    out_dir = Path(cfg.run.output_dir).resolve()
+    ckpt_root = out_dir / "checkpoints"
+    existing = step_dirs(ckpt_root)
+    if resume is None:
+        if existing:
+            raise ConfigError(
+                "run.output_dir",
+                str(out_dir),
+                f"holds checkpoints of an earlier run ({existing[-1].name}); continue it with "
+                f"--resume {out_dir}, or choose another run.output_dir",
+            )
+        (ckpt_root / "checkpoint_manager_snapshot.json").unlink(missing_ok=True)  # Ray's, of a run with none
+        return None, []
+    path, manifest = resolve(resume)
+    check_compatible(cfg, manifest, path)
+    later = [p for p in existing if int(p.name.split("_")[1]) > manifest["step"]]
+    if later:
+        raise ConfigError(
+            "run.output_dir",
+            str(out_dir),
+            f"resuming {path.name} here would overwrite the later {later[-1].name}; "
+            "resume into another run.output_dir (--set run.output_dir=...)",
+        )
+    history = []
+    metrics = out_dir / "metrics.jsonl"
+    if path.parent == ckpt_root and metrics.exists():  # continuing in place: keep the steps before
+        history = [h for h in map(json.loads, metrics.read_text().splitlines()) if h["step"] < manifest["step"]]
+    return str(path), history
+
+
+def run(cfg: Config, resume: str | None = None, stream=None) -> dict:
+    """Train on Ray; write metrics.jsonl and summary.json to run.output_dir; return the summary.
+
+    ``resume``: a checkpoint directory, or a run directory meaning its newest checkpoint.
+    ``stream``: where progress goes (default sys.stdout).
+    """
+    import uuid
+
+    import ray
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.util.queue import Empty, Queue
+
+    marks = {"launched": time.time()}
+    par = cfg.parallelism
+    world = par.world_size
+    out_dir = Path(cfg.run.output_dir).resolve()
+    # Workers run elsewhere (another cwd, another node): they get the absolute path.
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, output_dir=str(out_dir)))
+    resume, kept_history = check_resume(cfg, resume)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ensure_ray(cfg, world)
+    marks["ray_ready"] = time.time()
+    use_gpu = resolve_use_gpu(cfg, world)
+    resources = worker_resources(cfg, use_gpu)
+    check_placement(cfg, resources)
+    cfg = prepare_input(cfg)
+    marks["input_checked"] = time.time()
+    backend = cfg.cluster.backend if cfg.cluster.backend != "auto" else ("nccl" if use_gpu else "gloo")
+    data_env = reader_env(cfg)
+    saved_env = {k: os.environ.get(k) for k in data_env}
+    os.environ.update(data_env)  # also where the dataset is built, here on the driver
+    try:
+        datasets = build_datasets(cfg)
+    finally:
+        for k, v in saved_env.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    sink = Queue(actor_options={"num_cpus": 0})
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={
+            "config": cfg.to_dict(),
+            "sink": sink,
+            "use_gpu": use_gpu,
+            "resume": resume,
+            "launch_id": uuid.uuid4().hex,
+            "data_env": data_env,
+        },
+        torch_config=TorchConfig(backend=backend),
+        **datasets,
+        scaling_config=ScalingConfig(
+            num_workers=world,
+            use_gpu=use_gpu,
+            resources_per_worker=resources,
+            placement_strategy=cfg.cluster.placement_strategy,
+            accelerator_type=cfg.cluster.accelerator_type or None,
+        ),
+        run_config=RunConfig(
+            # Ray Train's run directory is run.output_dir/checkpoints: checkpoints are written
+            # there in place and registered with Ray (restarts, retention).
+            name="checkpoints",
+            storage_path=str(out_dir),
+            failure_config=FailureConfig(max_failures=cfg.run.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep or None),
+        ),
+    )
+    outcome: dict[str, Any] = {}
+
+    def fit() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as exc:  # re-raised on the driver's main thread
+            outcome["error"] = exc
+
+    progress = RunLog(out_dir, steps=cfg.train.steps, progress=cfg.run.progress, history=kept_history, stream=stream)
+    thread = threading.Thread(target=fit, daemon=True)
+    marks["fit_called"] = time.time()
+    thread.start()
+    limit = cfg.run.startup_timeout_s
+    try:
+        while thread.is_alive() or not sink.empty():
+            if limit and not progress.live_steps and time.time() - marks["fit_called"] > limit:
+                # Leave the trainer thread: the driver exits, and Ray ends its workers with it.
+                raise StartupTimeout(f"no training step after {limit:g} s (run.startup_timeout_s). {waiting_for()}")
+            try:
+                kind, payload = sink.get(timeout=0.5)
+            except Empty:
+                continue
+            progress.handle(kind, payload)
+        thread.join()
+    finally:
+        progress.close()
+    if "error" in outcome:
+        raise outcome["error"]
+    summary = summarize(cfg, progress.history, progress.memory, progress.restarts)
+    summary["startup_s"] = startup_breakdown({**marks, **progress.marks})
+    summary["checkpoints"] = progress.checkpoints
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    ray.kill(sink.actor)
+    return summary

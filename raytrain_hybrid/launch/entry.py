@@ -1,0 +1,81 @@
+"""What every Ray Train worker runs: the engine's worker loop, wired to Ray Train."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from raytrain_hybrid.checkpoint.manifest import read_manifest
+from raytrain_hybrid.config import Config
+
+
+def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
+    """Runs on every Ray Train worker (the process group is already initialised)."""
+    entered = time.time()
+    import ray
+    import ray.train
+    import torch
+
+    cfg = Config.from_dict(loop_config["config"])
+    os.environ.update(loop_config.get("data_env", {}))  # before this worker's Ray Data executor starts
+    torch.set_num_threads(max(1, int(cfg.cluster.cpus_per_worker)))
+    from raytrain_hybrid.engine.worker import run_worker
+
+    marks = {"worker_entered": entered, "worker_imported": time.time()}
+
+    sink = loop_config.get("sink")
+    node_id = ray.get_runtime_context().get_node_id()  # node IP is shared by virtual nodes
+    os.environ.setdefault("LOCAL_RANK", str(ray.train.get_context().get_local_rank()))
+
+    rank = ray.train.get_context().get_world_rank()
+
+    def on_step(metrics: dict) -> None:
+        if sink is not None:
+            sink.put(("step", metrics))
+
+    def on_checkpoint(steps_done: int, path, metrics: dict) -> None:
+        # Written in place (under Ray Train's run directory): rank 0 registers it, so that a
+        # restarted worker group gets it from ray.train.get_checkpoint(), and `keep` applies.
+        from ray.train import Checkpoint
+        from ray.train.v2.api.report_config import CheckpointUploadMode
+
+        report = {"loss": metrics["loss"], "step": steps_done}
+        ckpt = Checkpoint(str(path)) if rank == 0 else None
+        ray.train.report(report, checkpoint=ckpt, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+        if rank == 0 and sink is not None:
+            timings = {k: metrics[k] for k in ("write_s", "save_s")}
+            sink.put(("checkpoint", {"step": steps_done, "path": str(path), **timings}))
+
+    result = run_worker(
+        cfg,
+        node_id,
+        use_gpu=loop_config["use_gpu"],
+        on_step=on_step,
+        dataset_fn=None if cfg.data.path == "memory" else (lambda: ray.train.get_dataset_shard("train")),
+        val_fn=(lambda: ray.train.get_dataset_shard("val"))
+        if cfg.data.val_path and cfg.data.path != "memory"
+        else None,
+        resume=_restart_point(loop_config),
+        launch_id=loop_config["launch_id"],
+        on_checkpoint=on_checkpoint,
+        marks=marks,
+    )
+    if ray.train.get_context().get_world_rank() == 0 and sink is not None:
+        sink.put(("done", {"memory": result["memory"], "marks": result["marks"]}))
+    last = result["history"][-1]
+    ray.train.report({"loss": last["loss"], "step": last["step"]})
+
+
+def _restart_point(loop_config: dict) -> str | None:
+    """Where this worker group starts: this launch's newest checkpoint after a restart, else
+    the checkpoint given with --resume, else nothing. (Ray Train also hands back checkpoints of
+    an earlier launch into the same directory; the manifest's launch id tells them apart.)"""
+    import ray.train
+
+    latest = ray.train.get_checkpoint()
+    if latest is not None:
+        manifest = read_manifest(latest.path)
+        if manifest.get("launch_id") == loop_config["launch_id"]:
+            return latest.path
+    return loop_config.get("resume")

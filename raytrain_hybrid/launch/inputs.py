@@ -1,0 +1,59 @@
+"""The run's input on the driver: resolve data.path, check the files, build the Ray Datasets."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+from raytrain_hybrid.config import Config
+from raytrain_hybrid.data.checks import schema_check
+from raytrain_hybrid.data.ray_data import (
+    ReplicaDataConfig,
+    build_dataset,
+    build_rows_dataset,
+    builtin_dataset,
+)
+
+# Ray Data's Parquet reader (datasource V2) starts RAY_DATA_PARQUET_FOOTER_NUM_ACTORS (32)
+# footer-reading actors, a Python process each, every time a dataset is executed, i.e. once
+# per replica leader. For a handful of files that is most of the data path's start-up on a
+# small machine; scale them with the files (a user's own setting wins).
+_FOOTER_ACTORS = "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS"
+
+
+def reader_env(cfg: Config) -> dict[str, str]:
+    if cfg.data.path == "memory":
+        return {}
+    if _FOOTER_ACTORS in os.environ:
+        return {_FOOTER_ACTORS: os.environ[_FOOTER_ACTORS]}
+    import pyarrow.dataset as pads
+
+    files = len(pads.dataset(cfg.data.path, format="parquet").files)
+    return {_FOOTER_ACTORS: str(min(32, max(1, math.ceil(files / 64))))}
+
+
+def build_datasets(cfg: Config) -> dict:
+    if cfg.data.path == "memory":
+        return {}
+    datasets = {"train": build_dataset(cfg)}
+    if cfg.data.val_path:
+        datasets["val"] = build_rows_dataset(cfg, cfg.data.val_path)
+    return {"datasets": datasets, "dataset_config": ReplicaDataConfig()}
+
+
+def prepare_input(cfg: Config) -> Config:
+    """Resolve data.path ("builtin" is prepared once) and check the files before workers start."""
+    if cfg.data.text_columns and cfg.data.path in ("builtin", "memory"):  # a classifier: the shipped rows
+        from raytrain_hybrid.data.rows import BUILTIN_TRAIN, BUILTIN_VAL
+
+        path = cfg.data.path if cfg.data.path == "memory" else str(BUILTIN_TRAIN)
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=path))
+        if not cfg.data.val_path:
+            cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, val_path=str(BUILTIN_VAL)))
+    if cfg.data.path == "memory":
+        return cfg
+    if cfg.data.path == "builtin":
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=builtin_dataset(cfg)))
+    schema_check(cfg)
+    return cfg

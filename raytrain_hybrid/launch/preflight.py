@@ -1,0 +1,57 @@
+"""Checks against the live cluster before any worker starts, and what Ray waits for after."""
+
+from __future__ import annotations
+
+from raytrain_hybrid.config import Config
+from raytrain_hybrid.distributed.parallel_dims import ParallelDims, arrange_ranks
+from raytrain_hybrid.errors import ConfigError
+from raytrain_hybrid.launch.placement import live_node_totals, predict_workers_per_node
+
+
+def check_placement(cfg: Config, resources: dict[str, float]) -> list[int] | None:
+    """Refuse, before any worker starts, a layout the live nodes cannot hold with TP inside a node.
+
+    Returns the predicted workers per node (None when the cluster cannot hold the group
+    yet, e.g. while an autoscaler adds nodes; the workers then check what they got).
+    """
+    par = cfg.parallelism
+    dims = ParallelDims.from_config(par)
+    nodes = live_node_totals()
+    counts = predict_workers_per_node(nodes, dims.world_size, resources, cfg.cluster.placement_strategy)
+    if counts is not None:
+        arrange_ranks(dims, [f"node{i}" for i, c in enumerate(counts) for _ in range(c)])
+        _check_data_cpus(cfg, nodes, dims.world_size)
+    return counts
+
+
+def _check_data_cpus(cfg: Config, nodes: list[dict], world: int) -> None:
+    """Ray Data's read tasks run outside the workers' placement group: a cluster whose CPUs the
+    workers take entirely would start them and then wait for a CPU forever."""
+    if cfg.data.path == "memory":
+        return
+    total = sum(n.get("CPU", 0) for n in nodes)
+    taken = world * cfg.cluster.cpus_per_worker
+    if total - taken < 1:
+        raise ConfigError(
+            "cluster.cpus_per_worker",
+            cfg.cluster.cpus_per_worker,
+            f"the cluster has {total:g} CPUs and {world} workers take {taken:g} of them, leaving none for "
+            f"Ray Data's read tasks (the run would wait forever for one): give the cluster at least "
+            f"{taken + 1:g} CPUs (e.g. `ray start --head --num-cpus={int(taken) + 1}`), lower "
+            "cluster.cpus_per_worker, or use data.path=memory",
+        )
+
+
+def waiting_for() -> str:
+    """What Ray is waiting for: pending placement groups and the resources free now."""
+    import ray
+
+    pending = [
+        f"placement group of {len(pg['bundles'])} x {next(iter(pg['bundles'].values()), {})}"
+        for pg in ray.util.placement_group_table().values()
+        if pg.get("state") == "PENDING"
+    ]
+    free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
+    total = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
+    what = "; ".join(pending) if pending else "no pending placement group (the workers started: see their logs)"
+    return f"Ray is waiting for: {what}. Cluster resources {total}, free now {free}"

@@ -1,0 +1,67 @@
+"""summary.json: the run's outcome, throughput, memory per rank and start-up breakdown."""
+
+from __future__ import annotations
+
+from raytrain_hybrid.config import Config
+
+# Start-up phases, each from the mark before it: where the time to the first step goes.
+_PHASES = (
+    ("ray_init", "ray_ready"),
+    ("input_check", "input_checked"),
+    ("worker_start", "worker_entered"),  # placement group, worker processes, process group
+    ("worker_imports", "worker_imported"),
+    ("process_group", "group_ready"),
+    ("mesh", "mesh_built"),
+    ("model_build", "model_built"),
+    ("checkpoint_load", "checkpoint_loaded"),
+    ("first_batch", "first_batch"),
+    ("first_step", "first_step_done"),
+)
+
+
+def startup_breakdown(marks: dict) -> dict:
+    """Seconds per start-up phase (rank 0's worker marks, the driver's own), and the total
+    from the command to the end of the first step."""
+    out, last = {}, marks.get("launched")
+    for name, mark in _PHASES:
+        if mark in marks and last is not None:
+            out[name] = round(marks[mark] - last, 3)
+            last = marks[mark]
+    if "first_step_done" in marks:
+        out["total_to_first_step"] = round(marks["first_step_done"] - marks["launched"], 3)
+    return out
+
+
+def summarize(cfg: Config, history: list[dict], memory: list[dict], restarts: int = 0) -> dict:
+    par = cfg.parallelism
+    # The first steps pay for warm-up (allocations, pipeline shape inference); leave them out.
+    steady = history[min(2, len(history) - 1) :] if history else []
+    summary = {
+        "final_loss": history[-1]["loss"] if history else None,
+        "steps": len(history),
+        "restarts": restarts,
+        "world_size": par.world_size,
+        "layout": {
+            "dp": par.dp,
+            "tp": par.tp,
+            "pp": par.pp,
+            "microbatches": par.microbatches,
+            "schedule": par.schedule,
+            "zero": par.zero,
+            "virtual_stages": par.stages_per_rank if par.pp > 1 else 1,
+            "activation_checkpointing": par.activation_checkpointing,
+        },
+        "model": {"arch": cfg.model.arch, "num_layers": cfg.model.num_layers, "hidden_size": cfg.model.hidden_size},
+        "mean_tokens_per_s": (sum(h["tokens_per_s"] for h in steady) / len(steady)) if steady else None,
+        "mean_step_time_s": (sum(h["step_time_s"] for h in steady) / len(steady)) if steady else None,
+        "mean_tflops_per_device": (sum(h["tflops_per_device"] for h in steady) / len(steady)) if steady else None,
+        "mean_mfu": (sum(h["mfu"] for h in steady) / len(steady)) if steady and steady[0]["mfu"] else None,
+    }
+    for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "max_rss_bytes", "data_wait_fraction"):
+        summary[key] = max((m[key] for m in memory if m.get(key) is not None), default=None)
+    summary["per_rank"] = memory
+    evals = [{k: h[k] for k in h if k == "step" or k.startswith("val_")} for h in history if "val_accuracy" in h]
+    if evals:  # classifiers: every evaluation, and the last one on its own
+        summary["evals"] = evals
+        summary["final_eval"] = evals[-1]
+    return summary

@@ -1,0 +1,163 @@
+"""Cost model of one training step per rank: memory, compute, communication, bubble.
+
+Sources of the formulas (cited where used):
+- ZeRO memory: Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
+  Parameter Models" (SC'20), section 3: mixed-precision Adam holds 2 + 2 + 12 bytes/param.
+- Activations: Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
+  Models" (MLSys'23), eqs. 1-4: s*b*h*(34 + 5*a*s/h) bytes per layer in 16-bit, divided by t
+  under TP (+SP), 2*s*b*h with full recomputation.
+- Pipeline bubble and in-flight micro-batches: Narayanan et al., "Efficient Large-Scale
+  Language Model Training on GPU Clusters Using Megatron-LM" (SC'21), sections 2.2 and 3.
+- FLOPs per token: raytrain_hybrid.models.flops (6N + attention).
+"""
+
+from __future__ import annotations
+
+from raytrain_hybrid.config import Config
+from raytrain_hybrid.models.flops import flops_per_token, tokens_per_row
+from raytrain_hybrid.models.params import (
+    bert_embedding_params,
+    has_sequence_parallel,
+    num_blocks,
+    param_count,
+    param_parts,
+)
+from raytrain_hybrid.planner.hardware import Hardware
+
+
+def max_rank_params(cfg: Config) -> float:
+    """Parameters on the fullest pipeline rank, before TP/DP sharding (stages are uneven)."""
+    from raytrain_hybrid.distributed.pipeline import split_layers, stage_ids
+
+    par = cfg.parallelism
+    if par.pp == 1:
+        return float(param_count(cfg.model))
+    per_layer, first, last = param_parts(cfg.model)
+    split = split_layers(num_blocks(cfg.model), par.num_stages)
+    # multimodal-bert: encoder B's embeddings live with its first block.
+    anchored = cfg.model.num_layers if cfg.model.arch == "multimodal-bert" else None
+    best = 0.0
+    for rank in range(par.pp):
+        ids = stage_ids(par.schedule, rank, par.pp, par.stages_per_rank)
+        n = sum(len(split[i]) * per_layer for i in ids)
+        n += first if 0 in ids else 0
+        n += last if par.num_stages - 1 in ids else 0
+        if anchored is not None and any(anchored in split[i] for i in ids):
+            n += bert_embedding_params(cfg.model)
+        best = max(best, n)
+    return best
+
+
+def state_bytes(phi: float, *, zero: int, dp: int, scheme: str = "fp32") -> dict[str, float]:
+    """Parameter, gradient and optimizer bytes per rank for phi parameters on this rank's
+    model share, data-parallel degree dp (ZeRO paper, section 3).
+
+    scheme "mixed": 16-bit parameters and gradients, fp32 master + Adam moments (2 + 2 + 12).
+    scheme "fp32": what this project keeps, fp32 parameters (bf16 only in autocast), fp32
+    gradients, Adam moments (4 + 4 + 8).
+    """
+    p, g, o = (2.0, 2.0, 12.0) if scheme == "mixed" else (4.0, 4.0, 8.0)
+    return {
+        "params": p * phi / (dp if zero >= 3 else 1),
+        "grads": g * phi / (dp if zero >= 2 else 1),
+        "optimizer": o * phi / (dp if zero >= 1 else 1),
+    }
+
+
+def in_flight_microbatches(schedule: str, pp: int, microbatches: int, virtual: int) -> float:
+    """Micro-batches whose activations the first stage holds at its peak (Narayanan et al. 2021)."""
+    if pp == 1:
+        return 1.0
+    if schedule == "GPipe":
+        return float(microbatches)
+    base = float(min(microbatches, pp))
+    return base * (1 + (pp - 1) / (pp * virtual)) if virtual > 1 else base
+
+
+def layer_activation_bytes(s: int, b: int, h: int, t: int, *, sp: bool, checkpointed: bool) -> float:
+    """16-bit activation bytes one transformer layer keeps for backward (Korthikanti et al.
+    2022, eqs. 2-5). The attention-score term 5*a*s/h of the paper is left out: sdpa's flash /
+    memory-efficient kernels recompute scores in backward instead of storing them (the paper's
+    "selective recomputation" gets the same). TP without SP: 10 + 24/t per s*b*h (norms,
+    dropout masks and the residual stream stay whole on every TP rank); with SP: 34/t;
+    full recomputation keeps only each layer's input, 2*s*b*h (/t with SP)."""
+    if checkpointed:
+        return 2.0 * s * b * h / (t if sp else 1)
+    return s * b * h * (34.0 / t if sp else 10.0 + 24.0 / t)
+
+
+def activation_bytes(cfg: Config, micro_batch: int) -> float:
+    m, par = cfg.model, cfg.parallelism
+    s, b, h, t = m.seq_len, micro_batch, m.hidden_size, par.tp
+    sp = t > 1 and par.sequence_parallel and has_sequence_parallel(m)
+    width = 2.0 if cfg.train.dtype == "bfloat16" else 4.0  # the formula counts 2-byte activations
+    per_layer = layer_activation_bytes(s, b, h, t, sp=sp, checkpointed=par.activation_checkpointing)
+    layers_per_rank = num_blocks(m) / par.pp
+    in_flight = in_flight_microbatches(par.schedule, par.pp, par.microbatches, par.stages_per_rank if par.pp > 1 else 1)
+    stash = per_layer * (width / 2) * layers_per_rank * in_flight
+    if par.activation_checkpointing:  # the layer being recomputed holds its full activations
+        stash += layer_activation_bytes(s, b, h, t, sp=sp, checkpointed=False) * (width / 2)
+    logits = 2 * 4.0 * b * s * m.vocab_size  # fp32 logits and their gradient, gathered on the last stage
+    if m.arch == "multimodal-bert":  # a class per row, not a vocabulary per token
+        logits = 2 * 4.0 * b * m.num_classes
+    return stash + logits
+
+
+def _allreduce_s(nbytes: float, n: int, gbps: float, latency: float) -> float:
+    return 0.0 if n <= 1 else 2 * (n - 1) / n * nbytes / (gbps * 1e9) + 2 * (n - 1) * latency
+
+
+def predict(cfg: Config, hw: Hardware) -> dict:
+    """Per-rank memory, step time, tokens/s, MFU and bubble of one layout."""
+    m, par, t = cfg.model, cfg.parallelism, cfg.train
+    dp, tp, pp, mb = par.dp, par.tp, par.pp, par.microbatches
+    virtual = par.stages_per_rank if pp > 1 else 1
+    micro_batch = t.global_batch_size // (dp * mb)
+    phi = max_rank_params(cfg) / tp
+    states = state_bytes(phi, zero=par.zero, dp=dp)
+    act = activation_bytes(cfg, micro_batch)
+    memory = {**states, "activations": act}
+    memory["total"] = sum(memory.values())
+
+    tokens = t.global_batch_size * tokens_per_row(m)
+    flops = flops_per_token(m) * tokens / (dp * tp * pp)
+    if par.activation_checkpointing:
+        flops *= 4 / 3  # one more forward
+    compute = flops / (hw.peak_tflops * 1e12 * hw.efficiency)
+    world = dp * tp * pp
+    # More ranks than cores: each rank gets cores/world of a core, and a rank idle in a
+    # pipeline bubble hands its core to another, so the bubble costs no time.
+    oversubscribed = bool(hw.cores) and world > hw.cores
+    share = world / hw.cores if oversubscribed else 1.0
+    compute *= share
+
+    width = 2.0 if t.dtype == "bfloat16" else 4.0
+    act_msg = micro_batch * m.seq_len * m.hidden_size * width
+    layers_per_rank = num_blocks(m) / pp
+    # TP: two all-reduces forward and two backward per block and micro-batch, inside a node.
+    tp_s = 4 * layers_per_rank * mb * _allreduce_s(act_msg, tp, hw.intra_node_gbps, hw.latency_s)
+    if tp > 1:  # attention and MLP are one column/row pair each
+        tp_s += 2 * layers_per_rank * mb * hw.tp_pair_overhead_s * (tp / 2) * share
+    # Placement fills nodes TP-first, then DP, then PP: an axis leaves the node once the
+    # product of the axes inside it exceeds the node.
+    dp_link = hw.intra_node_gbps if tp * dp <= hw.gpus_per_node else hw.inter_node_gbps
+    pp_link = hw.intra_node_gbps if tp * dp * pp <= hw.gpus_per_node else hw.inter_node_gbps
+    pp_s = 0.0 if pp == 1 else 2 * mb * virtual * (act_msg / (pp_link * 1e9) + hw.latency_s)
+    grad_bytes = phi * 4.0
+    dp_s = _allreduce_s(grad_bytes, dp, dp_link, hw.latency_s) * (1.5 if par.zero == 3 else 1.0)
+    # Buckets overlap with the backward (2/3 of compute) on devices; on shared cores the
+    # reduction takes CPU from the same cores and does not hide.
+    dp_exposed = dp_s * share if oversubscribed else max(0.0, dp_s - 0.5 * compute)
+
+    bubble = (pp - 1) / (mb * virtual + pp - 1) if pp > 1 else 0.0
+    step = (compute + tp_s + pp_s) / (1 if oversubscribed else 1 - bubble) + dp_exposed
+    tokens_per_s = tokens / step
+    achieved = flops_per_token(m) * tokens_per_s / (dp * tp * pp) / 1e12
+    return {
+        "memory_bytes": memory,
+        "predicted_step_s": step,
+        "predicted_tokens_per_s": tokens_per_s,
+        "predicted_mfu": achieved / hw.peak_tflops,
+        "bubble_fraction": bubble,
+        "time_s": {"compute": compute, "tp": tp_s, "pp": pp_s, "dp": dp_s, "dp_exposed": dp_exposed},
+    }
