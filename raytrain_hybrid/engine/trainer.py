@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import resource
 import time
 
@@ -139,8 +138,8 @@ class Trainer:
         ys = batch.labels.to(self.device).chunk(m)
         total = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
-            last = i == m - 1
-            with self._grad_sync(module, last), self._autocast():
+            self._set_grad_reduction(module, reduce=i == m - 1)
+            with self._autocast():
                 loss = self.loss_fn(module(*x), y)
             (loss / m).backward()
             total += loss.detach().float() / m
@@ -167,11 +166,11 @@ class Trainer:
                 module.train()
 
     @staticmethod
-    def _grad_sync(module, sync: bool):
-        """Reduce gradients across replicas on the last micro-batch only."""
-        if isinstance(module, FSDPModule):  # ZeRO-1 reduces once per step, in the optimizer
-            module.set_requires_gradient_sync(sync)
-        return contextlib.nullcontext()
+    def _set_grad_reduction(module, *, reduce: bool) -> None:
+        """Whether the next backward reduces gradients across replicas: an FSDP module does so
+        on the last micro-batch only (ZeRO-1 reduces once per step, in the optimizer)."""
+        if isinstance(module, FSDPModule):
+            module.set_requires_gradient_sync(reduce)
 
     def train_step(self, step: int, batch: Batch) -> dict:
         t0 = time.perf_counter()
