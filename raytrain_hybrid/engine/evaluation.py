@@ -15,10 +15,17 @@ import math
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from raytrain_hybrid.data.rows import BUILTIN_VAL, feed_schema, read_parquet_rows, schema_buffers, to_batch
+from raytrain_hybrid.data.rows import (
+    BUILTIN_VAL,
+    check_labels,
+    feed_schema,
+    read_parquet_rows,
+    schema_buffers,
+    to_batch,
+)
 from raytrain_hybrid.distributed.utils import mesh_device
+from raytrain_hybrid.engine.loss import ClassLoss
 
 
 class ValidationSet:
@@ -63,8 +70,6 @@ class ValidationSet:
 
 def read_iterator(iterator, cfg) -> dict:
     """All rows of a Ray Data iterator over encoded rows, in order."""
-    from raytrain_hybrid.data.rows import check_labels
-
     parts: dict[str, list] = {}
     for batch in iterator.iter_batches(batch_size=256, batch_format="numpy"):
         for k in ("ids_a", "mask_a", "ids_b", "mask_b", "tabular", "label"):
@@ -82,11 +87,9 @@ def classification_metrics(logits: np.ndarray, labels: np.ndarray, weights: list
     classes = logits.shape[1]
     probs = torch.softmax(torch.from_numpy(logits), dim=-1).numpy()
     pred = probs.argmax(1)
-    w = torch.tensor(weights or [1.0] * classes)
-    y = torch.from_numpy(labels)
-    per_row = F.cross_entropy(torch.from_numpy(logits), y, reduction="none")
+    loss = ClassLoss(weights, classes, torch.device("cpu"))(torch.from_numpy(logits), torch.from_numpy(labels))
     out = {
-        "val_loss": float((w[y] * per_row).mean()),
+        "val_loss": float(loss),
         "val_accuracy": float((pred == labels).mean()),
         "val_f1": float(f1_score(labels, pred, average="binary" if classes == 2 else "macro", zero_division=0)),
         "val_auc": None,
