@@ -1,7 +1,11 @@
-"""Configuration: defaults, files, --set overrides, and bad input refused before any worker starts."""
+"""Configuration: defaults, files, --set overrides, defaults resolved in one step, and bad input
+refused before any worker starts."""
 
 from __future__ import annotations
 
+import builtins
+import dataclasses
+import pathlib
 import subprocess
 import sys
 from pathlib import Path
@@ -9,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from raytrain_hybrid import cli
-from raytrain_hybrid.config import load_config
+from raytrain_hybrid.config import ARCHS, Config, load_config, resolve_defaults, validate
 from raytrain_hybrid.errors import ConfigError
+from raytrain_hybrid.models import ARCH_NAMES, get_arch
 
 
 def test_default_is_a_small_3d_llama():
@@ -97,3 +102,112 @@ def test_console_script_exits_nonzero_on_bad_input():
     proc = subprocess.run([str(exe), "train", "--set", "parallelism.pp=16"], capture_output=True, text=True)
     assert proc.returncode == 2
     assert "parallelism.pp=16" in proc.stderr
+
+
+# (overrides, expected values after resolve_defaults): "0 picks" per architecture, the
+# classifier's columns on the shipped data, a pretrained checkpoint's sizes (all-MiniLM-L6-v2).
+RESOLVED = {
+    "llama": ([], {"train.lr": 3e-3, "model.num_kv_heads": 4, "model.ffn_hidden_size": 352}),
+    "llama-set": (
+        ["train.lr=1e-4", "model.num_kv_heads=2", "model.ffn_hidden_size=256"],
+        {"train.lr": 1e-4, "model.num_kv_heads": 2, "model.ffn_hidden_size": 256},
+    ),
+    "llama-wide": (["model.hidden_size=4096", "model.num_heads=32"], {"model.ffn_hidden_size": 10944}),
+    "gpt2": (["model.arch=gpt2"], {"train.lr": 3e-3, "model.num_kv_heads": 4, "model.ffn_hidden_size": 512}),
+    "classifier-builtin": (
+        ["model.arch=multimodal-bert"],
+        {
+            "train.lr": 2e-4,
+            "data.text_columns": ["dialogue", "shiptrack"],
+            "data.tabular_columns": ["feature_1", "feature_2", "feature_3"],
+            "model.num_layers": 6,
+            "model.hidden_size": 384,
+            "model.num_heads": 12,
+            "model.num_kv_heads": 12,
+            "model.ffn_hidden_size": 1536,
+            "model.vocab_size": 30522,
+        },
+    ),
+    "classifier-own-columns": (
+        ["model.arch=multimodal-bert", "data.path=memory", "data.text_columns=a,b"],
+        {"data.text_columns": ["a", "b"], "data.tabular_columns": ["feature_1", "feature_2", "feature_3"]},
+    ),
+    "classifier-own-data": (
+        ["model.arch=multimodal-bert", "data.path=rows.parquet", "data.text_columns=a,b", "data.tabular_columns=c"],
+        {"data.text_columns": ["a", "b"], "data.tabular_columns": ["c"]},
+    ),
+    "classifier-random": (
+        ["model.arch=multimodal-bert", "model.pretrained=none", "model.hidden_size=32", "model.num_heads=4"],
+        {"model.num_layers": 4, "model.hidden_size": 32, "model.num_kv_heads": 4, "model.ffn_hidden_size": 128},
+    ),
+}
+
+
+def _get(cfg: Config, dotted: str):
+    section, key = dotted.split(".")
+    return getattr(getattr(cfg, section), key)
+
+
+@pytest.mark.parametrize("name", list(RESOLVED))
+def test_resolve_defaults_fills_what_0_and_empty_pick(name):
+    from raytrain_hybrid.config import parse_overrides
+
+    overrides, want = RESOLVED[name]
+    parsed = Config.from_dict(parse_overrides(overrides))
+    resolved = resolve_defaults(parsed)
+    assert {key: _get(resolved, key) for key in want} == want
+    assert resolved is not parsed and Config.from_dict(parse_overrides(overrides)) == parsed  # a new config
+    assert load_config(None, overrides) == resolved
+
+
+def test_parsing_reads_no_file_and_fills_nothing():
+    cfg = Config.from_dict({"model": {"arch": "multimodal-bert", "pretrained": "/nonexistent/bert"}})
+    assert (cfg.model.num_kv_heads, cfg.model.ffn_hidden_size, cfg.train.lr) == (0, 0, 0.0)
+    assert cfg.data.text_columns == [] and cfg.model.num_layers == 4
+    with pytest.raises(ConfigError, match="model.pretrained='/nonexistent/bert': has no config.json"):
+        resolve_defaults(cfg)  # the one step that reads the checkpoint's config.json
+
+
+@pytest.mark.parametrize(
+    "overrides", [[], ["model.arch=gpt2"], ["model.arch=multimodal-bert"], ["model.num_kv_heads=2"]]
+)
+def test_resolving_a_saved_config_changes_nothing(overrides):
+    """A run's config.json and a checkpoint manifest save the resolved config: the worker's and
+    export's Config.from_dict of it is resolved already."""
+    cfg = load_config(None, overrides)
+    again = Config.from_dict(cfg.to_dict())
+    assert again == cfg and resolve_defaults(again) == cfg
+
+
+def test_validate_reads_no_file_and_changes_nothing(monkeypatch):
+    cfg = load_config(None, ["model.arch=multimodal-bert"])
+    before = cfg.to_dict()
+
+    def no_reading(*args, **kwargs):
+        raise AssertionError("validate read a file")
+
+    monkeypatch.setattr(builtins, "open", no_reading)
+    monkeypatch.setattr(pathlib.Path, "read_text", no_reading)
+    validate(cfg)
+    monkeypatch.undo()
+    assert cfg.to_dict() == before
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.train.lr = 1.0  # type: ignore[misc]
+
+
+def test_validate_refuses_an_unresolved_config():
+    with pytest.raises(ValueError, match="resolve_defaults"):
+        validate(Config())
+
+
+def test_architectures_come_from_the_registry():
+    assert ARCHS == ARCH_NAMES
+    for name in ARCH_NAMES:
+        assert get_arch(name).name == name
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["model.arch=mamba"])
+    assert all(name in str(info.value) for name in ARCH_NAMES), info.value
+    assert info.value.key == "model.arch"
+    with pytest.raises(ConfigError, match="must be one of") as info:
+        get_arch("mamba")
+    assert all(name in str(info.value) for name in ARCH_NAMES), info.value

@@ -9,7 +9,8 @@ from torch import nn
 from raytrain_hybrid.config import load_config
 from raytrain_hybrid.models import get_arch
 from raytrain_hybrid.models.common import build_stage
-from raytrain_hybrid.models.flops import flops_per_token, matmul_params
+from raytrain_hybrid.models.flops import flops_per_token, matmul_params, tokens_per_row
+from raytrain_hybrid.models.params import param_count
 
 
 @pytest.mark.parametrize("overrides", [["model.num_kv_heads=2"], ["model.arch=gpt2"]])
@@ -21,6 +22,9 @@ def test_matmul_params_counts_every_linear_weight(overrides):
     assert matmul_params(cfg.model) == linear
     m = cfg.model
     assert flops_per_token(m) == 6 * linear + 12 * m.num_layers * m.hidden_size * m.seq_len
+    assert tokens_per_row(m) == m.seq_len
+    # The spec's parameter parts add up to the built model (embeddings, blocks, final norm, head).
+    assert param_count(m) == sum(p.numel() for p in model.parameters())
 
 
 def test_cpu_has_no_mfu():
@@ -32,9 +36,6 @@ def test_cpu_has_no_mfu():
 def test_multimodal_counts_match_the_built_model():
     """Per encoder, the blocks' matmul weights (a row's tokens go through one encoder each);
     the planner's parameter count is every parameter of the built model (MiniLM's sizes)."""
-    from raytrain_hybrid.models.flops import tokens_per_row
-    from raytrain_hybrid.models.params import param_count
-
     cfg = load_config(None, ["model.arch=multimodal-bert", "model.seq_len=64"])
     spec = get_arch(cfg.model.arch)
     blocks = list(range(spec.num_blocks(cfg.model)))

@@ -7,13 +7,14 @@ Published runs (each with its source in raytrain_hybrid/planner/published.py): G
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
 import pytest
 
 from raytrain_hybrid import cli
-from raytrain_hybrid.config import Config, load_config, parse_overrides
+from raytrain_hybrid.config import Config, load_config, parse_overrides, resolve_defaults
 from raytrain_hybrid.models.params import param_count
 from raytrain_hybrid.planner.cost import layer_activation_bytes, predict, state_bytes
 from raytrain_hybrid.planner.hardware import PROFILES
@@ -90,7 +91,8 @@ def test_published_runs_are_feasible_at_their_layout(run):
     ],
 )
 def test_large_layouts_fit_with_small_microbatches(model, hardware, world, gbs, layout):
-    cfg = Config.from_dict(parse_overrides([*(f"{k}={v}" for k, v in model.items()), f"train.global_batch_size={gbs}"]))
+    overrides = [*(f"{k}={v}" for k, v in model.items()), f"train.global_batch_size={gbs}"]
+    cfg = resolve_defaults(Config.from_dict(parse_overrides(overrides)))
     rows = plan(cfg, world, PROFILES[hardware], fixed=layout)
     feasible = [r for r in rows if r["feasible"]]
     assert feasible, rows[0]["reason"]
@@ -101,7 +103,7 @@ def test_large_layouts_fit_with_small_microbatches(model, hardware, world, gbs, 
 
 def test_70b_pure_data_parallel_on_one_node_of_80gb_stays_infeasible():
     model = [f"{k}={v}" for k, v in LLAMA3_70B.items()]
-    cfg = Config.from_dict(parse_overrides([*model, "train.global_batch_size=64"]))
+    cfg = resolve_defaults(Config.from_dict(parse_overrides([*model, "train.global_batch_size=64"])))
     rows = plan(cfg, 8, PROFILES["h100"], fixed={"tp": 1, "pp": 1})
     assert rows and not any(r["feasible"] for r in rows)  # even ZeRO-3 over 8: 70e9 x 16 B / 8 = 140 GB
 
@@ -129,7 +131,7 @@ def test_sequence_parallel_divides_the_activations_by_tp():
     assert layer_activation_bytes(s, b, h, 8, sp=True, checkpointed=True) == 2 * s * b * h / 8
     cfg = load_config(None, ["parallelism.tp=4", "parallelism.pp=1", "parallelism.dp=1", "parallelism.microbatches=1"])
     with_sp = predict(cfg, PROFILES["h100"])["memory_bytes"]["activations"]
-    cfg.parallelism.sequence_parallel = False
+    cfg = dataclasses.replace(cfg, parallelism=dataclasses.replace(cfg.parallelism, sequence_parallel=False))
     without = predict(cfg, PROFILES["h100"])["memory_bytes"]["activations"]
     assert with_sp < without
 

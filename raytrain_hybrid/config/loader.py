@@ -7,9 +7,8 @@ from typing import Any
 
 import tomllib
 
-from raytrain_hybrid.config.schema import (
-    Config,
-)
+from raytrain_hybrid.config.defaults import resolve_defaults
+from raytrain_hybrid.config.schema import Config
 from raytrain_hybrid.config.validate import validate
 from raytrain_hybrid.errors import ConfigError
 
@@ -46,7 +45,8 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Read a TOML file (or the defaults), apply ``--set`` overrides, validate everything."""
+    """Read a TOML file (or the defaults), apply ``--set`` overrides, resolve the defaults that
+    depend on other keys, validate everything."""
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -57,6 +57,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError("config file", str(path), f"is not valid TOML: {exc}") from exc
     data = _merge(data, parse_overrides(overrides or []))
-    cfg = Config.from_dict(data)
+    cfg = resolve_defaults(Config.from_dict(data))
     validate(cfg)
     return cfg

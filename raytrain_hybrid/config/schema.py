@@ -1,16 +1,20 @@
-"""The run configuration's sections: kw-only dataclasses, one field per key, each documented by the
-comment above it. ``__post_init__`` checks one field at a time; checks across sections live in
-``config.validate``. Every user error is a :class:`ConfigError` naming the key, the value and a fix.
+"""The run configuration's sections: frozen kw-only dataclasses, one field per key, each documented
+by the comment above it. ``__post_init__`` checks one field at a time and changes nothing;
+defaults that depend on other keys are filled by ``config.resolve_defaults``, checks across keys
+live in ``config.validate``. Every user error is a :class:`ConfigError` naming the key, the value
+and a fix.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from raytrain_hybrid.config.coerce import build_section, choices, divisors
+from raytrain_hybrid.config.coerce import build_section, choices
 from raytrain_hybrid.errors import ConfigError
+from raytrain_hybrid.models import ARCH_NAMES
 
 # Pipeline schedules from torch.distributed.pipelining that this project drives.
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
@@ -28,14 +32,11 @@ SCHEDULES = SINGLE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES + V_SCHEDULES
 ZERO_STAGES = (0, 1, 2, 3)
 
 
-ARCHS = ("llama", "gpt2", "multimodal-bert")
+# The architectures of the registry (raytrain_hybrid.models).
+ARCHS = ARCH_NAMES
 
 
-# Architectures that classify rows (a label per row) instead of predicting the next token.
-CLASSIFIERS = ("multimodal-bert",)
-
-
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class ParallelismConfig:
     # Data-parallel degree (replicas); the outermost split of the global batch.
     dp: int = 2
@@ -98,7 +99,20 @@ class ParallelismConfig:
         return self.pp * self.stages_per_rank
 
 
-@dataclass(kw_only=True)
+# A run's layout: the ParallelismConfig keys the planner searches and a sweep pins, in the
+# order sweeps write them. Each output that reports a layout picks its keys from these (and
+# "virtual_stages") with layout_dict, keeping the keys and order it has always written.
+LAYOUT_KEYS = ("dp", "tp", "pp", "microbatches", "schedule", "zero", "activation_checkpointing", "sequence_parallel")
+
+
+def layout_dict(par: ParallelismConfig, keys: Iterable[str] = LAYOUT_KEYS) -> dict[str, Any]:
+    """``{key: value}`` of ``par`` for ``keys`` in their order: any of LAYOUT_KEYS, and
+    "virtual_stages" as the model chunks each pipeline rank holds (0 resolved: 1 or 2)."""
+    values = {key: getattr(par, key) for key in LAYOUT_KEYS} | {"virtual_stages": par.stages_per_rank}
+    return {key: values[key] for key in keys}
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     # Architecture from the registry (raytrain_hybrid.models).
     arch: str = "llama"
@@ -141,52 +155,9 @@ class ModelConfig:
         for key in ("num_kv_heads", "ffn_hidden_size"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"model.{key}", getattr(self, key), "must be >= 0 (0 picks the default)")
-        if self.arch in CLASSIFIERS:
-            self._check_classifier()
-        if self.num_kv_heads == 0:
-            self.num_kv_heads = self.num_heads
-        if self.ffn_hidden_size == 0:
-            self.ffn_hidden_size = (
-                4 * self.hidden_size if self.arch != "llama" else 32 * ((8 * self.hidden_size // 3 + 31) // 32)
-            )
-        if self.hidden_size % self.num_heads:
-            raise ConfigError(
-                "model.num_heads",
-                self.num_heads,
-                f"must divide model.hidden_size={self.hidden_size}; try one of {choices(divisors(self.hidden_size))}",
-            )
-        if self.arch == "gpt2" and self.num_kv_heads != self.num_heads:
-            raise ConfigError(
-                "model.num_kv_heads", self.num_kv_heads, f"gpt2 has no grouped-query attention; use {self.num_heads}"
-            )
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                "model.num_kv_heads",
-                self.num_kv_heads,
-                f"must divide model.num_heads={self.num_heads}; try one of {choices(divisors(self.num_heads))}",
-            )
-
-    def _check_classifier(self) -> None:
-        if self.num_classes < 2:
-            raise ConfigError("model.num_classes", self.num_classes, "must be >= 2 (2 is a binary classifier)")
-        if self.class_weights and len(self.class_weights) != self.num_classes:
-            raise ConfigError(
-                "model.class_weights",
-                self.class_weights,
-                f"needs one weight per class, {self.num_classes} (model.num_classes), or none",
-            )
-        if any(w < 0 for w in self.class_weights):
-            raise ConfigError("model.class_weights", self.class_weights, "weights must be >= 0")
-        for key in ("tabular_hidden_size", "fusion_hidden_size"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"model.{key}", getattr(self, key), "must be >= 1")
-        if self.pretrained.lower() != "none":
-            from raytrain_hybrid.models.pretrained import apply_checkpoint_sizes
-
-            apply_checkpoint_sizes(self)  # sizes from the checkpoint's config.json (a ConfigError if unreadable)
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     # Optimizer steps to run.
     steps: int = 20
@@ -235,7 +206,7 @@ class TrainConfig:
             raise ConfigError("train.eval_interval", self.eval_interval, "must be >= 0 (0: after the last step)")
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class DataConfig:
     # Parquet file, directory, glob or URI pyarrow can open (s3://, gs://, ...), read with
     # Ray Data. "builtin" is the corpus shipped in the package, tokenized once by prepare-data.
@@ -282,7 +253,7 @@ PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 BACKENDS = ("auto", "nccl", "gloo")
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class ClusterConfig:
     # Train on GPUs (one per worker); None picks GPUs when the cluster has enough.
     use_gpu: bool | None = None
@@ -314,7 +285,7 @@ class ClusterConfig:
             raise ConfigError("cluster.backend", self.backend, f"must be one of {choices(BACKENDS)}")
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     # Save a sharded checkpoint every this many steps, and after the last; 0 saves none.
     interval: int = 0
@@ -327,7 +298,7 @@ class CheckpointConfig:
                 raise ConfigError(f"checkpoint.{key}", getattr(self, key), "must be >= 0 (0: off / keep all)")
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     # Directory that receives metrics.jsonl, summary.json and checkpoints/step_<N>/.
     output_dir: str = "runs/latest"
@@ -347,7 +318,7 @@ class RunConfig:
             raise ConfigError("run.max_failures", self.max_failures, "must be >= 0 (-1 is not supported)")
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class Config:
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -1,26 +1,58 @@
-"""Checks across sections (layout against model and batch, data keys against the model's task)."""
+"""Checks across keys of a resolved config (layout against model and batch, data keys against the
+model's task). ``validate`` reads no file and changes nothing; ``resolve_defaults`` runs first."""
 
 from __future__ import annotations
 
 from raytrain_hybrid.config.coerce import choices, divisors
 from raytrain_hybrid.config.schema import (
-    CLASSIFIERS,
     MULTI_STAGE_SCHEDULES,
     SINGLE_STAGE_SCHEDULES,
     V_SCHEDULES,
     Config,
+    ModelConfig,
 )
 from raytrain_hybrid.errors import ConfigError
+from raytrain_hybrid.models import arch_names, get_arch
+from raytrain_hybrid.models.spec import ArchSpec
 
 
 def validate(cfg: Config) -> None:
-    """Cross-section checks: the layout against the model and the batch."""
-    from raytrain_hybrid.models import get_arch  # local: models import torch, config must stay light
+    """Cross-key checks of a resolved config: the model, the layout against the model and the
+    batch, the data keys against the model's task."""
+    spec = get_arch(cfg.model.arch)
+    _require_resolved(cfg)
+    _validate_model(cfg, spec)
+    _validate_layout(cfg, spec)
+    _validate_task(cfg, spec)
 
+
+def _require_resolved(cfg: Config) -> None:
+    picks = {"model.num_kv_heads": cfg.model.num_kv_heads, "model.ffn_hidden_size": cfg.model.ffn_hidden_size}
+    picks["train.lr"] = cfg.train.lr
+    left = [key for key, value in picks.items() if value == 0]
+    if left:  # a caller's mistake, not the user's: 0 would pass every divisibility check below
+        raise ValueError(f"validate() needs a resolved config ({', '.join(left)} = 0); call resolve_defaults first")
+
+
+def _validate_model(cfg: Config, spec: ArchSpec) -> None:
+    model: ModelConfig = cfg.model
+    if model.hidden_size % model.num_heads:
+        raise ConfigError(
+            "model.num_heads",
+            model.num_heads,
+            f"must divide model.hidden_size={model.hidden_size}; try one of {choices(divisors(model.hidden_size))}",
+        )
+    spec.check(cfg)
+    if model.num_heads % model.num_kv_heads:
+        raise ConfigError(
+            "model.num_kv_heads",
+            model.num_kv_heads,
+            f"must divide model.num_heads={model.num_heads}; try one of {choices(divisors(model.num_heads))}",
+        )
+
+
+def _validate_layout(cfg: Config, spec: ArchSpec) -> None:
     par, model, train = cfg.parallelism, cfg.model, cfg.train
-    spec = get_arch(model.arch)
-    if train.lr == 0:
-        train.lr = 2e-4 if model.arch in CLASSIFIERS else 3e-3
     tp = par.tp
     sharded = [
         ("model.num_heads", model.num_heads),
@@ -92,38 +124,20 @@ def validate(cfg: Config) -> None:
             tp,
             f"TP groups must stay inside a node of cluster.gpus_per_node={gpn}; try tp in {choices(fits)}",
         )
-    spec.check(model)
-    _validate_task(cfg)
 
 
-def _validate_task(cfg: Config) -> None:
-    """Data keys against the kind of model: token streams for LMs, labelled rows for classifiers."""
-    data, model = cfg.data, cfg.model
-    if model.arch not in CLASSIFIERS:
-        if cfg.train.eval_interval:
-            raise ConfigError(
-                "train.eval_interval", cfg.train.eval_interval, "evaluation is for classifiers (multimodal-bert); use 0"
-            )
-        for key in ("text_columns", "tabular_columns", "val_path"):  # these make the data path read rows
-            if getattr(data, key):
-                raise ConfigError(
-                    f"data.{key}", getattr(data, key), f"is for classifiers (multimodal-bert), not {model.arch}"
-                )
+def _validate_task(cfg: Config, spec: ArchSpec) -> None:
+    """Keys a language model does not read (they would switch the data path to labelled rows);
+    a classifier's own keys are its spec's check."""
+    if spec.task != "lm":
         return
-    if data.path in ("builtin", "memory"):  # the shipped shipments set: its columns unless the user named others
-        data.text_columns = data.text_columns or ["dialogue", "shiptrack"]
-        data.tabular_columns = data.tabular_columns or ["feature_1", "feature_2", "feature_3"]
-    if len(data.text_columns) != 2:
+    classifiers = ", ".join(arch_names("classify"))
+    if cfg.train.eval_interval:
         raise ConfigError(
-            "data.text_columns",
-            data.text_columns,
-            f'{model.arch} has two text encoders: name two text columns, e.g. ["dialogue", "shiptrack"]',
+            "train.eval_interval", cfg.train.eval_interval, f"evaluation is for classifiers ({classifiers}); use 0"
         )
-    if not data.tabular_columns:
-        raise ConfigError("data.tabular_columns", [], "name at least one numeric column for the tabular network")
-    if not data.label_column:
-        raise ConfigError("data.label_column", "", "name the integer label column")
-    if data.text_column:
-        raise ConfigError(
-            "data.text_column", data.text_column, f"is for language models; {model.arch} reads data.text_columns"
-        )
+    for key in ("text_columns", "tabular_columns", "val_path"):
+        if getattr(cfg.data, key):
+            raise ConfigError(
+                f"data.{key}", getattr(cfg.data, key), f"is for classifiers ({classifiers}), not {cfg.model.arch}"
+            )

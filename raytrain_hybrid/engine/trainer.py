@@ -49,7 +49,7 @@ class Trainer:
         self.has_last = num_stages - 1 in ids
         self.modules = [self._build(sid, split[sid], num_stages) for sid in ids]
         self.params = [p for m in self.modules for p in m.parameters()]
-        assert cfg.train.lr > 0, "train.lr=0 means 'pick one': config.validate() sets it"
+        assert cfg.train.lr > 0, "train.lr=0 means 'pick one': config.resolve_defaults() sets it"
         self.optimizer = build_optimizer(
             self.params,
             mesh,

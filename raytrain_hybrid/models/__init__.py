@@ -6,21 +6,28 @@ from outside, driven by the :class:`ArchSpec` of the architecture.
 
 from __future__ import annotations
 
+import importlib
+
 from raytrain_hybrid.errors import ConfigError
 from raytrain_hybrid.models.spec import ArchSpec
 
+# Architecture name -> the module that defines its SPEC. A module is imported when its
+# architecture is first asked for (they import torch and transformers), so the names cost nothing.
+_MODULES = {"llama": "llama", "gpt2": "gpt2", "multimodal-bert": "multimodal_bert"}
 
-def _registry() -> dict[str, ArchSpec]:
-    from raytrain_hybrid.models import gpt2, llama, multimodal_bert
 
-    return {"llama": llama.SPEC, "gpt2": gpt2.SPEC, "multimodal-bert": multimodal_bert.SPEC}
+ARCH_NAMES = tuple(_MODULES)
 
 
 def get_arch(name: str) -> ArchSpec:
-    registry = _registry()
-    if name not in registry:
-        raise ConfigError("model.arch", name, f"must be one of {sorted(registry)}")
-    return registry[name]
+    if name not in _MODULES:
+        raise ConfigError("model.arch", name, f"must be one of {sorted(_MODULES)}")
+    return importlib.import_module(f"raytrain_hybrid.models.{_MODULES[name]}").SPEC
 
 
-__all__ = ["ArchSpec", "get_arch"]
+def arch_names(task: str) -> tuple[str, ...]:
+    """The architectures of one task ("lm" or "classify"), in registry order."""
+    return tuple(name for name in ARCH_NAMES if get_arch(name).task == task)
+
+
+__all__ = ["ARCH_NAMES", "ArchSpec", "arch_names", "get_arch"]

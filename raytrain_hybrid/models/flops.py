@@ -8,6 +8,8 @@ under activation checkpointing is not counted: MFU measures useful work.
 
 from __future__ import annotations
 
+from raytrain_hybrid.models import get_arch
+
 # Dense bf16 tensor-core peaks per device, TFLOP/s (vendor datasheets: NVIDIA H100 SXM5
 # 989.4, A100 SXM4 312). fp32 runs use the same peak: MFU then shows what bf16 would gain.
 PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0, "L4": 121.0, "A10G": 70.0}
@@ -15,20 +17,12 @@ PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0, "L4": 121.0, "A10G":
 
 def matmul_params(model) -> int:
     """Parameters that take part in matmuls: everything but norms, biases and lookup tables."""
-    h, f, v, layers = model.hidden_size, model.ffn_hidden_size, model.vocab_size, model.num_layers
-    head_dim = h // model.num_heads
-    if model.arch == "multimodal-bert":  # per encoder; a row's tokens pass through one of the two
-        return layers * (4 * h * h + 2 * h * f)
-    if model.arch == "gpt2":
-        per_layer = 4 * h * h + 2 * h * f
-    else:  # llama: q, o full width; k, v at kv-head width; gated MLP has three matrices
-        per_layer = 2 * h * h + 2 * h * model.num_kv_heads * head_dim + 3 * h * f
-    return layers * per_layer + v * h  # the LM head is a matmul; the embedding lookup is not
+    return get_arch(model.arch).matmul_params(model)
 
 
 def tokens_per_row(model) -> int:
-    """Tokens of one sample: a window, or both text fields of a multimodal row."""
-    return 2 * model.seq_len if model.arch == "multimodal-bert" else model.seq_len
+    """Tokens of one sample: a window, or every text field of a row."""
+    return get_arch(model.arch).text_fields * model.seq_len
 
 
 def flops_per_token(model) -> float:

@@ -14,6 +14,7 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.pytorch_utils import Conv1D
 
+from raytrain_hybrid.errors import ConfigError
 from raytrain_hybrid.models.spec import ArchSpec
 
 _CONV1D = ("attn.c_proj", "mlp.c_fc", "mlp.c_proj")
@@ -109,10 +110,33 @@ def to_hf(sd: dict) -> dict:
     return out
 
 
+def check(cfg) -> None:
+    m = cfg.model
+    if m.num_kv_heads != m.num_heads:
+        raise ConfigError(
+            "model.num_kv_heads", m.num_kv_heads, f"gpt2 has no grouped-query attention; use {m.num_heads}"
+        )
+
+
+def param_parts(m) -> tuple[int, int, int]:
+    h, f, v = m.hidden_size, m.ffn_hidden_size, m.vocab_size
+    per_layer = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h  # qkv+o with biases, mlp, 2 LayerNorms
+    return per_layer, v * h + m.seq_len * h, 2 * h + v * h
+
+
+def matmul_params(m) -> int:
+    h = m.hidden_size
+    return m.num_layers * (4 * h * h + 2 * h * m.ffn_hidden_size) + m.vocab_size * h  # blocks and the LM head
+
+
 SPEC = ArchSpec(
     name="gpt2",
     hf_config=hf_config,
     build=build,
+    hf_class=GPT2LMHeadModel,
+    check=check,
+    param_parts=param_parts,
+    matmul_params=matmul_params,
     layers="transformer.h",
     first_stage=("transformer.wte", "transformer.wpe"),
     last_stage=("transformer.ln_f", "lm_head"),

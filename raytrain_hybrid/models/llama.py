@@ -47,10 +47,33 @@ def init_buffers(stage, config: LlamaConfig, device: torch.device) -> None:
     stage.model.rotary_emb = LlamaRotaryEmbedding(config).to(device)
 
 
+def default_ffn(hidden: int) -> int:
+    # 8/3 of the width, rounded up to 32: the gated MLP's three matrices hold what a 4x MLP's two do.
+    return 32 * ((8 * hidden // 3 + 31) // 32)
+
+
+def param_parts(m) -> tuple[int, int, int]:
+    h, f, v = m.hidden_size, m.ffn_hidden_size, m.vocab_size
+    kv = m.num_kv_heads * (h // m.num_heads)
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h  # attention, gated MLP, 2 RMSNorms
+    return per_layer, v * h, h + v * h
+
+
+def matmul_params(m) -> int:
+    h, f = m.hidden_size, m.ffn_hidden_size
+    # q, o full width; k, v at kv-head width; the gated MLP has three matrices.
+    per_layer = 2 * h * h + 2 * h * m.num_kv_heads * (h // m.num_heads) + 3 * h * f
+    return m.num_layers * per_layer + m.vocab_size * h  # the LM head is a matmul; the embedding lookup is not
+
+
 SPEC = ArchSpec(
     name="llama",
     hf_config=hf_config,
     build=LlamaForCausalLM,
+    hf_class=LlamaForCausalLM,
+    default_ffn=default_ffn,
+    param_parts=param_parts,
+    matmul_params=matmul_params,
     layers="model.layers",
     first_stage=("model.embed_tokens",),
     last_stage=("model.norm", "lm_head"),

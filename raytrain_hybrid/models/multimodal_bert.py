@@ -23,6 +23,9 @@ from torch import nn
 from transformers import BertConfig
 from transformers.models.bert.modeling_bert import BertEmbeddings, BertLayer
 
+from raytrain_hybrid.errors import ConfigError
+from raytrain_hybrid.models.common import full_init_state_dict
+from raytrain_hybrid.models.pretrained import encoder_sizes, load_tensors, read_config
 from raytrain_hybrid.models.spec import ArchSpec
 
 
@@ -86,8 +89,6 @@ class MultimodalBert(nn.Module):
 
 
 def hf_config(cfg) -> BertConfig:
-    from raytrain_hybrid.models.pretrained import read_config
-
     m = cfg.model
     conf = read_config(m.pretrained)  # {} for random weights
     if not conf:
@@ -196,9 +197,6 @@ def checkpoint_name(name: str, layers: int) -> str | None:
 
 
 def initial_state(cfg, stage, shapes: dict) -> dict:
-    from raytrain_hybrid.models.common import full_init_state_dict
-    from raytrain_hybrid.models.pretrained import load_tensors
-
     state = full_init_state_dict(stage, cfg.train.seed, cfg.train.init_std, shapes)
     if cfg.model.pretrained.lower() == "none":
         return state
@@ -217,13 +215,71 @@ def tp_adjust(block, tp: int) -> None:
     attn.all_head_size //= tp
 
 
-def check(m) -> None:
-    from raytrain_hybrid.errors import ConfigError
-    from raytrain_hybrid.models.pretrained import read_config
-
-    limit = read_config(m.pretrained).get("max_position_embeddings")
+def checkpoint_sizes(m) -> dict:
+    """The encoder sizes of the pretrained checkpoint; a seq_len past its positions is refused here,
+    where its config.json is read."""
+    if m.pretrained.lower() == "none":
+        return {}
+    conf = read_config(m.pretrained)
+    limit = conf.get("max_position_embeddings")
     if limit and m.seq_len > limit:
         raise ConfigError("model.seq_len", m.seq_len, f"exceeds the checkpoint's {limit} positions; use <= {limit}")
+    return encoder_sizes(conf)
+
+
+def check(cfg) -> None:
+    m, data = cfg.model, cfg.data
+    if m.num_classes < 2:
+        raise ConfigError("model.num_classes", m.num_classes, "must be >= 2 (2 is a binary classifier)")
+    if m.class_weights and len(m.class_weights) != m.num_classes:
+        raise ConfigError(
+            "model.class_weights",
+            m.class_weights,
+            f"needs one weight per class, {m.num_classes} (model.num_classes), or none",
+        )
+    if any(w < 0 for w in m.class_weights):
+        raise ConfigError("model.class_weights", m.class_weights, "weights must be >= 0")
+    for key in ("tabular_hidden_size", "fusion_hidden_size"):
+        if getattr(m, key) < 1:
+            raise ConfigError(f"model.{key}", getattr(m, key), "must be >= 1")
+    # Labelled rows: a text column per encoder, numeric features, an integer label.
+    if len(data.text_columns) != 2:
+        raise ConfigError(
+            "data.text_columns",
+            data.text_columns,
+            f'{m.arch} has two text encoders: name two text columns, e.g. ["dialogue", "shiptrack"]',
+        )
+    if not data.tabular_columns:
+        raise ConfigError("data.tabular_columns", [], "name at least one numeric column for the tabular network")
+    if not data.label_column:
+        raise ConfigError("data.label_column", "", "name the integer label column")
+    if data.text_column:
+        raise ConfigError(
+            "data.text_column", data.text_column, f"is for language models; {m.arch} reads data.text_columns"
+        )
+
+
+def embedding_params(m) -> int:
+    """One encoder's embeddings: words, 512 positions, 2 token types, LayerNorm."""
+    h = m.hidden_size
+    return m.vocab_size * h + max(512, m.seq_len) * h + 2 * h + 2 * h
+
+
+def param_parts(m) -> tuple[int, int, int]:
+    """The first stage's extra is encoder A's embeddings and the tabular network; encoder B's
+    embeddings sit with its first block (anchored_params)."""
+    h, f = m.hidden_size, m.ffn_hidden_size
+    per_layer = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h  # BERT block: like GPT-2's
+    th, fh = m.tabular_hidden_size, m.fusion_hidden_size
+    tabular = 3 * th + th + th * th + th  # three features is the shipped set's width
+    head = (2 * h + th) * fh + fh + fh * m.num_classes + m.num_classes
+    return per_layer, embedding_params(m) + tabular, head
+
+
+def matmul_params(m) -> int:
+    """Per encoder: a row's tokens pass through one of the two."""
+    h = m.hidden_size
+    return m.num_layers * (4 * h * h + 2 * h * m.ffn_hidden_size)
 
 
 SPEC = ArchSpec(
@@ -250,6 +306,17 @@ SPEC = ArchSpec(
     init_buffers=init_buffers,
     check=check,
     task="classify",
+    default_lr=2e-4,  # fine-tuning pretrained encoders
+    checkpoint_sizes=checkpoint_sizes,
+    builtin_columns={
+        "text_columns": ["dialogue", "shiptrack"],
+        "tabular_columns": ["feature_1", "feature_2", "feature_3"],
+    },
+    param_parts=param_parts,
+    anchored_params=lambda m: {m.num_layers: embedding_params(m)},
+    matmul_params=matmul_params,
+    text_fields=2,
+    logits_per_row=lambda m: m.num_classes,  # a class per row, not a vocabulary per token
     num_blocks=lambda m: 2 * m.num_layers,
     anchors=lambda config: {"embeddings_b": config.num_hidden_layers},
     initial_state=initial_state,

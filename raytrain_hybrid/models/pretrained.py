@@ -55,15 +55,16 @@ def read_config(pretrained: str) -> dict:
     return conf
 
 
-def apply_checkpoint_sizes(model_cfg) -> None:
-    """Set the encoder sizes of ``model_cfg`` from its checkpoint's config.json."""
-    conf = read_config(model_cfg.pretrained)
-    model_cfg.num_layers = conf["num_hidden_layers"]
-    model_cfg.hidden_size = conf["hidden_size"]
-    model_cfg.num_heads = conf["num_attention_heads"]
-    model_cfg.num_kv_heads = conf["num_attention_heads"]
-    model_cfg.ffn_hidden_size = conf["intermediate_size"]
-    model_cfg.vocab_size = conf["vocab_size"]
+def encoder_sizes(conf: dict) -> dict:
+    """A BERT config.json's sizes as model.* keys (the two encoders share them)."""
+    return {
+        "num_layers": conf["num_hidden_layers"],
+        "hidden_size": conf["hidden_size"],
+        "num_heads": conf["num_attention_heads"],
+        "num_kv_heads": conf["num_attention_heads"],
+        "ffn_hidden_size": conf["intermediate_size"],
+        "vocab_size": conf["vocab_size"],
+    }
 
 
 def tokenizer_file(pretrained: str) -> Path | None:

@@ -1,4 +1,6 @@
-"""What an architecture contributes: its config, its TP plan and its pipeline boundaries."""
+"""What an architecture contributes: its config, its TP plan, its pipeline boundaries, its
+defaults, its parameter and FLOP counts. Code outside ``models/`` reads these fields and never
+matches an architecture by name, so a new architecture is a new spec."""
 
 from __future__ import annotations
 
@@ -37,10 +39,36 @@ class ArchSpec:
     init_buffers: Callable[[Any, Any, Any], None] | None = None
     # Project state dict -> the unmodified transformers model's state dict.
     to_hf: Callable[[dict], dict] = lambda sd: dict(sd)
-    # Extra config checks for this architecture (ModelConfig -> None or ConfigError).
-    check: Callable[[Any], None] = lambda model_cfg: None
+    # Extra checks of a resolved Config for this architecture (Config -> None or ConfigError);
+    # reads no files.
+    check: Callable[[Any], None] = lambda cfg: None
     # "lm": next-token prediction on a token stream; "classify": one label per row.
     task: str = "lm"
+    # The unmodified transformers class ``export`` writes (called with hf_config); None: the
+    # model is not one transformers class and is not exported.
+    hf_class: Callable[[Any], Any] | None = None
+    # Defaults that "0 picks" resolves (config.resolve_defaults): the peak learning rate, and
+    # the MLP width for a model width (hidden_size -> ffn_hidden_size).
+    default_lr: float = 3e-3
+    default_ffn: Callable[[int], int] = lambda hidden: 4 * hidden
+    # The sizes a pretrained checkpoint fixes (ModelConfig -> {key: value}; {} without one).
+    # It reads the checkpoint's config.json: resolve_defaults is the one caller.
+    checkpoint_sizes: Callable[[Any], dict] = lambda model_cfg: {}
+    # With data.path "builtin" or "memory": the shipped data's columns, for the data keys the
+    # user left empty ({key: columns}; language models read the shipped token corpus instead).
+    builtin_columns: dict[str, list[str]] = field(default_factory=dict)
+    # Counts from the config alone (planner, MFU), each ModelConfig -> int:
+    # parameters as (per block, first stage extra, last stage extra),
+    param_parts: Callable[[Any], tuple[int, int, int]]
+    # parameters that live with one block beyond its own ({block: count}: a second encoder's
+    # embeddings sit with that encoder's first block),
+    anchored_params: Callable[[Any], dict[int, int]] = lambda model_cfg: {}
+    # weights a token meets in matmuls (6 FLOPs each in training, see models.flops),
+    matmul_params: Callable[[Any], int]
+    # token sequences of seq_len per sample (a window: 1; a row of two text fields: 2),
+    text_fields: int = 1
+    # and logits per sample (held in fp32 with their gradient on the last stage).
+    logits_per_row: Callable[[Any], int] = lambda model_cfg: model_cfg.seq_len * model_cfg.vocab_size
     # Blocks in the ModuleList at ``layers`` (ModelConfig -> int): what the pipeline splits.
     num_blocks: Callable[[Any], int] = lambda model_cfg: model_cfg.num_layers
     # Modules that live on the stage holding a given block (hf_config -> {module path: block}),

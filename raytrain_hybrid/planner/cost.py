@@ -14,14 +14,9 @@ Sources of the formulas (cited where used):
 from __future__ import annotations
 
 from raytrain_hybrid.config import Config
+from raytrain_hybrid.models import get_arch
 from raytrain_hybrid.models.flops import flops_per_token, tokens_per_row
-from raytrain_hybrid.models.params import (
-    bert_embedding_params,
-    has_sequence_parallel,
-    num_blocks,
-    param_count,
-    param_parts,
-)
+from raytrain_hybrid.models.params import anchored_params, has_sequence_parallel, num_blocks, param_count, param_parts
 from raytrain_hybrid.planner.hardware import Hardware
 
 
@@ -34,16 +29,14 @@ def max_rank_params(cfg: Config) -> float:
         return float(param_count(cfg.model))
     per_layer, first, last = param_parts(cfg.model)
     split = split_layers(num_blocks(cfg.model), par.num_stages)
-    # multimodal-bert: encoder B's embeddings live with its first block.
-    anchored = cfg.model.num_layers if cfg.model.arch == "multimodal-bert" else None
+    anchored = anchored_params(cfg.model)  # e.g. a second encoder's embeddings, with its first block
     best = 0.0
     for rank in range(par.pp):
         ids = stage_ids(par.schedule, rank, par.pp, par.stages_per_rank)
         n = sum(len(split[i]) * per_layer for i in ids)
         n += first if 0 in ids else 0
         n += last if par.num_stages - 1 in ids else 0
-        if anchored is not None and any(anchored in split[i] for i in ids):
-            n += bert_embedding_params(cfg.model)
+        n += sum(extra for block, extra in anchored.items() if any(block in split[i] for i in ids))
         best = max(best, n)
     return best
 
@@ -97,9 +90,8 @@ def activation_bytes(cfg: Config, micro_batch: int) -> float:
     stash = per_layer * (width / 2) * layers_per_rank * in_flight
     if par.activation_checkpointing:  # the layer being recomputed holds its full activations
         stash += layer_activation_bytes(s, b, h, t, sp=sp, checkpointed=False) * (width / 2)
-    logits = 2 * 4.0 * b * s * m.vocab_size  # fp32 logits and their gradient, gathered on the last stage
-    if m.arch == "multimodal-bert":  # a class per row, not a vocabulary per token
-        logits = 2 * 4.0 * b * m.num_classes
+    # fp32 logits and their gradient, gathered on the last stage.
+    logits = 2 * 4.0 * b * get_arch(m.arch).logits_per_row(m)
     return stash + logits
 
 

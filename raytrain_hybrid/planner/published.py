@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from raytrain_hybrid.config import Config, parse_overrides
+from raytrain_hybrid.config import LAYOUT_KEYS, Config, parse_overrides, resolve_defaults
 from raytrain_hybrid.planner.hardware import PROFILES
 from raytrain_hybrid.planner.search import plan
 
@@ -123,7 +123,7 @@ def config_of(run: PublishedRun) -> Config:
     """Model and batch of the run; the layout is the planner's to fill (each candidate is validated)."""
     overrides = [f"{k}={v}" for k, v in run.model.items()]
     overrides += [f"train.global_batch_size={run.global_batch}", "train.dtype=bfloat16", "cluster.use_gpu=true"]
-    return Config.from_dict(parse_overrides(overrides))
+    return resolve_defaults(Config.from_dict(parse_overrides(overrides)))
 
 
 def assess(run: PublishedRun) -> dict:
@@ -143,9 +143,7 @@ def assess(run: PublishedRun) -> dict:
         "published_tokens_per_s_per_gpu": run.tokens_per_s_per_gpu,
     }
     if best:
-        out["best"] = {k: best[k] for k in ("dp", "tp", "pp", "schedule", "microbatches", "zero")} | {
-            "activation_checkpointing": best["activation_checkpointing"],
-            "sequence_parallel": best["sequence_parallel"],
+        out["best"] = {k: v for k, v in best.items() if k in LAYOUT_KEYS} | {
             "gib_per_rank": best["memory_bytes"]["total"] / 1024**3,
             "reason": best["reason"],
         }

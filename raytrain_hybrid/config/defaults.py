@@ -1,0 +1,45 @@
+"""Defaults that depend on other keys, filled in one explicit step between parsing and validation.
+
+"0 picks" keys (model.num_kv_heads, model.ffn_hidden_size, train.lr), a classifier's columns
+on the shipped data (data.text_columns, data.tabular_columns), and the sizes a pretrained
+checkpoint fixes: each is the architecture spec's to say. This is the one step that reads a
+file (the checkpoint's config.json); run directories and checkpoint manifests save the
+resolved config, so resolving one again changes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from raytrain_hybrid.config.schema import Config, DataConfig, ModelConfig
+from raytrain_hybrid.models import get_arch
+from raytrain_hybrid.models.spec import ArchSpec
+
+
+def resolve_defaults(cfg: Config) -> Config:
+    """A new config with every default that depends on other keys filled in."""
+    spec = get_arch(cfg.model.arch)
+    train = cfg.train if cfg.train.lr else dataclasses.replace(cfg.train, lr=spec.default_lr)
+    return dataclasses.replace(
+        cfg, model=_resolve_model(cfg.model, spec), train=train, data=_resolve_data(cfg.data, spec)
+    )
+
+
+def _resolve_model(model: ModelConfig, spec: ArchSpec) -> ModelConfig:
+    # The checkpoint's sizes replace the user's (its num_kv_heads too), before the picks below.
+    model = dataclasses.replace(model, **spec.checkpoint_sizes(model))
+    picks = {}
+    if not model.num_kv_heads:
+        picks["num_kv_heads"] = model.num_heads
+    if not model.ffn_hidden_size:
+        picks["ffn_hidden_size"] = spec.default_ffn(model.hidden_size)
+    return dataclasses.replace(model, **picks)
+
+
+def _resolve_data(data: DataConfig, spec: ArchSpec) -> DataConfig:
+    if data.path not in ("builtin", "memory"):
+        return data
+    # The shipped data's columns unless the user named others.
+    return dataclasses.replace(
+        data, **{key: getattr(data, key) or list(cols) for key, cols in spec.builtin_columns.items()}
+    )
