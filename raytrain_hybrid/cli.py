@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from raytrain_hybrid.config import load_config
+from raytrain_hybrid.config import LAYOUT_KEYS, load_config
 from raytrain_hybrid.errors import ConfigError, LayoutError
 
 
@@ -199,14 +199,9 @@ def _plan(args, cfg) -> int:
         raise ConfigError("--world-size", args.world_size, "no layout of that many ranks passes validation")
     shown = rows[: args.top] if args.top else rows
     if args.json:
+        # The layout without sequence_parallel, as `plan --json` has always printed it.
         keep = (
-            "dp",
-            "tp",
-            "pp",
-            "microbatches",
-            "schedule",
-            "zero",
-            "activation_checkpointing",
+            *(k for k in LAYOUT_KEYS if k != "sequence_parallel"),
             "feasible",
             "reason",
             "memory_bytes",

@@ -108,3 +108,42 @@ def test_check_json_uneven_nodes(capsys):
     out = json.loads(capsys.readouterr().out)
     assert sorted(r["rank"] for r in out["ranks"]) == list(range(8))
     assert [len(g) for g in out["groups"]["pp"]] == [2, 2, 2, 2]
+
+
+# Each output that reports a layout keeps the keys and order it has always written.
+SUMMARY_LAYOUT = ["dp", "tp", "pp", "microbatches", "schedule", "zero", "virtual_stages", "activation_checkpointing"]
+MANIFEST_LAYOUT = ["dp", "tp", "pp", "schedule", "zero", "virtual_stages", "microbatches"]
+PLAN_JSON = ["dp", "tp", "pp", "microbatches", "schedule", "zero", "activation_checkpointing", "feasible", "reason"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "virtual"),
+    [([], 1), (["parallelism.schedule=Interleaved1F1B", "model.num_layers=8"], 2), (["parallelism.pp=1"], 1)],
+)
+def test_layout_outputs_keep_their_keys(overrides, virtual):
+    from raytrain_hybrid.checkpoint.manifest import layout_of
+    from raytrain_hybrid.config import LAYOUT_KEYS, load_config
+    from raytrain_hybrid.launch.summary import summarize
+    from raytrain_hybrid.tools.sweep import set_line
+
+    cfg = load_config(None, ["parallelism.dp=2", *overrides])
+    par = cfg.parallelism
+    summary = summarize(cfg, [], [])["layout"]
+    assert list(summary) == SUMMARY_LAYOUT and summary["virtual_stages"] == virtual
+    manifest = layout_of(cfg)
+    assert list(manifest) == MANIFEST_LAYOUT and manifest["virtual_stages"] == virtual
+    assert all(summary[k] == getattr(par, k) for k in SUMMARY_LAYOUT if k != "virtual_stages")
+    layout = {k: getattr(par, k) for k in LAYOUT_KEYS}
+    assert [item.split("=")[0] for item in set_line(layout).split()[1::2]] == [f"parallelism.{k}" for k in LAYOUT_KEYS]
+
+
+def test_planner_rows_carry_every_layout_key(capsys):
+    from raytrain_hybrid.config import LAYOUT_KEYS, load_config
+    from raytrain_hybrid.planner.hardware import PROFILES
+    from raytrain_hybrid.planner.search import plan
+
+    rows = plan(load_config(), 8, PROFILES["h100"])
+    assert {k for k in rows[0] if k in LAYOUT_KEYS} == set(LAYOUT_KEYS)
+    assert cli.main(["plan", "--world-size", "8", "--gpus-per-node", "8", "--json", "--top", "1"]) == 0
+    shown = json.loads(capsys.readouterr().out)[0]
+    assert list(shown)[: len(PLAN_JSON)] == PLAN_JSON and "sequence_parallel" not in shown

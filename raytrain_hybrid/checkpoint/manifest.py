@@ -12,6 +12,7 @@ import json
 import re
 from pathlib import Path
 
+from raytrain_hybrid.config import layout_dict
 from raytrain_hybrid.errors import ConfigError
 
 MANIFEST = "manifest.json"
@@ -23,10 +24,12 @@ FORMAT = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
+# The layout a manifest records; a checkpoint resumed under the same one reads its shards as they are.
+MANIFEST_LAYOUT = ("dp", "tp", "pp", "schedule", "zero", "virtual_stages", "microbatches")
+
+
 def layout_of(cfg) -> dict:
-    par = cfg.parallelism
-    return {"dp": par.dp, "tp": par.tp, "pp": par.pp, "schedule": par.schedule, "zero": par.zero,
-            "virtual_stages": par.stages_per_rank, "microbatches": par.microbatches}  # fmt: skip
+    return layout_dict(cfg.parallelism, MANIFEST_LAYOUT)
 
 
 def read_manifest(path: str | Path) -> dict:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from raytrain_hybrid.config import Config
+from raytrain_hybrid.config import Config, layout_dict
+
+# summary.json's "layout". virtual_stages is 1 at pp=1: validation allows pp=1 only with a
+# single-stage schedule.
+SUMMARY_LAYOUT = ("dp", "tp", "pp", "microbatches", "schedule", "zero", "virtual_stages", "activation_checkpointing")
 
 # Start-up phases, each from the mark before it: where the time to the first step goes.
 _PHASES = (
@@ -41,16 +45,7 @@ def summarize(cfg: Config, history: list[dict], memory: list[dict], restarts: in
         "steps": len(history),
         "restarts": restarts,
         "world_size": par.world_size,
-        "layout": {
-            "dp": par.dp,
-            "tp": par.tp,
-            "pp": par.pp,
-            "microbatches": par.microbatches,
-            "schedule": par.schedule,
-            "zero": par.zero,
-            "virtual_stages": par.stages_per_rank if par.pp > 1 else 1,
-            "activation_checkpointing": par.activation_checkpointing,
-        },
+        "layout": layout_dict(par, SUMMARY_LAYOUT),
         "model": {"arch": cfg.model.arch, "num_layers": cfg.model.num_layers, "hidden_size": cfg.model.hidden_size},
         "mean_tokens_per_s": (sum(h["tokens_per_s"] for h in steady) / len(steady)) if steady else None,
         "mean_step_time_s": (sum(h["step_time_s"] for h in steady) / len(steady)) if steady else None,
