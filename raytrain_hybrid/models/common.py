@@ -24,7 +24,7 @@ class StageModule(nn.Module):
         for name, child in model._modules.items():  # None entries too: pruned modules
             self.add_module(name, child)
         self._spec = spec
-        self._hf_config = hf_config
+        self.hf_config = hf_config  # read by stage forwards (multimodal-bert: its encoder depth)
 
     def forward(self, *xs: torch.Tensor):
         return self._spec.stage_forward(self, *xs)

@@ -122,7 +122,7 @@ def carried(next_block: int, layers: int) -> tuple[str, ...]:
 
 
 def stage_forward(stage, *xs: torch.Tensor):
-    n = stage._hf_config.num_hidden_layers
+    n = stage.hf_config.num_hidden_layers
     blocks = sorted(int(k) for k in stage.layers.keys())
     st = dict(zip(carried(blocks[0], n), xs, strict=True))
     if stage.tabular is not None:
