@@ -29,12 +29,30 @@ from raytrain_hybrid.config import Config
 
 @dataclass
 class StreamPosition:
-    """Where the stream is: enough to skip to the same place after a restart."""
+    """Where the stream is: enough to skip to the same place after a restart.
+
+    A sample is what one row of a global batch holds: a window of seq_len+1 tokens for a
+    language model (ReplicaStream), a labelled row for a classifier (RowStream).
+    """
 
     epoch: int = 0
-    windows_in_epoch: int = 0
+    samples_in_epoch: int = 0
     documents_in_epoch: int = 0
     steps: int = 0
+
+    def manifest_entry(self) -> dict:
+        """The checkpoint manifest's ``data_position``. Its keys predate the name "sample" (it
+        was "window" for both kinds) and stay, so that every manifest reads alike."""
+        return {
+            "epoch": self.epoch,
+            "windows_in_epoch": self.samples_in_epoch,
+            "documents_in_epoch": self.documents_in_epoch,
+            "steps": self.steps,
+        }
+
+    def metrics(self) -> dict:
+        """The step's keys in metrics.jsonl (named as in the manifest)."""
+        return {"data_epoch": self.epoch, "data_windows_in_epoch": self.samples_in_epoch}
 
 
 @dataclass
@@ -70,7 +88,7 @@ class ReplicaStream:
         while self.epochs == 0 or epoch < self.epochs:
             buffer: list[np.ndarray] = []
             held = 0
-            self.position.epoch, self.position.windows_in_epoch, self.position.documents_in_epoch = epoch, 0, 0
+            self.position.epoch, self.position.samples_in_epoch, self.position.documents_in_epoch = epoch, 0, 0
             any_rows = False
             for ids, path in self._documents(epoch):
                 any_rows = True
@@ -87,7 +105,7 @@ class ReplicaStream:
                     flat = np.concatenate(buffer)
                     n = flat.size // width
                     for w in flat[: n * width].reshape(n, width):
-                        self.position.windows_in_epoch += 1
+                        self.position.samples_in_epoch += 1
                         yield w
                     rest = flat[n * width :]
                     buffer, held = [rest], rest.size
@@ -113,7 +131,7 @@ class ReplicaStream:
 class RowStream:
     """Classifiers: one replica's share of each global batch of labelled rows (encoded by
     Ray Data's tasks, build_rows_dataset), in the dataset's order. Rows of an epoch that do
-    not fill a last global batch are dropped; ``position.windows_in_epoch`` counts rows."""
+    not fill a last global batch are dropped; a sample of ``position`` is a row."""
 
     iterator: object
     global_batch: int
@@ -133,7 +151,7 @@ class RowStream:
         lo, hi = self.dp_rank * share, (self.dp_rank + 1) * share
         epoch = 0
         while self.epochs == 0 or epoch < self.epochs:
-            self.position.epoch, self.position.windows_in_epoch, self.position.documents_in_epoch = epoch, 0, 0
+            self.position.epoch, self.position.samples_in_epoch, self.position.documents_in_epoch = epoch, 0, 0
             kwargs = {}
             if self.shuffle_buffer:
                 kwargs = {"local_shuffle_buffer_size": self.shuffle_buffer, "local_shuffle_seed": self.seed + epoch}
@@ -151,12 +169,12 @@ class RowStream:
                     step_rows = {k: v[: self.global_batch] for k, v in rows.items()}
                     held = {k: [v[self.global_batch :]] for k, v in rows.items()}
                     count -= self.global_batch
-                    self.position.windows_in_epoch += self.global_batch
-                    self.position.documents_in_epoch = self.position.windows_in_epoch
+                    self.position.samples_in_epoch += self.global_batch
+                    self.position.documents_in_epoch = self.position.samples_in_epoch
                     self.position.steps += 1
                     if self.position.steps > self.skip_steps:
                         yield {k: v[lo:hi] for k, v in step_rows.items()}
-            if self.position.windows_in_epoch == 0:
+            if self.position.samples_in_epoch == 0:
                 raise ValueError(
                     f"the dataset holds {count} rows, fewer than one global batch "
                     f"(train.global_batch_size={self.global_batch}): no step can run (data.path)"

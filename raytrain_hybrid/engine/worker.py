@@ -1,17 +1,20 @@
 """The body of one training worker, given an initialised default process group.
 
 Ray Train's ``train_loop_per_worker`` (launch.entry) calls :func:`run_worker`;
-so can plain gloo processes (tests of the engine without Ray).
+so can plain gloo processes (tests of the engine without Ray). Its steps: join the
+layout's mesh, choose the input (a replica feed from Ray Data, or data held in memory),
+build the trainer, run the step loop (checkpoints on interval), gather every rank's report.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,12 +22,15 @@ import torch.distributed as dist
 from raytrain_hybrid.checkpoint.manifest import read_manifest
 from raytrain_hybrid.checkpoint.state import load_checkpoint, save_checkpoint
 from raytrain_hybrid.config import Config
-from raytrain_hybrid.data.corpus import TokenWindows, tokenize_corpus
+from raytrain_hybrid.data.corpus import Batch, TokenWindows, tokenize_corpus
 from raytrain_hybrid.data.rows import BUILTIN_TRAIN, RowBatches, read_parquet_rows
+from raytrain_hybrid.data.stream import StreamPosition
 from raytrain_hybrid.distributed.parallel_dims import ParallelDims, arrange_ranks
 from raytrain_hybrid.engine.evaluation import ValidationSet, evaluate
 from raytrain_hybrid.engine.feed import ReplicaFeed
 from raytrain_hybrid.engine.trainer import Trainer
+
+NextBatch = Callable[[int], Batch | None]  # step -> this replica's batch; None: the data ran out
 
 
 def pick_device(use_gpu: bool) -> torch.device:
@@ -62,18 +68,9 @@ def run_worker(
     ``marks`` collects wall-clock times of the start-up phases (rank 0's are reported).
     """
     marks = marks if marks is not None else {}
-    par = cfg.parallelism
-    dims = ParallelDims.from_config(par)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if world != dims.world_size:
-        raise RuntimeError(f"{world} workers started for a layout of {dims.world_size}")
-    nodes: list[str] = [""] * world
-    dist.all_gather_object(nodes, node_id)
-    marks["group_ready"] = time.time()
-    arrangement = arrange_ranks(dims, nodes)
-    device = device or pick_device(use_gpu)
-    mesh = dims.build_mesh(device.type, arrangement)
+    dims, mesh, device = join_mesh(cfg, node_id, use_gpu, device, marks)
     start = read_manifest(resume)["step"] if resume else 0
+    feed = None
     if dataset_fn is not None:  # before the model: the reader starts while the model builds
         feed = ReplicaFeed(cfg, mesh, dims, mesh.dp.get_local_rank(), dataset_fn, skip_steps=start)
     marks["mesh_built"] = time.time()
@@ -82,60 +79,120 @@ def run_worker(
     if resume:
         load_checkpoint(trainer, cfg, resume)
         marks["checkpoint_loaded"] = time.time()
-    if dataset_fn is not None:
-        next_batch = lambda step: feed.next()  # noqa: E731
-    else:
-        if trainer.spec.task == "lm":
-            data = TokenWindows(tokenize_corpus(tokenizer=cfg.data.tokenizer), cfg.model.seq_len, cfg.train.seed)
-        else:
-            data = RowBatches(read_parquet_rows(BUILTIN_TRAIN, cfg), cfg.train.seed)
-        next_batch = lambda step: data.replica_batch(step, cfg.train.global_batch_size, dims.dp, trainer.dp_rank)  # noqa: E731
+    next_batch = (lambda step: feed.next()) if feed is not None else in_memory_batches(cfg, trainer)
     validation = None
     if trainer.spec.task != "lm":
-        validation = ValidationSet.open(cfg, mesh, val_fn=val_fn, in_memory=dataset_fn is None)
-    every = cfg.train.eval_interval
-    history = []
-    digest = hashlib.sha256()  # of every row this rank trained on: replicas' ranks must agree
-    rows = 0
-    waited = busy = 0.0
-    interval = cfg.checkpoint.interval
-    for step in range(start, cfg.train.steps):
-        t0 = time.perf_counter()
-        batch = next_batch(step)
-        wait = time.perf_counter() - t0
-        if batch is None:  # data.epochs ran out before train.steps
-            break
-        marks.setdefault("first_batch", time.time())
-        digest.update(batch.input_ids.numpy().tobytes())
-        rows += batch.input_ids.shape[0]
-        metrics = trainer.train_step(step, batch)
-        marks.setdefault("first_step_done", time.time())
-        metrics["data_wait_s"] = wait
-        if step > start:  # the first batch waits for the pipeline to start: not steady state
-            waited, busy = waited + wait, busy + wait + metrics["step_time_s"]
-        if dataset_fn is not None and feed.stream is not None:
-            pos = feed.stream.position
-            metrics.update(data_epoch=pos.epoch, data_windows_in_epoch=pos.windows_in_epoch)
-        if validation is not None and ((every and (step + 1) % every == 0) or step + 1 == cfg.train.steps):
-            metrics.update(evaluate(trainer, validation))
-        history.append(metrics)
-        if on_step is not None and rank == 0:
-            on_step(metrics)
-        done = step + 1
-        if interval and (done % interval == 0 or done == cfg.train.steps):
-            position = dataclasses.asdict(feed.stream.position) if dataset_fn is not None and feed.stream else {}
-            path, timings = save_checkpoint(trainer, cfg, done, launch_id=launch_id, data_position=position)
-            metrics.update(timings)  # this rank's history (the driver hears of it from on_checkpoint)
-            if on_checkpoint is not None:
-                on_checkpoint(done, path, metrics)
-    if dataset_fn is not None:
+        validation = ValidationSet.open(cfg, mesh, val_fn=val_fn, in_memory=feed is None)
+    loop = StepLoop(
+        cfg,
+        trainer,
+        next_batch,
+        position=feed.stream.position if feed is not None and feed.stream is not None else None,
+        validation=validation,
+        on_step=on_step if dist.get_rank() == 0 else None,
+        on_checkpoint=on_checkpoint,
+        launch_id=launch_id,
+        marks=marks,
+    )
+    loop.run(start)
+    if feed is not None:
         feed.close()
-    coords = {"pp": trainer.pp_rank, "dp": trainer.dp_rank, "tp": mesh.tp.get_local_rank()}
-    per_rank = [None] * world
-    inputs = {
-        "input_digest": digest.hexdigest()[:16],
-        "input_rows": rows,
-        "data_wait_fraction": waited / busy if busy else None,
-    }
-    dist.all_gather_object(per_rank, {"rank": rank, "node": node_id, **coords, **inputs, **trainer.memory_stats()})
-    return {"history": history, "memory": per_rank, "coords": coords, "marks": marks}
+    coords, per_rank = gather_reports(trainer, node_id, loop.inputs_report())
+    return {"history": loop.history, "memory": per_rank, "coords": coords, "marks": marks}
+
+
+def join_mesh(cfg: Config, node_id: str, use_gpu: bool, device: torch.device | None, marks: dict):
+    """This rank's place in the layout: (dims, mesh, device), TP groups kept inside a node."""
+    dims = ParallelDims.from_config(cfg.parallelism)
+    world = dist.get_world_size()
+    if world != dims.world_size:
+        raise RuntimeError(f"{world} workers started for a layout of {dims.world_size}")
+    nodes: list[str] = [""] * world
+    dist.all_gather_object(nodes, node_id)
+    marks["group_ready"] = time.time()
+    arrangement = arrange_ranks(dims, nodes)
+    device = device or pick_device(use_gpu)
+    return dims, dims.build_mesh(device.type, arrangement), device
+
+
+def in_memory_batches(cfg: Config, trainer: Trainer) -> NextBatch:
+    """Without Ray Data: the shipped corpus in token windows (LMs), or the shipped rows."""
+    if trainer.spec.task == "lm":
+        data = TokenWindows(tokenize_corpus(tokenizer=cfg.data.tokenizer), cfg.model.seq_len, cfg.train.seed)
+    else:
+        data = RowBatches(read_parquet_rows(BUILTIN_TRAIN, cfg), cfg.train.seed)
+    return lambda step: data.replica_batch(step, cfg.train.global_batch_size, trainer.dims.dp, trainer.dp_rank)
+
+
+@dataclass
+class StepLoop:
+    """The step loop of one rank, and what it accumulates."""
+
+    cfg: Config
+    trainer: Trainer
+    next_batch: NextBatch
+    position: StreamPosition | None  # replica leaders reading Ray Data only
+    validation: ValidationSet | None
+    on_step: Callable[[dict], None] | None  # rank 0 only
+    on_checkpoint: Callable[[int, Path, dict], None] | None
+    launch_id: str
+    marks: dict
+    history: list[dict] = field(default_factory=list)
+    digest: Any = field(default_factory=hashlib.sha256)  # of every row trained on: a replica's ranks agree
+    rows: int = 0
+    waited: float = 0.0  # seconds waiting for data, after the first step
+    busy: float = 0.0  # seconds waiting or stepping, after the first step
+
+    def run(self, start: int) -> None:
+        for step in range(start, self.cfg.train.steps):
+            t0 = time.perf_counter()
+            batch = self.next_batch(step)
+            wait = time.perf_counter() - t0
+            if batch is None:  # data.epochs ran out before train.steps
+                break
+            self.marks.setdefault("first_batch", time.time())
+            self.digest.update(batch.input_ids.numpy().tobytes())
+            self.rows += batch.input_ids.shape[0]
+            metrics = self.trainer.train_step(step, batch)
+            self.marks.setdefault("first_step_done", time.time())
+            metrics["data_wait_s"] = wait
+            if step > start:  # the first batch waits for the pipeline to start: not steady state
+                self.waited, self.busy = self.waited + wait, self.busy + wait + metrics["step_time_s"]
+            if self.position is not None:
+                metrics.update(self.position.metrics())
+            if self.validation is not None and self.evaluates(step):
+                metrics.update(evaluate(self.trainer, self.validation))
+            self.history.append(metrics)
+            if self.on_step is not None:
+                self.on_step(metrics)
+            self.checkpoint_if_due(step + 1, metrics)
+
+    def evaluates(self, step: int) -> bool:
+        every = self.cfg.train.eval_interval
+        return bool(every and (step + 1) % every == 0) or step + 1 == self.cfg.train.steps
+
+    def checkpoint_if_due(self, done: int, metrics: dict) -> None:
+        interval = self.cfg.checkpoint.interval
+        if not interval or (done % interval and done != self.cfg.train.steps):
+            return
+        position = self.position.manifest_entry() if self.position is not None else {}
+        path, timings = save_checkpoint(self.trainer, self.cfg, done, launch_id=self.launch_id, data_position=position)
+        metrics.update(timings)  # this rank's history (the driver hears of it from on_checkpoint)
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(done, path, metrics)
+
+    def inputs_report(self) -> dict:
+        return {
+            "input_digest": self.digest.hexdigest()[:16],
+            "input_rows": self.rows,
+            "data_wait_fraction": self.waited / self.busy if self.busy else None,
+        }
+
+
+def gather_reports(trainer: Trainer, node_id: str, inputs: dict) -> tuple[dict, list[dict]]:
+    """This rank's coordinates, and every rank's report (node, coordinates, inputs, memory)."""
+    coords = {"pp": trainer.pp_rank, "dp": trainer.dp_rank, "tp": trainer.mesh.tp.get_local_rank()}
+    per_rank: list = [None] * dist.get_world_size()
+    mine = {"rank": dist.get_rank(), "node": node_id, **coords, **inputs, **trainer.memory_stats()}
+    dist.all_gather_object(per_rank, mine)
+    return coords, per_rank
