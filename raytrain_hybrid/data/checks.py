@@ -21,6 +21,7 @@ def schema_check(cfg: Config) -> int:
         rows = _rows_schema_check(cfg, "data.path", d.path)
         if d.val_path:
             _rows_schema_check(cfg, "data.val_path", d.val_path)
+        check_tokenizer(cfg)
         return rows
     try:
         dataset = pads.dataset(d.path, format="parquet")
@@ -51,27 +52,33 @@ def schema_check(cfg: Config) -> int:
     if rows == 0:
         raise ConfigError("data.path", d.path, "has no rows")
     if d.text_column:
-        _check_tokenizer(cfg)
+        check_tokenizer(cfg)
     return rows
 
 
-def _check_tokenizer(cfg: Config) -> None:
+def check_tokenizer(cfg: Config) -> None:
     """Text is tokenized in Ray Data's tasks: a missing tokenizer, or one whose ids do not fit
     the model's embedding, must stop the run here rather than in a worker."""
-    from raytrain_hybrid.data.corpus import load_tokenizer
+    from raytrain_hybrid.data.tokenizer import classifier_tokenizer, load_tokenizer, resolve_tokenizer
     from raytrain_hybrid.errors import ConfigError
+    from raytrain_hybrid.models.pretrained import read_config
 
+    classifier = bool(cfg.data.text_columns)
+    path = classifier_tokenizer(cfg) if classifier else resolve_tokenizer(cfg)
+    shown = cfg.data.tokenizer or (path if classifier else "(the shipped BPE)")
     try:
-        size = load_tokenizer(cfg.data.tokenizer).get_vocab_size()
+        size = load_tokenizer(path).get_vocab_size()
     except FileNotFoundError as exc:
-        raise ConfigError("data.tokenizer", cfg.data.tokenizer, "does not exist; give a local tokenizer.json") from exc
+        raise ConfigError("data.tokenizer", shown, "does not exist; give a local tokenizer.json") from exc
     except Exception as exc:  # tokenizers raises its own error types for a malformed file
-        raise ConfigError("data.tokenizer", cfg.data.tokenizer, f"is not a tokenizer.json: {exc}") from exc
+        raise ConfigError("data.tokenizer", shown, f"is not a usable tokenizer.json: {exc}") from exc
     if size > cfg.model.vocab_size:
+        own = classifier and read_config(cfg.model.pretrained)
         raise ConfigError(
             "data.tokenizer",
-            cfg.data.tokenizer or "(the shipped BPE)",
-            f"has {size} tokens, more than model.vocab_size={cfg.model.vocab_size}; set model.vocab_size >= {size}",
+            shown,
+            f"has {size} tokens, more than model.vocab_size={cfg.model.vocab_size}; set model.vocab_size >= {size}"
+            + (" (or use the checkpoint's own tokenizer)" if own else ""),
         )
 
 
@@ -80,7 +87,6 @@ def _rows_schema_check(cfg: Config, key: str, path: str) -> int:
     import pyarrow.dataset as pads
 
     from raytrain_hybrid.errors import ConfigError
-    from raytrain_hybrid.models.pretrained import read_config
 
     d = cfg.data
     try:
@@ -113,22 +119,4 @@ def _rows_schema_check(cfg: Config, key: str, path: str) -> int:
         )
     if rows == 0:
         raise ConfigError(key, path, "has no rows")
-    from raytrain_hybrid.data.rows import tokenizer_path
-
-    tok = tokenizer_path(cfg)
-    try:
-        from tokenizers import Tokenizer
-
-        size = Tokenizer.from_file(tok).get_vocab_size()
-    except Exception as exc:
-        raise ConfigError(
-            "data.tokenizer", cfg.data.tokenizer or tok, f"is not a usable tokenizer.json: {exc}"
-        ) from exc
-    if size > cfg.model.vocab_size:
-        raise ConfigError(
-            "data.tokenizer",
-            cfg.data.tokenizer or tok,
-            f"has {size} tokens, more than model.vocab_size={cfg.model.vocab_size}; set model.vocab_size >= {size}"
-            + (" (or use the checkpoint's own tokenizer)" if read_config(cfg.model.pretrained) else ""),
-        )
     return rows

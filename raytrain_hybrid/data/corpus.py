@@ -18,19 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"  # raytrain_hybrid/assets
+from raytrain_hybrid.data.tokenizer import ASSETS, EOT, load_tokenizer
+
 DEFAULT_CORPUS = ASSETS / "corpus.txt"
-DEFAULT_TOKENIZER = ASSETS / "tokenizer.json"
-EOT = "<|endoftext|>"
-
-
-def load_tokenizer(path: str | Path = ""):
-    from tokenizers import Tokenizer
-
-    path = Path(path or DEFAULT_TOKENIZER)
-    if not path.is_file():
-        raise FileNotFoundError(f"data.tokenizer={str(path)!r} does not exist; give a local tokenizer.json")
-    return Tokenizer.from_file(str(path))
 
 
 @functools.lru_cache(maxsize=4)

@@ -3,32 +3,27 @@
 Tokenization runs as a Ray Data ``map_batches`` over the source; the output
 has one row per document with ``input_ids`` (list<int32>) and ``num_tokens``,
 in the source's order, ready for ``data.token_column = "input_ids"``.
-Text files hold documents separated by blank lines.
+Text files hold documents separated by blank lines. ``data.path = "builtin"`` is the
+shipped corpus prepared this way once, into a cache.
 """
 
 from __future__ import annotations
 
-import functools
 import glob
 import os
 from pathlib import Path
 
 import pyarrow as pa
 
-from raytrain_hybrid.data.corpus import load_tokenizer
+from raytrain_hybrid.data.tokenizer import EOT, load_tokenizer, resolve_tokenizer, tokenizer_json
 
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 
 
-@functools.lru_cache(maxsize=2)
-def _tokenizer(path: str):
-    return load_tokenizer(path)
-
-
 def tokenize_batch(batch: pa.Table, *, text_column: str, tokenizer: str) -> pa.Table:
     """One Ray Data batch of documents -> their token ids (EOT appended to each)."""
-    tok = _tokenizer(tokenizer)
-    eot = tok.token_to_id("<|endoftext|>")
+    tok = load_tokenizer(tokenizer)
+    eot = tok.token_to_id(EOT)
     texts = batch.column(text_column).to_pylist()
     ids = []
     for enc in tok.encode_batch([t or "" for t in texts]):
@@ -67,9 +62,7 @@ def prepare_data(source: str, out_dir: str, *, text_column: str = "text", tokeni
     import ray
     import ray.data
 
-    from raytrain_hybrid.data.corpus import DEFAULT_TOKENIZER
-
-    tokenizer = str(Path(tokenizer or DEFAULT_TOKENIZER).resolve())
+    tokenizer = tokenizer_json(tokenizer)
     load_tokenizer(tokenizer)  # fail here, not in a Ray task, on a bad path
     paths = _expand(source)
     ctx = ray.data.DataContext.get_current()
@@ -90,3 +83,21 @@ def prepare_data(source: str, out_dir: str, *, text_column: str = "text", tokeni
     ds.write_parquet(str(out))
     stats = ray.data.read_parquet(str(out), columns=["num_tokens"]).sum("num_tokens")
     return {"out_dir": str(out), "tokens": int(stats or 0)}
+
+
+def builtin_dataset(cfg) -> str:
+    """The shipped corpus as token Parquet, prepared once per corpus+tokenizer into a cache."""
+    import hashlib
+
+    from raytrain_hybrid.data.corpus import DEFAULT_CORPUS
+
+    tokenizer = resolve_tokenizer(cfg)
+    digest = hashlib.sha256(DEFAULT_CORPUS.read_bytes() + Path(tokenizer).read_bytes()).hexdigest()[:16]
+    cache = Path(os.environ.get("RAYTRAIN_HYBRID_CACHE", "~/.cache/raytrain_hybrid")).expanduser()
+    out = cache / f"builtin-{digest}"
+    if not (out / "_DONE").exists():
+        tmp = cache / f"builtin-{digest}.tmp{os.getpid()}"
+        prepare_data(str(DEFAULT_CORPUS), str(tmp), tokenizer=tokenizer)
+        (tmp / "_DONE").write_text("ok\n")
+        tmp.rename(out) if not out.exists() else None
+    return str(out)

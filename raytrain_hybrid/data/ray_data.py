@@ -7,6 +7,7 @@ from __future__ import annotations
 from ray.train import DataConfig
 
 from raytrain_hybrid.config import Config
+from raytrain_hybrid.data.tokenizer import resolve_tokenizer
 
 
 def build_rows_dataset(cfg: Config, path: str):
@@ -28,7 +29,7 @@ def build_dataset(cfg: Config):
     from raytrain_hybrid.data.prepare import tokenize_batch
 
     d = cfg.data
-    if d.text_columns:  # a classifier's rows (validate() fills text_columns for those only)
+    if d.text_columns:  # a classifier's rows (resolve_defaults() fills text_columns for those only)
         return build_rows_dataset(cfg, d.path)
     ds = ray.data.read_parquet(d.path, include_paths=True).select_columns([d.text_column or d.token_column, "path"])
     if d.text_column:
@@ -60,32 +61,3 @@ def ordered_iterator(ds):
     ds = ds.copy(ds)
     ds.context.execution_options.preserve_order = True
     return ds.iterator()
-
-
-def builtin_dataset(cfg: Config) -> str:
-    """The shipped corpus as token Parquet, prepared once per corpus+tokenizer into a cache."""
-    import hashlib
-    import os
-    from pathlib import Path
-
-    from raytrain_hybrid.data.corpus import DEFAULT_CORPUS
-    from raytrain_hybrid.data.prepare import prepare_data
-
-    tokenizer = resolve_tokenizer(cfg)
-    digest = hashlib.sha256(DEFAULT_CORPUS.read_bytes() + Path(tokenizer).read_bytes()).hexdigest()[:16]
-    cache = Path(os.environ.get("RAYTRAIN_HYBRID_CACHE", "~/.cache/raytrain_hybrid")).expanduser()
-    out = cache / f"builtin-{digest}"
-    if not (out / "_DONE").exists():
-        tmp = cache / f"builtin-{digest}.tmp{os.getpid()}"
-        prepare_data(str(DEFAULT_CORPUS), str(tmp), tokenizer=tokenizer)
-        (tmp / "_DONE").write_text("ok\n")
-        tmp.rename(out) if not out.exists() else None
-    return str(out)
-
-
-def resolve_tokenizer(cfg: Config) -> str:
-    from pathlib import Path
-
-    from raytrain_hybrid.data.corpus import DEFAULT_TOKENIZER
-
-    return str(Path(cfg.data.tokenizer or DEFAULT_TOKENIZER).resolve())

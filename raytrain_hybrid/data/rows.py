@@ -4,19 +4,19 @@ A row becomes fixed-size arrays: each text is tokenized (the checkpoint's tokeni
 and padded or truncated to ``model.seq_len`` with a 0/1 mask; the numeric columns become
 one float32 vector; the label an int64. The global batch of step k is the k-th slice of a
 per-epoch order, the same for every layout, and replica r takes the r-th contiguous share
-(as for token windows, data.py). An epoch's last rows that do not fill a global batch wait
+(as for token windows, data.corpus). An epoch's last rows that do not fill a global batch wait
 for the next epoch's order, i.e. are dropped from this epoch.
 """
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from raytrain_hybrid.data.corpus import ASSETS, Batch
+from raytrain_hybrid.data.corpus import Batch
+from raytrain_hybrid.data.tokenizer import ASSETS, classifier_tokenizer, load_tokenizer
 
 BUILTIN_TRAIN = ASSETS / "shipments_train.parquet"
 BUILTIN_VAL = ASSETS / "shipments_val.parquet"
@@ -24,30 +24,9 @@ BUILTIN_VAL = ASSETS / "shipments_val.parquet"
 INPUTS = ("ids_a", "mask_a", "ids_b", "mask_b", "tabular")
 
 
-def tokenizer_path(cfg) -> str:
-    """data.tokenizer, else the checkpoint's (or, with random weights, the packaged MiniLM's)."""
-    from raytrain_hybrid.models.pretrained import tokenizer_file
-
-    if cfg.data.tokenizer:
-        return str(Path(cfg.data.tokenizer).resolve())
-    pretrained = cfg.model.pretrained if cfg.model.pretrained.lower() != "none" else ""
-    return str(tokenizer_file(pretrained))
-
-
-@functools.lru_cache(maxsize=4)
-def _tokenizer(path: str, seq_len: int):
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(path)
-    pad = tok.token_to_id("[PAD]")
-    tok.enable_truncation(max_length=seq_len)
-    tok.enable_padding(length=seq_len, pad_id=0 if pad is None else pad)
-    return tok
-
-
 def encode(columns: dict, *, text_columns, tabular_columns, label_column, tokenizer: str, seq_len: int) -> dict:
     """Column arrays (text as strings) -> the model's arrays, batch-major."""
-    tok = _tokenizer(tokenizer, seq_len)
+    tok = load_tokenizer(tokenizer, fixed_length=seq_len)
     out = {}
     for suffix, name in zip(("a", "b"), text_columns, strict=True):
         encs = tok.encode_batch([str(t) if t is not None else "" for t in columns[name]])
@@ -77,7 +56,7 @@ def encoder_kwargs(cfg) -> dict:
         "text_columns": tuple(d.text_columns),
         "tabular_columns": tuple(d.tabular_columns),
         "label_column": d.label_column,
-        "tokenizer": tokenizer_path(cfg),
+        "tokenizer": classifier_tokenizer(cfg),
         "seq_len": cfg.model.seq_len,
     }
 

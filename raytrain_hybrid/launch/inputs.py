@@ -8,12 +8,8 @@ import os
 
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.data.checks import schema_check
-from raytrain_hybrid.data.ray_data import (
-    ReplicaDataConfig,
-    build_dataset,
-    build_rows_dataset,
-    builtin_dataset,
-)
+from raytrain_hybrid.data.prepare import builtin_dataset
+from raytrain_hybrid.data.ray_data import ReplicaDataConfig, build_dataset, build_rows_dataset
 
 # Ray Data's Parquet reader (datasource V2) starts RAY_DATA_PARQUET_FOOTER_NUM_ACTORS (32)
 # footer-reading actors, a Python process each, every time a dataset is executed, i.e. once
