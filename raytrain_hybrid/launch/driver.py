@@ -7,11 +7,12 @@ can draw a progress bar and write ``metrics.jsonl`` while the run goes on.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
-import os
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from raytrain_hybrid.launch.inputs import build_datasets, prepare_input, reader_
 from raytrain_hybrid.launch.placement import worker_resources
 from raytrain_hybrid.launch.preflight import check_placement, waiting_for
 from raytrain_hybrid.launch.progress import RunLog
-from raytrain_hybrid.launch.session import ensure_ray, resolve_use_gpu
+from raytrain_hybrid.launch.session import ensure_ray, resolve_use_gpu, use_train_v2
 from raytrain_hybrid.launch.summary import startup_breakdown, summarize
 
 
@@ -71,39 +72,55 @@ def run(cfg: Config, resume: str | None = None, stream=None) -> dict:
     ``resume``: a checkpoint directory, or a run directory meaning its newest checkpoint.
     ``stream``: where progress goes (default sys.stdout).
     """
-    import uuid
-
     import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-    from ray.util.queue import Empty, Queue
+    from ray.util.queue import Queue
 
     marks = {"launched": time.time()}
-    par = cfg.parallelism
-    world = par.world_size
+    cfg, resume, kept_history = prepare_run_dir(cfg, resume)
+    use_gpu, resources = open_session(cfg, marks)
+    cfg = prepare_input(cfg)
+    marks["input_checked"] = time.time()
+    sink = Queue(actor_options={"num_cpus": 0})  # rank 0's events, see the module docstring
+    trainer = make_trainer(cfg, sink=sink, use_gpu=use_gpu, resources=resources, resume=resume)
+    out_dir = Path(cfg.run.output_dir)
+    run_log = RunLog(out_dir, steps=cfg.train.steps, progress=cfg.run.progress, history=kept_history, stream=stream)
+    with contextlib.closing(run_log):
+        watch(trainer, sink, run_log, cfg.run.startup_timeout_s, marks)
+    summary = write_results(cfg, run_log, marks)
+    ray.kill(sink.actor)
+    return summary
+
+
+def prepare_run_dir(cfg: Config, resume: str | None) -> tuple[Config, str | None, list[dict]]:
+    """run.output_dir made absolute (workers run in another cwd, on other nodes), the resume
+    checked (see check_resume) and the directory created."""
     out_dir = Path(cfg.run.output_dir).resolve()
-    # Workers run elsewhere (another cwd, another node): they get the absolute path.
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, output_dir=str(out_dir)))
     resume, kept_history = check_resume(cfg, resume)
     out_dir.mkdir(parents=True, exist_ok=True)
+    return cfg, resume, kept_history
+
+
+def open_session(cfg: Config, marks: dict) -> tuple[bool, dict[str, float]]:
+    """Join or start Ray, and check the live cluster can place the workers: (use_gpu, resources per worker)."""
+    use_train_v2()  # before anything below imports ray.train
+    world = cfg.parallelism.world_size
     ensure_ray(cfg, world)
     marks["ray_ready"] = time.time()
     use_gpu = resolve_use_gpu(cfg, world)
     resources = worker_resources(cfg, use_gpu)
     check_placement(cfg, resources)
-    cfg = prepare_input(cfg)
-    marks["input_checked"] = time.time()
-    backend = cfg.cluster.backend if cfg.cluster.backend != "auto" else ("nccl" if use_gpu else "gloo")
+    return use_gpu, resources
+
+
+def make_trainer(cfg: Config, *, sink, use_gpu: bool, resources: dict[str, float], resume: str | None):
+    """The run's TorchTrainer, with its Ray Datasets (unless data.path is "memory")."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
     data_env = reader_env(cfg)
-    saved_env = {k: os.environ.get(k) for k in data_env}
-    os.environ.update(data_env)  # also where the dataset is built, here on the driver
-    try:
-        datasets = build_datasets(cfg)
-    finally:
-        for k, v in saved_env.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    sink = Queue(actor_options={"num_cpus": 0})
-    trainer = TorchTrainer(
+    backend = cfg.cluster.backend if cfg.cluster.backend != "auto" else ("nccl" if use_gpu else "gloo")
+    return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
             "config": cfg.to_dict(),
@@ -114,9 +131,9 @@ def run(cfg: Config, resume: str | None = None, stream=None) -> dict:
             "data_env": data_env,
         },
         torch_config=TorchConfig(backend=backend),
-        **datasets,
+        **build_datasets(cfg, data_env),
         scaling_config=ScalingConfig(
-            num_workers=world,
+            num_workers=cfg.parallelism.world_size,
             use_gpu=use_gpu,
             resources_per_worker=resources,
             placement_strategy=cfg.cluster.placement_strategy,
@@ -126,43 +143,51 @@ def run(cfg: Config, resume: str | None = None, stream=None) -> dict:
             # Ray Train's run directory is run.output_dir/checkpoints: checkpoints are written
             # there in place and registered with Ray (restarts, retention).
             name="checkpoints",
-            storage_path=str(out_dir),
+            storage_path=cfg.run.output_dir,
             failure_config=FailureConfig(max_failures=cfg.run.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep or None),
         ),
     )
+
+
+def watch(trainer, sink, run_log: RunLog, startup_timeout_s: float, marks: dict) -> None:
+    """Run ``trainer.fit()`` in a thread and hand the workers' events to ``run_log`` until it
+    ends; its error is raised here, on the driver's main thread."""
+    from ray.util.queue import Empty
+
     outcome: dict[str, Any] = {}
 
     def fit() -> None:
         try:
             outcome["result"] = trainer.fit()
-        except BaseException as exc:  # re-raised on the driver's main thread
+        except BaseException as exc:
             outcome["error"] = exc
 
-    progress = RunLog(out_dir, steps=cfg.train.steps, progress=cfg.run.progress, history=kept_history, stream=stream)
     thread = threading.Thread(target=fit, daemon=True)
     marks["fit_called"] = time.time()
     thread.start()
-    limit = cfg.run.startup_timeout_s
-    try:
-        while thread.is_alive() or not sink.empty():
-            if limit and not progress.live_steps and time.time() - marks["fit_called"] > limit:
-                # Leave the trainer thread: the driver exits, and Ray ends its workers with it.
-                raise StartupTimeout(f"no training step after {limit:g} s (run.startup_timeout_s). {waiting_for()}")
-            try:
-                kind, payload = sink.get(timeout=0.5)
-            except Empty:
-                continue
-            progress.handle(kind, payload)
-        thread.join()
-    finally:
-        progress.close()
+    while thread.is_alive() or not sink.empty():
+        if startup_timeout_s and not run_log.live_steps and time.time() - marks["fit_called"] > startup_timeout_s:
+            # Leave the trainer thread: the driver exits, and Ray ends its workers with it.
+            raise StartupTimeout(
+                f"no training step after {startup_timeout_s:g} s (run.startup_timeout_s). {waiting_for()}"
+            )
+        try:
+            kind, payload = sink.get(timeout=0.5)
+        except Empty:
+            continue
+        run_log.handle(kind, payload)
+    thread.join()
     if "error" in outcome:
         raise outcome["error"]
-    summary = summarize(cfg, progress.history, progress.memory, progress.restarts)
-    summary["startup_s"] = startup_breakdown({**marks, **progress.marks})
-    summary["checkpoints"] = progress.checkpoints
+
+
+def write_results(cfg: Config, run_log: RunLog, marks: dict) -> dict:
+    """summary.json and the run's config.json in run.output_dir; returns the summary."""
+    out_dir = Path(cfg.run.output_dir)
+    summary = summarize(cfg, run_log.history, run_log.memory, run_log.restarts)
+    summary["startup_s"] = startup_breakdown({**marks, **run_log.marks})
+    summary["checkpoints"] = run_log.checkpoints
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-    ray.kill(sink.actor)
     return summary

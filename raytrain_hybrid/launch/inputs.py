@@ -1,7 +1,12 @@
-"""The run's input on the driver: resolve data.path, check the files, build the Ray Datasets."""
+"""The run's input on the driver: resolve data.path, check the files, build the Ray Datasets.
+
+data.ray_data is imported where it is used: it imports ray.train, which must come after
+launch.session.use_train_v2.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -9,7 +14,6 @@ import os
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.data.checks import schema_check
 from raytrain_hybrid.data.prepare import builtin_dataset
-from raytrain_hybrid.data.ray_data import ReplicaDataConfig, build_dataset, build_rows_dataset
 
 # Ray Data's Parquet reader (datasource V2) starts RAY_DATA_PARQUET_FOOTER_NUM_ACTORS (32)
 # footer-reading actors, a Python process each, every time a dataset is executed, i.e. once
@@ -29,13 +33,29 @@ def reader_env(cfg: Config) -> dict[str, str]:
     return {_FOOTER_ACTORS: str(min(32, max(1, math.ceil(files / 64))))}
 
 
-def build_datasets(cfg: Config) -> dict:
+def build_datasets(cfg: Config, env: dict[str, str]) -> dict:
+    """TorchTrainer's ``datasets`` and ``dataset_config``, built with the readers' ``env`` set
+    in this process too: Ray Data reads it where a dataset is built, here on the driver."""
     if cfg.data.path == "memory":
         return {}
-    datasets = {"train": build_dataset(cfg)}
-    if cfg.data.val_path:
-        datasets["val"] = build_rows_dataset(cfg, cfg.data.val_path)
+    from raytrain_hybrid.data.ray_data import ReplicaDataConfig, build_dataset, build_rows_dataset
+
+    with _environment(env):
+        datasets = {"train": build_dataset(cfg)}
+        if cfg.data.val_path:
+            datasets["val"] = build_rows_dataset(cfg, cfg.data.val_path)
     return {"datasets": datasets, "dataset_config": ReplicaDataConfig()}
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]):
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
 def prepare_input(cfg: Config) -> Config:

@@ -1,6 +1,6 @@
 """What the driver shows and records while a run goes on.
 
-Rank 0's per-step metrics arrive through a Ray queue (launcher.py); here they become
+Rank 0's per-step metrics arrive through a Ray queue (launch.driver); here they become
 a live progress bar (a terminal), one line per step (a log, e.g. a `ray job submit`
 driver), ``metrics.jsonl`` and TensorBoard event files in the run directory.
 """

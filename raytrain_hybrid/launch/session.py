@@ -8,7 +8,14 @@ import os
 
 from raytrain_hybrid.config import Config
 
-_WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false", "RAY_TRAIN_V2_ENABLED": "1"}
+_TRAIN_V2 = "RAY_TRAIN_V2_ENABLED"
+_WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false", _TRAIN_V2: "1"}
+
+
+def use_train_v2() -> None:
+    """Ray Train V2 (the default in Ray 2.60) on the driver, as on the workers. ray.train picks
+    its version when it is first imported: call this before that (a user's own setting wins)."""
+    os.environ.setdefault(_TRAIN_V2, "1")
 
 
 def _runtime_env() -> dict:

@@ -68,9 +68,10 @@ def sweep(
 ) -> list[dict]:
     """Run the planner's ``top`` best distinct feasible layouts (or the planned rows matching
     each partial layout in ``only``, e.g. ``{"dp": 2, "tp": 2, "pp": 1}``) as Tune trials."""
-    from ray import tune
+    from raytrain_hybrid.launch.session import ensure_ray, use_train_v2
 
-    from raytrain_hybrid.launch.session import ensure_ray
+    use_train_v2()  # before ray.tune imports ray.train
+    from ray import tune
 
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
