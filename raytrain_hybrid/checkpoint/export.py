@@ -19,8 +19,6 @@ from raytrain_hybrid.errors import ConfigError
 from raytrain_hybrid.models import get_arch
 from raytrain_hybrid.models.common import build_stage
 
-_HF_CLASSES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}
-
 
 def load_full_state_dict(path: Path, cfg: Config) -> dict[str, torch.Tensor]:
     """Every model parameter of a checkpoint as one whole float32 tensor (project names)."""
@@ -35,23 +33,20 @@ def load_full_state_dict(path: Path, cfg: Config) -> dict[str, torch.Tensor]:
 
 def export_hf(source: str | Path, out_dir: str | Path) -> Path:
     """Write the model of a checkpoint (or a run directory's newest one) as a HF directory."""
-    import transformers
-
     path, manifest = resolve(source, key="CHECKPOINT")
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise ConfigError("OUT_DIR", str(out), "exists and is not empty; give a new directory (nothing was written)")
-    cfg = Config.from_dict(manifest["config"])
-    if cfg.model.arch not in _HF_CLASSES:
+    cfg = Config.from_dict(manifest["config"])  # the manifest saves the resolved config
+    spec = get_arch(cfg.model.arch)
+    if spec.hf_class is None:
         raise ConfigError(
             "CHECKPOINT",
             str(path),
             f"holds a {cfg.model.arch} model, which has no single transformers class to export to; "
             "load its weights with raytrain_hybrid.checkpoint.export.load_full_state_dict",
         )
-    spec = get_arch(cfg.model.arch)
-    hf_config = spec.hf_config(cfg)
-    model = getattr(transformers, _HF_CLASSES[cfg.model.arch])(hf_config)
+    model = spec.hf_class(spec.hf_config(cfg))
     missing, unexpected = model.load_state_dict(spec.to_hf(load_full_state_dict(path, cfg)), strict=False)
     # Only buffers transformers recomputes (rotary frequencies, GPT-2's causal mask) may be absent.
     if unexpected or any(k in dict(model.named_parameters()) for k in missing):
