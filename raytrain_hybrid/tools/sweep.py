@@ -12,11 +12,9 @@ import dataclasses
 import json
 from pathlib import Path
 
-from raytrain_hybrid.config import Config
+from raytrain_hybrid.config import LAYOUT_KEYS, Config
 from raytrain_hybrid.planner.hardware import Hardware
 from raytrain_hybrid.planner.search import plan
-
-LAYOUT_KEYS = ("dp", "tp", "pp", "microbatches", "schedule", "zero", "activation_checkpointing", "sequence_parallel")
 
 
 def _trial(config: dict) -> None:
@@ -24,7 +22,7 @@ def _trial(config: dict) -> None:
 
     from raytrain_hybrid.launch.driver import run
 
-    cfg = Config.from_dict(config["base"])
+    cfg = Config.from_dict(config["base"])  # the sweep's resolved config, as a dict
     trial = config["trial"]
     par = dataclasses.replace(cfg.parallelism, **trial["layout"], virtual_stages=0)
     run_cfg = dataclasses.replace(cfg.run, output_dir=str(Path(config["out_dir"]) / trial["name"]), progress=False)
