@@ -9,7 +9,6 @@ from raytrain_hybrid.config.schema import (
     SINGLE_STAGE_SCHEDULES,
     V_SCHEDULES,
     Config,
-    ModelConfig,
 )
 from raytrain_hybrid.errors import ConfigError
 from raytrain_hybrid.models import arch_names, get_arch
@@ -27,15 +26,18 @@ def validate(cfg: Config) -> None:
 
 
 def _require_resolved(cfg: Config) -> None:
-    picks = {"model.num_kv_heads": cfg.model.num_kv_heads, "model.ffn_hidden_size": cfg.model.ffn_hidden_size}
-    picks["train.lr"] = cfg.train.lr
+    picks = {
+        "model.num_kv_heads": cfg.model.num_kv_heads,
+        "model.ffn_hidden_size": cfg.model.ffn_hidden_size,
+        "train.lr": cfg.train.lr,
+    }
     left = [key for key, value in picks.items() if value == 0]
     if left:  # a caller's mistake, not the user's: 0 would pass every divisibility check below
         raise ValueError(f"validate() needs a resolved config ({', '.join(left)} = 0); call resolve_defaults first")
 
 
 def _validate_model(cfg: Config, spec: ArchSpec) -> None:
-    model: ModelConfig = cfg.model
+    model = cfg.model
     if model.hidden_size % model.num_heads:
         raise ConfigError(
             "model.num_heads",
