@@ -12,6 +12,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray Data reads made in this process (the references' batches, the stream tests) would start
+# Ray's default of 32 Parquet footer-reader actors, a Python process each, per dataset
+# execution (about 20 s of a 2-core machine each time). The launcher gives its workers 1 per 64
+# files (launch/inputs.py reader_env) and no test dataset has more; set before Ray starts, so the
+# session's cluster and the subprocesses the tests start (CLI runs, jobs, notebooks) read alike.
+os.environ.setdefault("RAY_DATA_PARQUET_FOOTER_NUM_ACTORS", "1")
 
 RAY_CPUS = 8
 

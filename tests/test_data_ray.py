@@ -100,6 +100,22 @@ def test_token_id_outside_vocab_names_file_and_column(ray_local, tmp_path):
         next(iter(_stream(cfg, 1, 0)))
 
 
+def test_footer_readers_scale_with_the_files(tmp_path, monkeypatch):
+    """The launcher's Parquet footer readers: 1 per 64 files, a user's own setting wins (checked
+    here: the suite sets one for all its reads, conftest.py)."""
+    from raytrain_hybrid.launch.inputs import reader_env
+
+    key = "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS"
+    table = pa.table({"input_ids": pa.array([[1, 2]], type=pa.list_(pa.int32()))})
+    many = _write(tmp_path / "many", table, files=65)
+    monkeypatch.delenv(key, raising=False)
+    assert reader_env(_cfg(many)) == {key: "2"}
+    assert reader_env(_cfg(_write(tmp_path / "one", table, files=1))) == {key: "1"}
+    assert reader_env(_cfg("memory")) == {}
+    monkeypatch.setenv(key, "7")
+    assert reader_env(_cfg(many)) == {key: "7"}
+
+
 @pytest.mark.parametrize(
     "case",
     ["missing-column", "empty", "non-text", "non-token", "corrupt", "no-files", "tokenizer-vocab", "no-tokenizer"],
