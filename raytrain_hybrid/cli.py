@@ -222,11 +222,12 @@ def _plan(args, cfg) -> int:
 def _sweep(args, cfg) -> int:
     from pathlib import Path
 
-    from raytrain_hybrid.planner.calibrate import DEFAULT_PROFILE
+    from raytrain_hybrid.planner.calibrate import default_profile
     from raytrain_hybrid.planner.hardware import load_hardware
     from raytrain_hybrid.tools.sweep import set_line, sweep
 
-    hw = load_hardware(args.hardware or (str(DEFAULT_PROFILE) if DEFAULT_PROFILE.exists() else "h100"))
+    profile = default_profile()
+    hw = load_hardware(args.hardware or (str(profile) if profile.exists() else "h100"))
     rows = sweep(cfg, args.world_size, hw, top=args.top, steps=args.steps, out_dir=Path(args.out))
     for r in rows:
         measured = f"{r['measured_tokens_per_s']:,.0f}" if not r["failed"] else f"failed: {r['reason'][:80]}"
@@ -258,9 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "calibrate":
         from pathlib import Path
 
-        from raytrain_hybrid.planner.calibrate import DEFAULT_PROFILE, calibrate
+        from raytrain_hybrid.planner.calibrate import calibrate, default_profile
 
-        path = Path(args.out) if args.out else DEFAULT_PROFILE
+        path = Path(args.out) if args.out else default_profile()
         profile = calibrate(path, threads=args.threads)
         print(
             f"wrote {path}: {profile['peak_tflops'] * 1e3:.1f} GFLOP/s matmul, "

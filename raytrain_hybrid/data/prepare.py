@@ -16,6 +16,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from raytrain_hybrid.data.tokenizer import EOT, load_tokenizer, resolve_tokenizer, tokenizer_json
+from raytrain_hybrid.storage import cache_dir
 
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 
@@ -93,7 +94,7 @@ def builtin_dataset(cfg) -> str:
 
     tokenizer = resolve_tokenizer(cfg)
     digest = hashlib.sha256(DEFAULT_CORPUS.read_bytes() + Path(tokenizer).read_bytes()).hexdigest()[:16]
-    cache = Path(os.environ.get("RAYTRAIN_HYBRID_CACHE", "~/.cache/raytrain_hybrid")).expanduser()
+    cache = cache_dir()
     out = cache / f"builtin-{digest}"
     if not (out / "_DONE").exists():
         tmp = cache / f"builtin-{digest}.tmp{os.getpid()}"

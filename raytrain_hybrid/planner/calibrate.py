@@ -15,7 +15,12 @@ import socket
 import time
 from pathlib import Path
 
-DEFAULT_PROFILE = Path(os.environ.get("RAYTRAIN_HYBRID_CACHE", "~/.cache/raytrain_hybrid")).expanduser() / "local.json"
+from raytrain_hybrid.storage import cache_dir
+
+
+def default_profile() -> Path:
+    """Where `calibrate` writes and `sweep` looks for this machine's profile by default."""
+    return cache_dir() / "local.json"
 
 
 def matmul_tflops(n: int = 1024, threads: int = 1, seconds: float = 1.0) -> float:
@@ -117,7 +122,8 @@ def gloo_allreduce(nbytes: int = 16 * 2**20) -> tuple[float, float]:
     return nbytes / max(times["big"] - latency, 1e-9) / 1e9, latency
 
 
-def calibrate(path: Path = DEFAULT_PROFILE, threads: int = 1) -> dict:
+def calibrate(path: Path | None = None, threads: int = 1) -> dict:
+    """Measure this machine (matmul, gloo all-reduce, TP pair overhead) into a profile file."""
     from raytrain_hybrid.planner.hardware import Hardware
 
     tflops = matmul_tflops(threads=threads)
@@ -136,6 +142,7 @@ def calibrate(path: Path = DEFAULT_PROFILE, threads: int = 1) -> dict:
         tp_pair_overhead_s=tp_pair_overhead(),
     )
     profile = dataclasses.asdict(hw)
+    path = path or default_profile()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(profile, indent=2) + "\n")
     return profile

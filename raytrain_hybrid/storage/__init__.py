@@ -15,10 +15,17 @@ from __future__ import annotations
 import os
 import posixpath
 from dataclasses import dataclass
+from pathlib import Path
 
 import pyarrow.fs as pafs
 
 from raytrain_hybrid.errors import ConfigError
+
+
+def cache_dir() -> Path:
+    """This machine's cache (the prepared builtin corpus, the calibrated profile):
+    ``$RAYTRAIN_HYBRID_CACHE``, else ``~/.cache/raytrain_hybrid``; read when asked, not at import."""
+    return Path(os.environ.get("RAYTRAIN_HYBRID_CACHE", "~/.cache/raytrain_hybrid")).expanduser()
 
 
 def is_uri(location: str) -> bool:
