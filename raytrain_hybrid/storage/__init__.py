@@ -41,6 +41,9 @@ class Store:
     path: str
     uri: str
 
+    def __str__(self) -> str:
+        return self.uri
+
     @property
     def local(self) -> bool:
         """On this machine's filesystem (a local disk or a mount), where rename is atomic."""
@@ -53,6 +56,7 @@ class Store:
     def child(self, *parts: str) -> Store:
         return Store(self.fs, posixpath.join(self.path, *parts), "/".join([self.uri.rstrip("/"), *parts]))
 
+    @property
     def parent(self) -> Store:
         return Store(self.fs, posixpath.dirname(self.path.rstrip("/")), self.uri.rstrip("/").rsplit("/", 1)[0])
 
@@ -81,6 +85,10 @@ class Store:
 
     def makedirs(self) -> None:
         self.fs.create_dir(self.path, recursive=True)
+
+    def open_input(self):
+        """A binary stream of this file."""
+        return self.fs.open_input_stream(self.path)
 
     def read_bytes(self) -> bytes:
         with self.fs.open_input_stream(self.path) as f:
@@ -122,6 +130,11 @@ class Store:
         """Copy everything under this directory into a local one."""
         os.makedirs(local_dir, exist_ok=True)
         pafs.copy_files(self.path, local_dir, source_filesystem=self.fs, destination_filesystem=pafs.LocalFileSystem())
+
+
+def as_store(location, key: str = "run.output_dir") -> Store:
+    """A Store as it is; a path or URI (str or os.PathLike) opened."""
+    return location if isinstance(location, Store) else open_store(os.fspath(location), key)
 
 
 def open_store(location: str, key: str = "run.output_dir") -> Store:
