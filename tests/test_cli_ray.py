@@ -46,37 +46,47 @@ def raw_text_dir(tmp_path_factory) -> Path:
     return out
 
 
-def _train(ray_local, data: Path, out: Path, layout: list[str]) -> subprocess.CompletedProcess:
+def _train(ray_local, data: Path, out: Path, layout: list[str]) -> subprocess.Popen:
     address = ray_local.get_runtime_context().gcs_address  # the session's cluster: no second start
     sets = [*COMMON, *layout, f"data.path={data}", "data.text_column=body", f"run.output_dir={out}"]
     sets.append("run.max_failures=0")
     sets.append(f"cluster.address={address}")
     exe = Path(sys.executable).parent / "raytrain-hybrid"
     argv = [str(exe), "train", *[a for s in sets for a in ("--set", s)]]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+LAYOUTS = {
+    "1x1x1": ["parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=1", "parallelism.microbatches=1"],
+    "2x2x2": ["parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=2", "parallelism.microbatches=2"],
+}
 
 
 def test_raw_text_parquet_trains_the_same_at_1x1x1_and_2x2x2_and_the_terminal_is_quiet(
     ray_local, raw_text_dir, tmp_path
 ):
+    # Both runs at once (9 of the session's 12 CPUs), and the reference meanwhile: much of a
+    # run's start-up is waiting, which the others fill.
+    procs = {name: _train(ray_local, raw_text_dir, tmp_path / name, layout) for name, layout in LAYOUTS.items()}
+    try:
+        reference = reference_history((*COMMON, f"data.path={raw_text_dir}", "data.text_column=body"), "ray")
+        done = {name: (proc, *proc.communicate(timeout=600)) for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            proc.kill()
     runs = {}
-    for name, layout in {
-        "1x1x1": ["parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=1", "parallelism.microbatches=1"],
-        "2x2x2": ["parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=2", "parallelism.microbatches=2"],
-    }.items():
-        proc = _train(ray_local, raw_text_dir, tmp_path / name, layout)
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-        lines = proc.stdout.splitlines()
+    for name, (proc, stdout, stderr) in done.items():
+        assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
+        lines = stdout.splitlines()
         # What the user sees: one line per step and the result; Ray's output is in driver.log.
         assert [ln.split()[1] for ln in lines if ln.startswith("step ")] == ["1/3", "2/3", "3/3"]
         assert lines[-1].startswith("done: 3 steps"), lines
         assert all(ln.startswith(("step ", "done: ")) for ln in lines), lines
-        assert proc.stderr.strip() == "", proc.stderr[-2000:]
+        assert stderr.strip() == "", stderr[-2000:]
         assert (tmp_path / name / "driver.log").is_file()
         runs[name] = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         summary = json.loads((tmp_path / name / "summary.json").read_text())
         assert summary["steps"] == 3 and summary["final_loss"] == runs[name][-1]["loss"]
-    reference = reference_history((*COMMON, f"data.path={raw_text_dir}", "data.text_column=body"), "ray")
     for one, eight, want in zip(runs["1x1x1"], runs["2x2x2"], reference, strict=True):
         for got in (one, eight):
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
@@ -149,18 +159,21 @@ def test_multimodal_classifier_from_the_cli_matches_single_process_and_evaluates
     sets += ["parallelism.dp=2", "parallelism.tp=1", "parallelism.pp=2", "parallelism.microbatches=2"]
     sets.append(f"cluster.address={ray_local.get_runtime_context().gcs_address}")
     exe = Path(sys.executable).parent / "raytrain-hybrid"
-    proc = subprocess.run(
-        [str(exe), "train", *[a for s in sets for a in ("--set", s)]], capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    steps = [ln for ln in proc.stdout.splitlines() if ln.startswith("step ")]
+    argv = [str(exe), "train", *[a for s in sets for a in ("--set", s)]]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:  # the reference while the run starts
+        cfg = load_config(None, [*MULTIMODAL, f"data.path={train}", f"data.val_path={val}"])
+        reference = classifier_reference_run(cfg, ray_data_rows(cfg, 3), val_rows=read_parquet_rows(val, cfg))
+        stdout, stderr = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
+    steps = [ln for ln in stdout.splitlines() if ln.startswith("step ")]
     assert ["val acc" in ln for ln in steps] == [False, True, True], steps  # every 2 steps and after the last
     history = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert [e["step"] for e in summary["evals"]] == [1, 2]
     assert summary["final_eval"] == {k: v for k, v in history[-1].items() if k == "step" or k.startswith("val_")}
-    cfg = load_config(None, [*MULTIMODAL, f"data.path={train}", f"data.val_path={val}"])
-    reference = classifier_reference_run(cfg, ray_data_rows(cfg, 3), val_rows=read_parquet_rows(val, cfg))
     for got, want in zip(history, reference, strict=True):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
