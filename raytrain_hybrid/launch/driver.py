@@ -103,7 +103,6 @@ def prepare_run_dir(cfg: Config, resume: str | None) -> tuple[Config, str | None
 
 def open_session(cfg: Config, marks: dict) -> tuple[bool, dict[str, float]]:
     """Join or start Ray, and check the live cluster can place the workers: (use_gpu, resources per worker)."""
-    use_train_v2()  # before anything below imports ray.train
     world = cfg.parallelism.world_size
     ensure_ray(cfg, world)
     marks["ray_ready"] = time.time()
@@ -115,6 +114,7 @@ def open_session(cfg: Config, marks: dict) -> tuple[bool, dict[str, float]]:
 
 def make_trainer(cfg: Config, *, sink, use_gpu: bool, resources: dict[str, float], resume: str | None):
     """The run's TorchTrainer, with its Ray Datasets (unless data.path is "memory")."""
+    use_train_v2()  # before the driver first imports ray.train (below, and data.ray_data in build_datasets)
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 

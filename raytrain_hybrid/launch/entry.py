@@ -61,7 +61,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         on_checkpoint=on_checkpoint,
         marks=marks,
     )
-    if ray.train.get_context().get_world_rank() == 0 and sink is not None:
+    if rank == 0 and sink is not None:
         sink.put(("done", {"memory": result["memory"], "marks": result["marks"]}))
     last = result["history"][-1]
     ray.train.report({"loss": last["loss"], "step": last["step"]})
