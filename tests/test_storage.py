@@ -54,7 +54,11 @@ def test_uris_keep_their_scheme_and_local_paths_become_absolute(s3, tmp_path, mo
     assert local.local and local.uri == str(tmp_path / "runs" / "latest")
     remote = open_store("s3://bucket/a/b/")
     assert not remote.local and remote.uri == "s3://bucket/a/b" and remote.path == "bucket/a/b"
-    assert remote.child("c", "d").uri == "s3://bucket/a/b/c/d" and remote.child("c").parent.uri == remote.uri and str(remote) == remote.uri
+    assert (
+        remote.child("c", "d").uri == "s3://bucket/a/b/c/d"
+        and remote.child("c").parent.uri == remote.uri
+        and str(remote) == remote.uri
+    )
     assert is_uri("gs://b/x") and not is_uri("/mnt/shared/x")
 
 
