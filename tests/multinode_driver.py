@@ -23,11 +23,13 @@ from raytrain_hybrid.launch.driver import run
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
-    # The head holds no worker slots (Ray Train's controller needs no CPU); each
-    # virtual node has fake GPUs, so placement follows GPU slots as on a real cluster.
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
-    for gpus in spec["nodes"]:
-        cluster.add_node(num_cpus=gpus, num_gpus=gpus)
+    # The head holds no worker slots (Ray Train's controller needs no CPU), nor a dashboard
+    # (nothing here reads it); each virtual node has fake GPUs, so placement follows GPU
+    # slots as on a real cluster.
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0, "include_dashboard": False})
+    for gpus in spec["nodes"]:  # the nodes start side by side, then one wait for them all
+        cluster.add_node(wait=False, num_cpus=gpus, num_gpus=gpus)
+    cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     node_of_id = {n["NodeID"]: f"node{i}" for i, n in enumerate(ray.nodes()) if n["Resources"].get("GPU")}
     results = {}
