@@ -1,0 +1,307 @@
+"""The cluster configs schedule the GPU jobs: Ray's own autoscaler, on its `fake_multinode` node
+provider, starts fake nodes with exactly the resources each config's worker node types declare
+(GPUs faked), and the job documented for that config, submitted as a user submits it, reaches its
+first step on a node of the right type. A demand no node type declares starts nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import yaml
+
+from raytrain_hybrid.config import load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+CONFIGS = ROOT / "cluster_configs"
+
+# What `ray up` adds to an AWS node type from EC2's instance data (ray/autoscaler/_private/aws/
+# node_provider.py: the GPU count and `accelerator_type:<GpuInfo name>`; the type's own
+# `resources` win). Mirrored here for the instance types the config uses: no AWS call offline.
+EC2_GPUS = {"p5.48xlarge": ("H100", 8), "p4de.24xlarge": ("A100", 8)}
+
+# Small enough for two cores: the job file's layout and per-worker demand, a tiny model.
+TINY = [
+    "model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=2",
+    "model.ffn_hidden_size=128", "model.vocab_size=4096", "model.seq_len=32", "train.steps=1",
+    "train.warmup_steps=0", "train.dtype=float32", "parallelism.activation_checkpointing=false",
+    "data.path=memory", "cluster.backend=gloo", "run.startup_timeout_s=600",
+]  # fmt: skip
+
+
+def aws_worker_types() -> dict[str, dict]:
+    raw = yaml.safe_load((CONFIGS / "aws-gpu.yaml").read_text())
+    types = {}
+    for name, node in raw["available_node_types"].items():
+        if name == raw["head_node_type"]:
+            continue
+        gpu, count = EC2_GPUS[node["node_config"]["InstanceType"]]
+        types[name] = {"GPU": count, f"accelerator_type:{gpu}": 1, **node.get("resources", {})}
+    return types
+
+
+def gcp_worker_types() -> dict[str, dict]:
+    raw = yaml.safe_load((CONFIGS / "gcp-gpu.yaml").read_text())
+    return {
+        name: dict(node.get("resources", {}))
+        for name, node in raw["available_node_types"].items()
+        if name != raw["head_node_type"]
+    }
+
+
+def kuberay_worker_types(manifest: str = "kuberay-raycluster.yaml") -> dict[str, dict]:
+    """The node types Ray's autoscaler derives from the RayCluster (its KubeRay reader: group
+    `resources`, rayStartParams, container limits), less memory, which the jobs do not ask for."""
+    from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
+
+    doc = yaml.safe_load((CONFIGS / manifest).read_text())
+    cr = {"metadata": {"namespace": "default", **doc["metadata"]}, "spec": doc["spec"]}
+    if doc["kind"] == "RayJob":
+        cr["spec"] = doc["spec"]["rayClusterSpec"]
+    derived = _derive_autoscaling_config_from_ray_cr(cr)
+    return {
+        name: {k: v for k, v in node["resources"].items() if k != "memory"}
+        for name, node in derived["available_node_types"].items()
+        if name != derived["head_node_type"]
+    }
+
+
+def documented_job(config: str) -> str:
+    """The job a config's header submits (`... -- python -m raytrain_hybrid.cli train jobs/X.toml`)."""
+    match = re.search(r"raytrain_hybrid\.cli train (jobs/\S+\.toml)", (CONFIGS / config).read_text())
+    assert match, f"{config}: its header shows how to submit a job"
+    return match.group(1)
+
+
+def worker_demand(job: str) -> dict[str, float]:
+    """What each worker of the job asks Ray for (Ray Train: resources_per_worker, GPU, and
+    `accelerator_type:X: 0.001` for ScalingConfig(accelerator_type=X))."""
+    cluster = load_config(ROOT / job).cluster
+    demand = {"CPU": cluster.cpus_per_worker, "GPU": 1}
+    if cluster.accelerator_type:
+        demand[f"accelerator_type:{cluster.accelerator_type}"] = 0.001
+    return demand
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FakeCluster:
+    """A head (CPU only, no workers of its own) whose autoscaler launches fake nodes of the given
+    worker types. Its own ports, temp dir and process group; ended by that group, never a
+    machine-wide `ray stop` (other tests run Ray at the same time)."""
+
+    def __init__(self, name: str, worker_types: dict[str, dict], max_per_type: int = 2):
+        self.name = name
+        self.tmp = Path(tempfile.mkdtemp(prefix="rs"))  # short: Ray's socket paths live under it
+        token = self.tmp / "token"
+        token.write_text(secrets.token_hex(32))
+        self.env = {
+            **os.environ,
+            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN_PATH": str(token),
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "RAY_FAKE_CLUSTER": "1",
+            "AUTOSCALER_UPDATE_INTERVAL_S": "1",
+        }
+        self.env.pop("RAY_ADDRESS", None)
+        self.gcs_port, self.dash = _free_port(), _free_port()
+        self.address = f"http://127.0.0.1:{self.dash}"
+        import ray._private.services
+
+        ip = ray._private.services.get_node_ip_address()
+        head = {"resources": {"CPU": 0}, "node_config": {}, "max_workers": 0}
+        workers = {t: {"resources": r, "node_config": {}, "min_workers": 0, "max_workers": max_per_type}
+                   for t, r in worker_types.items()}  # fmt: skip
+        config = {
+            "cluster_name": name,
+            "max_workers": max_per_type * len(worker_types),
+            "upscaling_speed": 1.0,
+            "idle_timeout_minutes": 10,
+            # The fake provider starts Ray on its nodes itself (as KubeRay's operator does): no SSH
+            # updaters, and no "recovery" of a node whose first heartbeat is slow on a busy machine.
+            "provider": {
+                "type": "fake_multinode", "gcs_address": f"{ip}:{self.gcs_port}", "launch_multiple": True,
+                "disable_node_updaters": True, "disable_launch_config_check": True, "worker_liveness_check": False,
+            },
+            "auth": {},
+            "available_node_types": {"ray.head.default": head, **workers},
+            "head_node_type": "ray.head.default",
+            **{k: [] for k in ("cluster_synced_files", "rsync_exclude", "rsync_filter", "initialization_commands",
+                               "setup_commands", "head_setup_commands", "worker_setup_commands",
+                               "head_start_ray_commands", "worker_start_ray_commands")},
+            "file_mounts": {},
+            "file_mounts_sync_continuously": False,
+        }  # fmt: skip
+        cfg_path = self.tmp / "cluster.json"
+        cfg_path.write_text(json.dumps(config))
+        cmd = [
+            str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=0", f"--port={self.gcs_port}",
+            "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dash}", f"--ray-client-server-port={_free_port()}",
+            f"--temp-dir={self.tmp / 'ray'}", "--disable-usage-stats", f"--autoscaling-config={cfg_path}",
+            f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
+            f"--runtime-env-agent-port={_free_port()}", f"--metrics-export-port={_free_port()}",
+        ]  # fmt: skip
+        self.log = (self.tmp / "head.log").open("w")
+        self.head = subprocess.Popen(
+            cmd, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def ray(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(BIN / "ray"), *args], cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout
+        )
+
+    def wait_ready(self, deadline_s: float = 180) -> None:
+        deadline = time.time() + deadline_s
+        while True:
+            # The dashboard answers before its job agent does ("No available agent to submit job").
+            probe = self.ray("job", "submit", "--address", self.address, "--", "true", timeout=120)
+            if probe.returncode == 0:
+                return
+            if self.head.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"{self.name}: head took no job: {probe.stdout[-1500:]} {probe.stderr[-1500:]}")
+            time.sleep(2)
+
+    def status(self) -> str:
+        return self.ray("status", f"--address=127.0.0.1:{self.gcs_port}", timeout=120).stdout
+
+    def submit(self, job: str, *overrides: str, wait: bool = True) -> subprocess.CompletedProcess:
+        """The documented submit line, on the local runtime env (the GPU one pip-installs)."""
+        sets = [a for kv in overrides for a in ("--set", kv)]
+        return self.ray(
+            "job", "submit", "--address", self.address, *([] if wait else ["--no-wait"]),
+            "--working-dir", ".", "--runtime-env", "jobs/runtime_env_local.yaml",
+            "--", "python", "-m", "raytrain_hybrid.cli", "train", job, *sets,
+        )  # fmt: skip
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.head.pid, signal.SIGTERM)
+            self.head.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pass
+        except ProcessLookupError:
+            return
+        finally:
+            # Fake nodes are the autoscaler's children, in the head's group; gcs_server may
+            # ignore SIGTERM.
+            try:
+                os.killpg(self.head.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.head.wait()
+            self.log.close()
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def cluster_nodes(cluster: FakeCluster) -> list[dict]:
+    """Alive worker nodes (not the head) with their total resources, as the state API lists them."""
+    out = cluster.ray("list", "nodes", "--address", cluster.address, "--format=json", "--detail", timeout=120)
+    nodes = json.loads(out.stdout[out.stdout.index("[") :])
+    return [n for n in nodes if n["state"] == "ALIVE" and not n["is_head_node"]]
+
+
+def node_type_of(node: dict, types: dict[str, dict]) -> str | None:
+    """A fake node has exactly the resources its type declares (plus memory and the node's IP)."""
+    total = {k: v for k, v in node["resources_total"].items() if "memory" not in k and not k.startswith("node:")}
+    return next((name for name, res in types.items() if total == {k: float(v) for k, v in res.items()}), None)
+
+
+def providing_types(types: dict[str, dict], demand: dict[str, float]) -> list[str]:
+    return [name for name, res in types.items() if all(res.get(k, 0) >= v for k, v in demand.items())]
+
+
+# Each config's GPU worker node types, and the job its header submits.
+CASES = {
+    "aws-gpu.yaml": aws_worker_types,
+    "gcp-gpu.yaml": gcp_worker_types,
+    "kuberay-raycluster.yaml": kuberay_worker_types,
+}
+# A demand no node type of any config declares: the autoscaler must leave it pending.
+NOWHERE = "B200"
+
+
+@pytest.fixture(scope="module")
+def simulated(tmp_path_factory):
+    """One head per config (their node types cannot share one: a demand would be served by any
+    config's type), each running its documented job at once; the GCP head also gets the job asking
+    for an accelerator no type declares. Returns {config: {...}} for the tests below."""
+    runs: dict[str, dict] = {}
+    clusters = {name: FakeCluster(name.split(".")[0], types()) for name, types in CASES.items()}
+    try:
+        with ThreadPoolExecutor(len(clusters)) as pool:
+            list(pool.map(FakeCluster.wait_ready, clusters.values()))
+
+            def run(name: str) -> None:
+                cluster, job = clusters[name], documented_job(name)
+                out = tmp_path_factory.mktemp(name.split(".")[0])
+                started = time.time()
+                # A local output_dir on two nodes is refused unless shared: the fake nodes share this disk.
+                done = cluster.submit(job, *TINY, f"run.output_dir={out}", "run.shared_fs=true")
+                runs[name] = {"job": job, "done": done, "seconds": time.time() - started,
+                              "nodes": cluster_nodes(cluster), "status": cluster.status()}  # fmt: skip
+
+            gcp = clusters["gcp-gpu.yaml"]
+            stuck = gcp.submit(
+                documented_job("gcp-gpu.yaml"), *TINY, f"cluster.accelerator_type={NOWHERE}",
+                "run.startup_timeout_s=0", "run.shared_fs=true", f"run.output_dir={tmp_path_factory.mktemp('stuck')}",
+                wait=False,
+            )  # fmt: skip
+            list(pool.map(run, clusters))
+        # The stuck job's driver has asked long since (it started with the others); give the
+        # autoscaler a few more rounds (AUTOSCALER_UPDATE_INTERVAL_S=1) to act on it.
+        time.sleep(5)
+        monitor = next((gcp.tmp / "ray").glob("session_*/logs/monitor.log")).read_text()
+        runs["infeasible"] = {"submitted": stuck, "nodes": cluster_nodes(gcp), "status": gcp.status(),
+                              "monitor": monitor}  # fmt: skip
+        yield runs
+    finally:
+        with ThreadPoolExecutor(len(clusters)) as pool:
+            list(pool.map(FakeCluster.stop, clusters.values()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", list(CASES))
+def test_the_autoscaler_starts_the_right_node_type_and_the_job_steps(simulated, config):
+    run = simulated[config]
+    types = CASES[config]()
+    demand = worker_demand(run["job"])
+    (wanted,) = providing_types(types, demand)  # one type per accelerator: the check means something
+    done = run["done"]
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "step 1/1" in done.stdout and "succeeded" in done.stdout, done.stdout[-3000:]
+    started = [node_type_of(n, types) for n in run["nodes"]]
+    assert started and set(started) == {wanted}, (started, run["status"])
+    assert wanted in run["status"]  # the autoscaler names the type it launched
+    print(f"{config}: {run['job']} on {len(started)} x {wanted} in {run['seconds']:.0f} s")
+
+
+@pytest.mark.slow
+def test_a_demand_no_node_type_declares_starts_no_node(simulated):
+    stuck = simulated["infeasible"]
+    assert stuck["submitted"].returncode == 0, stuck["submitted"].stderr[-2000:]
+    types = gcp_worker_types()
+    assert not providing_types(types, {"GPU": 1, f"accelerator_type:{NOWHERE}": 0.001})
+    # Nothing but the H100 node of the job that could run.
+    assert {node_type_of(n, types) for n in stuck["nodes"]} == {"gpu_h100_8x"}, stuck["status"]
+    pending = f"'accelerator_type:{NOWHERE}': 0.001"
+    assert pending in stuck["status"].split("Pending Demands:")[1], stuck["status"]
+    assert re.search(rf"could not find a node type to satisfy the request: \[.*{pending}", stuck["monitor"])
