@@ -41,6 +41,9 @@ def ray_head():
         "RAY_AUTH_MODE": "token",
         "RAY_AUTH_TOKEN_PATH": str(token),
         "RAY_USAGE_STATS_ENABLED": "0",
+        # On SIGTERM the head would ask the GCS (ended by the same signal) to drain the node
+        # and wait up to 30 s for it: the teardown below would wait out its 10 s every time.
+        "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
     }
     env.pop("RAY_ADDRESS", None)
     dash = _free_port()
