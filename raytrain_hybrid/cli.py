@@ -159,31 +159,36 @@ def _check(args, cfg) -> int:
 
 
 def _train(cfg, resume: str | None = None, verbose: bool = False) -> int:
-    from pathlib import Path
-
     import ray
 
     from raytrain_hybrid.launch.driver import run
     from raytrain_hybrid.launch.progress import quiet_driver
+    from raytrain_hybrid.launch.rundir import RunDir, mirror_dir
 
     connected_before = ray.is_initialized()  # e.g. a notebook's or a test's own session
-    log = Path(cfg.run.output_dir) / "driver.log"
-    with quiet_driver(log, quiet=not verbose) as (out, err):
-        try:
-            summary = run(cfg, resume=resume, stream=out)
-        except (ConfigError, LayoutError):
-            raise
-        except Exception as exc:  # a worker failed: Ray's error carries its traceback
-            print(f"error: training failed: {exc}", file=err)
-            if not verbose:
-                print(f"Ray's output of this run: {log}", file=err)
-            return 1
-        finally:
-            if ray.is_initialized() and not connected_before:
-                ray.shutdown()  # inside: Ray's listener threads print until they stop
+    log = mirror_dir(cfg.run.output_dir) / "driver.log"  # the run dir itself, unless it is a URI
+    summary = None
+    try:
+        with quiet_driver(log, quiet=not verbose) as (out, err):
+            try:
+                summary = run(cfg, resume=resume, stream=out)
+            except (ConfigError, LayoutError):
+                raise
+            except Exception as exc:  # a worker failed: Ray's error carries its traceback
+                print(f"error: training failed: {exc}", file=err)
+                if not verbose:
+                    print(f"Ray's output of this run: {log}", file=err)
+                return 1
+            finally:
+                if ray.is_initialized() and not connected_before:
+                    ray.shutdown()  # inside: Ray's listener threads print until they stop
+    finally:
+        if log.exists():  # the run started: its driver.log goes where its other files went
+            RunDir.open(cfg.run.output_dir).sync()
+    newest = f"; newest checkpoint {summary['checkpoints'][-1]['path']}" if summary["checkpoints"] else ""
     print(
         f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
-        f"{summary['mean_tokens_per_s']:,.0f} tokens/s -> {cfg.run.output_dir}"
+        f"{summary['mean_tokens_per_s']:,.0f} tokens/s -> {cfg.run.output_dir}{newest}"
         + ("" if verbose else f" (Ray's output: {log.name})")
     )
     return 0

@@ -14,20 +14,23 @@ import torch
 
 from raytrain_hybrid.checkpoint.manifest import resolve
 from raytrain_hybrid.checkpoint.reader import SafeFileSystemReader
+from raytrain_hybrid.checkpoint.state import local_copy
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.errors import ConfigError
 from raytrain_hybrid.models import get_arch
 from raytrain_hybrid.models.common import build_stage
+from raytrain_hybrid.storage import Store
 
 
-def load_full_state_dict(path: Path, cfg: Config) -> dict[str, torch.Tensor]:
-    """Every model parameter of a checkpoint as one whole float32 tensor (project names)."""
+def load_full_state_dict(path: str | Path | Store, cfg: Config) -> dict[str, torch.Tensor]:
+    """Every model parameter of a checkpoint (local, or on storage: copied here first) as one
+    whole float32 tensor (project names)."""
     import torch.distributed.checkpoint as dcp
 
     spec = get_arch(cfg.model.arch)
     meta = build_stage(spec, spec.hf_config(cfg), list(range(spec.num_blocks(cfg.model))), first=True, last=True)
     state = {name: torch.empty(p.shape, dtype=torch.float32) for name, p in meta.named_parameters()}
-    dcp.load({"model": state}, storage_reader=SafeFileSystemReader(str(path)), no_dist=True)
+    dcp.load({"model": state}, storage_reader=SafeFileSystemReader(str(local_copy(path))), no_dist=True)
     return state
 
 

@@ -1,7 +1,9 @@
 """Finding and checking checkpoints on the driver, before anything starts.
 
 A checkpoint whose files do not match its manifest (missing, truncated, corrupted) is
-refused with the file named; a run directory means its newest intact checkpoint.
+refused with the file named; a run directory means its newest intact checkpoint. The same
+checks read a local directory, a shared mount or object storage (raytrain_hybrid.storage);
+the manifest is written last, so a checkpoint without one was cut short.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 
 from raytrain_hybrid.config import layout_dict
 from raytrain_hybrid.errors import ConfigError
+from raytrain_hybrid.storage import Store, as_store, is_uri
 
 MANIFEST = "manifest.json"
 
@@ -32,30 +35,39 @@ def layout_of(cfg) -> dict:
     return layout_dict(cfg.parallelism, MANIFEST_LAYOUT)
 
 
-def read_manifest(path: str | Path) -> dict:
+def read_manifest(path: str | Path | Store) -> dict:
     """The manifest of a checkpoint directory (unverified: see ``verify`` for the driver's check)."""
-    return json.loads((Path(path) / MANIFEST).read_text())
+    return json.loads(as_store(path).child(MANIFEST).read_text())
 
 
-def file_digest(path: Path) -> dict:
+def file_digest(path: str | Path | Store) -> dict:
+    f = as_store(path)
     h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
+    size = 0
+    with f.open_input() as stream:
+        for chunk in iter(lambda: stream.read(1 << 22), b""):
             h.update(chunk)
-    return {"size": path.stat().st_size, "sha256": h.hexdigest()}
+            size += len(chunk)
+    return {"size": size, "sha256": h.hexdigest()}
 
 
-def step_dirs(root: Path) -> list[Path]:
+def step_number(path: str | Path | Store) -> int | None:
+    """N of a ``step_<N>`` directory name, else None."""
+    m = _STEP_DIR.match(as_store(path).name)
+    return int(m.group(1)) if m else None
+
+
+def step_dirs(root: str | Path | Store) -> list[Store]:
     """Complete-looking ``step_<N>`` directories under ``root``, oldest first."""
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found)]
+    root = as_store(root)
+    found = [(int(m.group(1)), root.child(n)) for n in root.listdir() if (m := _STEP_DIR.match(n))]
+    return [p for _, p in sorted(found) if p.is_dir()]
 
 
-def verify(path: Path, key: str = "--resume") -> dict:
+def verify(path: str | Path | Store, key: str = "--resume") -> dict:
     """The manifest of a checkpoint whose every file is there, whole and unchanged."""
-    manifest_path = path / MANIFEST
+    path = as_store(path, key)
+    manifest_path = path.child(MANIFEST)
     if not manifest_path.is_file():
         raise ConfigError(
             key, str(path), f"is not a complete checkpoint: {MANIFEST} is missing (a save was cut short?)"
@@ -71,7 +83,7 @@ def verify(path: Path, key: str = "--resume") -> dict:
             key, str(path), f"has checkpoint format {manifest.get('format')}; this version reads {FORMAT}"
         )
     for name, want in sorted(files.items()):
-        f = path / name
+        f = path.child(name)
         if not f.is_file():
             raise ConfigError(key, str(path), f"is missing the shard {name} (of {len(files)} files)")
         got = file_digest(f)
@@ -82,14 +94,17 @@ def verify(path: Path, key: str = "--resume") -> dict:
     return manifest
 
 
-def resolve(path: str | Path, key: str = "--resume") -> tuple[Path, dict]:
-    """A checkpoint directory, or a run directory meaning its newest complete checkpoint."""
-    path = Path(path).expanduser().resolve()
+def resolve(path: str | Path | Store, key: str = "--resume") -> tuple[Store, dict]:
+    """A checkpoint directory, or a run directory meaning its newest complete checkpoint
+    (local, a mount, or a URI such as s3://bucket/run)."""
+    if not isinstance(path, Store) and not is_uri(str(path)):
+        path = Path(path).expanduser().resolve()
+    path = as_store(path, key)
     if not path.exists():
         raise ConfigError(key, str(path), "does not exist; give a run directory or a checkpoints/step_<N> directory")
-    if (path / MANIFEST).exists() or _STEP_DIR.match(path.name) or path.name.endswith(".partial"):
+    if path.child(MANIFEST).exists() or _STEP_DIR.match(path.name) or path.name.endswith(".partial"):
         return path, verify(path, key)
-    candidates = step_dirs(path / "checkpoints") or step_dirs(path)
+    candidates = step_dirs(path.child("checkpoints")) or step_dirs(path)
     if not candidates:
         raise ConfigError(key, str(path), "holds no checkpoints (checkpoints/step_<N>/); was checkpoint.interval set?")
     errors = []
@@ -101,7 +116,7 @@ def resolve(path: str | Path, key: str = "--resume") -> tuple[Path, dict]:
     raise ConfigError(key, str(path), f"holds no intact checkpoint: {'; '.join(errors)}")
 
 
-def check_compatible(cfg, manifest: dict, path: Path) -> None:
+def check_compatible(cfg, manifest: dict, path: str | Path | Store) -> None:
     """The checkpoint's model must be this config's model; the run must have steps left."""
     saved = manifest["config"]["model"]
     for field in dataclasses.fields(cfg.model):

@@ -9,9 +9,9 @@ Layout of ``run.output_dir/checkpoints/step_<N>/`` (N = optimizer steps done):
 - ``manifest.json``: the step, the config and layout it came from, the data position,
   and every file's size and SHA-256, gathered from all ranks (checkpoint.manifest).
 
-A save goes to ``step_<N>.partial/`` and is renamed to ``step_<N>`` by rank 0 once
-every rank's files and the manifest are written, so a crash mid-write never leaves a
-directory that looks complete.
+``run.output_dir`` may be a local path, a shared mount or an object-store URI
+(raytrain_hybrid.storage); the layout is the same on each, and a checkpoint is complete
+only with its manifest (see save_checkpoint for how each backend gets there).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from raytrain_hybrid.checkpoint.manifest import (
     read_manifest,
 )
 from raytrain_hybrid.checkpoint.reader import SafeFileSystemReader
+from raytrain_hybrid.storage import Store, as_store, open_store
 
 
 def _fqn(name: str) -> str:
@@ -97,31 +99,47 @@ def _training_state(trainer, rank: int, with_rng: bool) -> tuple[dict, list[dict
     return state, per_module
 
 
-def save_checkpoint(trainer, cfg, step: int, *, launch_id: str, data_position: dict | None = None) -> tuple[Path, dict]:
+def save_checkpoint(
+    trainer, cfg, step: int, *, launch_id: str, data_position: dict | None = None
+) -> tuple[Store, dict]:
     """Write checkpoint ``step_<step>`` of this run (every rank calls it); returns its directory
-    and timings: ``write_s`` for DCP's write of the shards, ``save_s`` for all of it."""
+    and timings: ``write_s`` for DCP's write of the shards, ``save_s`` for all of it.
+
+    On a local disk or a shared mount the shards are written in place into ``step_<N>.partial``
+    and renamed (atomic). On object storage, where nothing is renamed, each rank writes its
+    shards to its own node's disk and uploads them itself (no rank reads another node's disk),
+    and rank 0 writes the manifest once every rank's upload is done: a checkpoint is complete
+    exactly when its manifest exists."""
     import time
 
-    t0 = time.perf_counter()
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
+    t0 = time.perf_counter()
     rank, world = dist.get_rank(), dist.get_world_size()
-    root = Path(cfg.run.output_dir).resolve() / "checkpoints"
-    final, partial = root / f"step_{step}", root / f"step_{step}.partial"
+    root = open_store(cfg.run.output_dir).child("checkpoints")
+    final = root.child(f"step_{step}")
+    staging = _staging_dir(root, launch_id, step, rank)
     if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)  # a save that died before this one
-        partial.mkdir(parents=True)
+        (root.child(f"step_{step}.partial") if root.local else final).delete()  # an attempt that died
+        if root.local:
+            os.makedirs(staging)
+    if not root.local:
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(staging)
     dist.barrier()
     state, _ = _training_state(trainer, rank, with_rng=True)
-    dcp.save(state, checkpoint_id=str(partial))
+    dcp.save(state, checkpoint_id=str(staging))
     write_s = time.perf_counter() - t0
-    # Each rank hashes the files it wrote; rank 0 records them all.
-    mine = {p.name: file_digest(p) for p in partial.iterdir() if p.name.startswith(f"__{rank}_")}
+    # Each rank hashes the files it wrote (and uploads them); rank 0 records them all.
+    mine = {p.name: file_digest(p) for p in staging.iterdir() if p.name.startswith(f"__{rank}_")}
     if rank == 0:
-        mine[".metadata"] = file_digest(partial / ".metadata")
+        mine[".metadata"] = file_digest(staging / ".metadata")
+    if not root.local:
+        final.upload(str(staging))
+        shutil.rmtree(staging, ignore_errors=True)
     files: list[dict] = [{} for _ in range(world)]
-    dist.all_gather_object(files, mine)
+    dist.all_gather_object(files, mine)  # also the barrier after every rank's upload
     if rank == 0:
         manifest = {
             "format": FORMAT,
@@ -133,21 +151,53 @@ def save_checkpoint(trainer, cfg, step: int, *, launch_id: str, data_position: d
             "data_position": data_position or {},
             "files": {name: d for part in files for name, d in part.items()},
         }
-        (partial / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        if final.exists():  # the same step of an earlier attempt of this run (after a restart)
-            shutil.rmtree(final)
-        os.rename(partial, final)  # atomic: the directory appears complete or not at all
+        text = json.dumps(manifest, indent=1) + "\n"
+        if root.local:
+            (staging / MANIFEST).write_text(text)
+            final.delete()  # the same step of an earlier attempt of this run (after a restart)
+            os.rename(staging, final.path)  # atomic: the directory appears complete or not at all
+        else:
+            final.child(MANIFEST).write_text(text)  # last: the checkpoint is complete from here on
     dist.barrier()
     return final, {"write_s": write_s, "save_s": time.perf_counter() - t0}
 
 
-def load_checkpoint(trainer, cfg, path: str | Path) -> dict:
+def _staging_dir(root: Store, launch_id: str, step: int, rank: int) -> Path:
+    """Where this rank's DCP files are written: in place beside the final directory on a local
+    disk or a mount, else this node's temp dir (one directory per rank: ranks on one node do
+    not share it)."""
+    if root.local:
+        return Path(root.path) / f"step_{step}.partial"
+    return Path(tempfile.gettempdir()) / "raytrain-hybrid-ckpt" / launch_id / f"step_{step}" / f"rank{rank}"
+
+
+def local_copy(path: str | Path | Store) -> Path:
+    """A checkpoint directory on this node's disk: itself when local, else downloaded once per
+    node (ranks on one node take turns on a lock; the first downloads, the rest reuse it)."""
+    import fcntl
+    import hashlib
+
+    store = as_store(path, "--resume")
+    if store.local:
+        return Path(store.path)
+    key = hashlib.sha256(store.uri.encode()).hexdigest()[:16]
+    target = Path(tempfile.gettempdir()) / "raytrain-hybrid-ckpt" / "downloads" / f"{store.name}-{key}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{target}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / MANIFEST).exists():
+            shutil.rmtree(target, ignore_errors=True)
+            store.download(str(target))
+    return target
+
+
+def load_checkpoint(trainer, cfg, path: str | Path | Store) -> dict:
     """Load a verified checkpoint into this rank's modules and optimizer; returns its manifest."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    path = Path(path)
+    path = local_copy(path)
     manifest = read_manifest(path)
     rank = dist.get_rank()
     same_layout = manifest["world_size"] == dist.get_world_size() and manifest["layout"] == layout_of(cfg)

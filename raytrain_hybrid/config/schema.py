@@ -300,8 +300,14 @@ class CheckpointConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
-    # Directory that receives metrics.jsonl, summary.json and checkpoints/step_<N>/.
+    # Where the run keeps metrics.jsonl, summary.json, config.json, driver.log, TensorBoard
+    # files and checkpoints/step_<N>/: a local directory, a shared mount, or a URI pyarrow
+    # opens (s3://bucket/run, gs://bucket/run; endpoint and credentials from the environment).
+    # On a cluster of several nodes only storage every node reaches will do.
     output_dir: str = "runs/latest"
+    # run.output_dir is a filesystem mounted at the same path on every node (NFS, Lustre,
+    # EFS, ...): a local path is then allowed on a cluster of several nodes.
+    shared_fs: bool = False
     # Show progress on the driver: a live bar on a terminal, one line per step otherwise.
     progress: bool = True
     # Worker-group restarts after a worker dies (Ray Train FailureConfig); each restart

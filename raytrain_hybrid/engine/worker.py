@@ -13,7 +13,6 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +28,7 @@ from raytrain_hybrid.distributed.parallel_dims import ParallelDims, arrange_rank
 from raytrain_hybrid.engine.evaluation import ValidationSet, evaluate
 from raytrain_hybrid.engine.feed import ReplicaFeed
 from raytrain_hybrid.engine.trainer import Trainer
+from raytrain_hybrid.storage import Store
 
 NextBatch = Callable[[int], Batch | None]  # step -> this replica's batch; None: the data ran out
 
@@ -53,7 +53,7 @@ def run_worker(
     val_fn: Callable[[], object] | None = None,
     resume: str | None = None,
     launch_id: str = "",
-    on_checkpoint: Callable[[int, Path, dict], None] | None = None,
+    on_checkpoint: Callable[[int, Store, dict], None] | None = None,
     marks: dict | None = None,
 ) -> dict:
     """Train up to ``cfg.train.steps`` steps; returns per-step metrics and this rank's memory stats.
@@ -134,7 +134,7 @@ class StepLoop:
     position: StreamPosition | None  # replica leaders reading Ray Data only
     validation: ValidationSet | None
     on_step: Callable[[dict], None] | None  # rank 0 only
-    on_checkpoint: Callable[[int, Path, dict], None] | None
+    on_checkpoint: Callable[[int, Store, dict], None] | None
     launch_id: str
     marks: dict
     history: list[dict] = field(default_factory=list)

@@ -13,10 +13,9 @@ import json
 import threading
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
-from raytrain_hybrid.checkpoint.manifest import check_compatible, resolve, step_dirs
+from raytrain_hybrid.checkpoint.manifest import check_compatible, resolve, step_dirs, step_number
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.errors import ConfigError
 from raytrain_hybrid.launch.entry import train_loop_per_worker
@@ -24,8 +23,10 @@ from raytrain_hybrid.launch.inputs import build_datasets, prepare_input, reader_
 from raytrain_hybrid.launch.placement import worker_resources
 from raytrain_hybrid.launch.preflight import check_placement, waiting_for
 from raytrain_hybrid.launch.progress import RunLog
+from raytrain_hybrid.launch.rundir import RunDir
 from raytrain_hybrid.launch.session import ensure_ray, resolve_use_gpu, use_train_v2
 from raytrain_hybrid.launch.summary import startup_breakdown, summarize
+from raytrain_hybrid.storage import open_store
 
 
 class StartupTimeout(RuntimeError):
@@ -35,35 +36,35 @@ class StartupTimeout(RuntimeError):
 def check_resume(cfg: Config, resume: str | None) -> tuple[str | None, list[dict]]:
     """Before anything starts: the checkpoint to resume is intact and fits this config, and no
     earlier run's checkpoints in run.output_dir would be overwritten. Returns the checkpoint
-    directory and the metrics history to keep (the resumed run's, when it continues in place)."""
-    out_dir = Path(cfg.run.output_dir).resolve()
-    ckpt_root = out_dir / "checkpoints"
+    (path or URI) and the metrics history to keep (the resumed run's, when it continues in place)."""
+    out = open_store(cfg.run.output_dir)
+    ckpt_root = out.child("checkpoints")
     existing = step_dirs(ckpt_root)
     if resume is None:
         if existing:
             raise ConfigError(
                 "run.output_dir",
-                str(out_dir),
+                out.uri,
                 f"holds checkpoints of an earlier run ({existing[-1].name}); continue it with "
-                f"--resume {out_dir}, or choose another run.output_dir",
+                f"--resume {out.uri}, or choose another run.output_dir",
             )
-        (ckpt_root / "checkpoint_manager_snapshot.json").unlink(missing_ok=True)  # Ray's, of a run with none
+        ckpt_root.child("checkpoint_manager_snapshot.json").delete()  # Ray's, of a run with none
         return None, []
     path, manifest = resolve(resume)
     check_compatible(cfg, manifest, path)
-    later = [p for p in existing if int(p.name.split("_")[1]) > manifest["step"]]
+    later = [p for p in existing if step_number(p) > manifest["step"]]
     if later:
         raise ConfigError(
             "run.output_dir",
-            str(out_dir),
+            out.uri,
             f"resuming {path.name} here would overwrite the later {later[-1].name}; "
             "resume into another run.output_dir (--set run.output_dir=...)",
         )
     history = []
-    metrics = out_dir / "metrics.jsonl"
-    if path.parent == ckpt_root and metrics.exists():  # continuing in place: keep the steps before
+    metrics = out.child("metrics.jsonl")
+    if path.parent.uri == ckpt_root.uri and metrics.exists():  # continuing in place: keep the steps before
         history = [h for h in map(json.loads, metrics.read_text().splitlines()) if h["step"] < manifest["step"]]
-    return str(path), history
+    return path.uri, history
 
 
 def run(cfg: Config, resume: str | None = None, stream=None) -> dict:
@@ -78,26 +79,33 @@ def run(cfg: Config, resume: str | None = None, stream=None) -> dict:
     marks = {"launched": time.time()}
     cfg, resume, kept_history = prepare_run_dir(cfg, resume)
     use_gpu, resources = open_session(cfg, marks)
+    open_store(cfg.run.output_dir).makedirs()  # only now: a refused run leaves nothing behind
     cfg = prepare_input(cfg)
     marks["input_checked"] = time.time()
     sink = Queue(actor_options={"num_cpus": 0})  # rank 0's events, see the module docstring
     trainer = make_trainer(cfg, sink=sink, use_gpu=use_gpu, resources=resources, resume=resume)
-    out_dir = Path(cfg.run.output_dir)
-    run_log = RunLog(out_dir, steps=cfg.train.steps, progress=cfg.run.progress, history=kept_history, stream=stream)
+    run_dir = RunDir.open(cfg.run.output_dir)
+    run_log = RunLog(
+        run_dir.local,
+        steps=cfg.train.steps,
+        progress=cfg.run.progress,
+        history=kept_history,
+        stream=stream,
+        on_checkpoint=run_dir.sync,
+    )
     with contextlib.closing(run_log):
         watch(trainer, sink, run_log, cfg.run.startup_timeout_s, marks)
-    summary = write_results(cfg, run_log, marks)
+    summary = write_results(cfg, run_log, marks, run_dir)
     ray.kill(sink.actor)
     return summary
 
 
 def prepare_run_dir(cfg: Config, resume: str | None) -> tuple[Config, str | None, list[dict]]:
-    """run.output_dir made absolute (workers run in another cwd, on other nodes), the resume
-    checked (see check_resume) and the directory created."""
-    out_dir = Path(cfg.run.output_dir).resolve()
-    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, output_dir=str(out_dir)))
+    """run.output_dir as workers on any node reach it (a local path made absolute, a URI as
+    it is), and the resume checked (see check_resume)."""
+    out = open_store(cfg.run.output_dir)
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, output_dir=out.uri))
     resume, kept_history = check_resume(cfg, resume)
-    out_dir.mkdir(parents=True, exist_ok=True)
     return cfg, resume, kept_history
 
 
@@ -182,12 +190,12 @@ def watch(trainer, sink, run_log: RunLog, startup_timeout_s: float, marks: dict)
         raise outcome["error"]
 
 
-def write_results(cfg: Config, run_log: RunLog, marks: dict) -> dict:
+def write_results(cfg: Config, run_log: RunLog, marks: dict, run_dir: RunDir) -> dict:
     """summary.json and the run's config.json in run.output_dir; returns the summary."""
-    out_dir = Path(cfg.run.output_dir)
     summary = summarize(cfg, run_log.history, run_log.memory, run_log.restarts)
     summary["startup_s"] = startup_breakdown({**marks, **run_log.marks})
     summary["checkpoints"] = run_log.checkpoints
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    (run_dir.local / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (run_dir.local / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    run_dir.sync()
     return summary

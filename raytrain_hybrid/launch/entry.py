@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import posixpath
 import time
 from typing import Any
 
 from raytrain_hybrid.checkpoint.manifest import read_manifest
 from raytrain_hybrid.config import Config
+from raytrain_hybrid.storage import open_store
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
@@ -35,13 +37,19 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             sink.put(("step", metrics))
 
     def on_checkpoint(steps_done: int, path, metrics: dict) -> None:
-        # Written in place (under Ray Train's run directory): rank 0 registers it, so that a
-        # restarted worker group gets it from ray.train.get_checkpoint(), and `keep` applies.
+        # Written where it stays (under Ray Train's run directory, on any storage): rank 0
+        # registers it on Ray Train's own filesystem, so that a restarted worker group gets it
+        # from ray.train.get_checkpoint() and `keep` prunes there.
         from ray.train import Checkpoint
         from ray.train.v2.api.report_config import CheckpointUploadMode
 
         report = {"loss": metrics["loss"], "step": steps_done}
-        ckpt = Checkpoint(str(path)) if rank == 0 else None
+        ckpt = None
+        if rank == 0:
+            storage = ray.train.get_context().get_storage()
+            ckpt = Checkpoint(
+                posixpath.join(storage.experiment_fs_path, path.name), filesystem=storage.storage_filesystem
+            )
         ray.train.report(report, checkpoint=ckpt, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
         if rank == 0 and sink is not None:
             timings = {k: metrics[k] for k in ("write_s", "save_s")}
@@ -56,7 +64,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         val_fn=(lambda: ray.train.get_dataset_shard("val"))
         if cfg.data.val_path and cfg.data.path != "memory"
         else None,
-        resume=_restart_point(loop_config),
+        resume=_restart_point(cfg, loop_config),
         launch_id=loop_config["launch_id"],
         on_checkpoint=on_checkpoint,
         marks=marks,
@@ -67,7 +75,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     ray.train.report({"loss": last["loss"], "step": last["step"]})
 
 
-def _restart_point(loop_config: dict) -> str | None:
+def _restart_point(cfg: Config, loop_config: dict) -> str | None:
     """Where this worker group starts: this launch's newest checkpoint after a restart, else
     the checkpoint given with --resume, else nothing. (Ray Train also hands back checkpoints of
     an earlier launch into the same directory; the manifest's launch id tells them apart.)"""
@@ -75,7 +83,9 @@ def _restart_point(loop_config: dict) -> str | None:
 
     latest = ray.train.get_checkpoint()
     if latest is not None:
-        manifest = read_manifest(latest.path)
+        # Ray hands it back as a path on its filesystem; read it by the run's own URI.
+        path = open_store(cfg.run.output_dir).child("checkpoints", posixpath.basename(latest.path.rstrip("/")))
+        manifest = read_manifest(path)
         if manifest.get("launch_id") == loop_config["launch_id"]:
-            return latest.path
+            return path.uri
     return loop_config.get("resume")

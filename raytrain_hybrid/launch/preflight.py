@@ -6,6 +6,7 @@ from raytrain_hybrid.config import Config
 from raytrain_hybrid.distributed.parallel_dims import ParallelDims, arrange_ranks
 from raytrain_hybrid.errors import ConfigError
 from raytrain_hybrid.launch.placement import live_node_totals, predict_workers_per_node
+from raytrain_hybrid.storage import open_store
 
 
 def check_placement(cfg: Config, resources: dict[str, float]) -> list[int] | None:
@@ -18,10 +19,29 @@ def check_placement(cfg: Config, resources: dict[str, float]) -> list[int] | Non
     dims = ParallelDims.from_config(par)
     nodes = live_node_totals()
     counts = predict_workers_per_node(nodes, dims.world_size, resources, cfg.cluster.placement_strategy)
+    _check_output_dir(cfg, nodes, counts)
     if counts is not None:
         arrange_ranks(dims, [f"node{i}" for i, c in enumerate(counts) for _ in range(c)])
         _check_data_cpus(cfg, nodes, dims.world_size)
     return counts
+
+
+def _check_output_dir(cfg: Config, nodes: list[dict], counts: list[int] | None) -> None:
+    """A local run.output_dir works only where every worker sees the driver's disk: one node.
+    Elsewhere each node would keep its own shards and a restart, --resume or export on another
+    node would find nothing. (No placement yet, ``counts`` None, means workers wait for nodes
+    an autoscaler has still to add: other nodes.)"""
+    out = open_store(cfg.run.output_dir)
+    if not out.local or cfg.run.shared_fs or (len(nodes) <= 1 and counts is not None):
+        return
+    where = f"the cluster has {len(nodes)} nodes" if len(nodes) > 1 else "the workers will run on nodes still to come"
+    raise ConfigError(
+        "run.output_dir",
+        cfg.run.output_dir,
+        f"is a directory on this node's disk and {where}, each with its own disk; use storage every node "
+        "reaches: an object-store URI (e.g. s3://bucket/run, gs://bucket/run), or a filesystem mounted on "
+        "every node with run.shared_fs=true",
+    )
 
 
 def _check_data_cpus(cfg: Config, nodes: list[dict], world: int) -> None:

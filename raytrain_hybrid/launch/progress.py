@@ -91,6 +91,7 @@ class RunLog:
         tensorboard: bool = True,
         history: list[dict] | None = None,
         stream=None,
+        on_checkpoint=None,
     ) -> None:
         stream = stream or sys.stdout  # the terminal, also when quiet_driver diverts sys.stdout
         self.steps = steps
@@ -101,6 +102,7 @@ class RunLog:
         self.live_steps = 0  # steps reported by this launch's workers
         self.checkpoints: list[dict] = []  # step, path, write_s, save_s
         self.marks: dict = {}  # rank 0's start-up phases (wall clock)
+        self.on_checkpoint = on_checkpoint  # e.g. copy the run's files to its URI
         self.file = self.path.open("w")
         for m in history or ():  # the steps a resumed run did before its checkpoint
             self._record(m)
@@ -142,6 +144,10 @@ class RunLog:
         elif kind == "checkpoint":
             self.checkpoints.append(payload)
             self._say(f"checkpoint: {payload['step']} steps -> {payload['path']} ({payload['save_s']:.2f} s)")
+            if self.on_checkpoint is not None:
+                if self.tb is not None:
+                    self.tb.flush()
+                self.on_checkpoint()
         elif kind == "done":
             self.memory = payload["memory"]
             self.marks = payload.get("marks", {})

@@ -1,0 +1,42 @@
+"""The driver's files of a run (metrics.jsonl, summary.json, config.json, driver.log, TensorBoard)
+and where they end up: run.output_dir, on a local disk, a shared mount or object storage.
+
+On a local path the driver writes there directly. For a URI it writes to a local mirror and
+copies the mirror to the URI at every checkpoint and at the end, so a cluster that goes away
+keeps what its run wrote (nothing lands in the working directory).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from raytrain_hybrid.storage import Store, open_store
+
+
+def mirror_dir(output_dir: str) -> Path:
+    """Where the driver writes a run's files before they reach ``output_dir`` (itself when local)."""
+    store = open_store(output_dir)
+    if store.local:
+        return Path(store.path)
+    key = hashlib.sha256(store.uri.encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / "raytrain-hybrid-runs" / key
+
+
+@dataclass(frozen=True)
+class RunDir:
+    store: Store
+    local: Path
+
+    @classmethod
+    def open(cls, output_dir: str) -> RunDir:
+        local = mirror_dir(output_dir)
+        local.mkdir(parents=True, exist_ok=True)
+        return cls(open_store(output_dir), local)
+
+    def sync(self) -> None:
+        """Copy the mirror's files to the run's URI (nothing to do for a local run)."""
+        if not self.store.local:
+            self.store.upload(str(self.local))
