@@ -43,6 +43,7 @@ def main() -> None:
                     "cluster.use_gpu=true",
                     "cluster.backend=gloo",  # fake GPUs: CUDA is absent, workers fall back to the CPU
                     f"run.output_dir={out}",
+                    "run.shared_fs=true",  # the simulated nodes share this machine's disk
                     "run.progress=false",
                 ],
             )
