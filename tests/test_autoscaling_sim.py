@@ -5,6 +5,7 @@ first step on a node of the right type. A demand no node type declares starts no
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -184,7 +185,8 @@ class FakeCluster:
         return self.ray("status", f"--address=127.0.0.1:{self.gcs_port}", timeout=120).stdout
 
     def submit(self, job: str, *overrides: str, wait: bool = True) -> subprocess.CompletedProcess:
-        """The documented submit line, on the local runtime env (the GPU one pip-installs)."""
+        """The documented submit line, with the local runtime env (the GPU one pip-installs torch from
+        PyPI on every node, which these offline fake nodes cannot)."""
         sets = [a for kv in overrides for a in ("--set", kv)]
         return self.ray(
             "job", "submit", "--address", self.address, *([] if wait else ["--no-wait"]),
@@ -193,23 +195,15 @@ class FakeCluster:
         )  # fmt: skip
 
     def stop(self) -> None:
-        try:
-            os.killpg(self.head.pid, signal.SIGTERM)
-            self.head.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            pass
-        except ProcessLookupError:
-            return
-        finally:
-            # Fake nodes are the autoscaler's children, in the head's group; gcs_server may
-            # ignore SIGTERM.
-            try:
-                os.killpg(self.head.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.head.wait()
-            self.log.close()
-            shutil.rmtree(self.tmp, ignore_errors=True)
+        """SIGTERM to the head's process group, then SIGKILL to what is left of it: gcs_server may
+        ignore SIGTERM, and the fake nodes (the autoscaler's children) are in the group too."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.head.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.head.wait(timeout=15)
+        self.log.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def cluster_nodes(cluster: FakeCluster) -> list[dict]:
