@@ -329,3 +329,14 @@ def test_cluster_readme_says_how_a_client_gets_the_token():
     assert "ray get-auth-token --generate" in text
     assert "kubectl get secret raytrain-hybrid -o jsonpath='{.data.auth_token}'" in text
     assert "RAY_AUTH_MODE=token" in text
+
+
+@pytest.mark.parametrize("job", GPU_JOBS, ids=lambda p: p.name)
+def test_every_gpu_job_checkpoints_to_object_storage_and_survives_failures(job):
+    """On a cluster a run keeps its files only on storage every node reaches: the GPU jobs save
+    checkpoints, keep a few, allow worker-group restarts, and write to an object-store URI."""
+    cfg = load_config(job)
+    assert cfg.run.output_dir.startswith(("s3://", "gs://")), cfg.run.output_dir
+    assert cfg.checkpoint.interval > 0 and 0 < cfg.checkpoint.keep <= 5
+    assert cfg.checkpoint.interval <= cfg.train.steps
+    assert cfg.run.max_failures > 0
