@@ -3,6 +3,8 @@ as working directory) and produce their pictures."""
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -11,13 +13,36 @@ ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 
 
-def execute(name: str):
+def execute(name: str, env: dict[str, str]):
     import nbformat
     from nbclient import NotebookClient
 
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
-    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
+    client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}})
+    client.execute(env=env)
     return nb
+
+
+NOTEBOOK_OF = {
+    "test_layout_explorer": "layout_explorer.ipynb",
+    "test_sweep_analysis": "sweep_analysis.ipynb",
+    "test_quick_start_trains_on_local_ray": "quick_start.ipynb",
+}
+
+
+@pytest.fixture(scope="module")
+def executed(request):
+    """The notebooks of this file's selected tests, executed side by side, a kernel each (their
+    start-up and imports, and the quick start's waits on Ray, overlap); a future per notebook."""
+    names = {NOTEBOOK_OF[item.originalname] for item in request.session.items if item.module is request.module}
+    env = {}
+    if "quick_start.ipynb" in names:
+        # The kernel joins the session's cluster through RAY_ADDRESS, as the notebook says a user
+        # with a running cluster does (without it, the notebook starts its own: a minute more here).
+        env["RAY_ADDRESS"] = request.getfixturevalue("ray_local").get_runtime_context().gcs_address
+    env = {**os.environ, **env}  # after Ray's start, which sets the cluster's token variables here
+    with ThreadPoolExecutor(len(names)) as pool:
+        yield {name: pool.submit(execute, name, env) for name in names}
 
 
 def outputs(nb, kind: str) -> list:
@@ -32,8 +57,8 @@ def text(nb) -> str:
     return "".join(o.get("text", "") for o in outputs(nb, "stream"))
 
 
-def test_layout_explorer():
-    nb = execute("layout_explorer.ipynb")
+def test_layout_explorer(executed):
+    nb = executed["layout_explorer.ipynb"].result()
     out = text(nb)
     assert "fit in 74.5 GiB per device" in out
     assert "dp  tp  pp" in out
@@ -42,19 +67,16 @@ def test_layout_explorer():
     assert images(nb) == 2  # memory breakdown, schedule timelines
 
 
-def test_sweep_analysis():
-    nb = execute("sweep_analysis.ipynb")
+def test_sweep_analysis(executed):
+    nb = executed["sweep_analysis.ipynb"].result()
     out = text(nb)
     assert "Spearman rank correlation, predicted vs measured tokens/s: 0.905" in out  # the committed benchmark
     assert images(nb) == 1
 
 
 @pytest.mark.slow
-def test_quick_start_trains_on_local_ray(ray_local, monkeypatch):
-    # The kernel joins the session's cluster through RAY_ADDRESS, as the notebook says a user
-    # with a running cluster does (without it, the notebook starts its own: a minute more here).
-    monkeypatch.setenv("RAY_ADDRESS", ray_local.get_runtime_context().gcs_address)
-    nb = execute("quick_start.ipynb")
+def test_quick_start_trains_on_local_ray(executed):
+    nb = executed["quick_start.ipynb"].result()
     out = text(nb)
     assert "6 steps, final loss" in out
     assert out.count("rank ") >= 8
