@@ -8,7 +8,9 @@ labelled rows are read from the files and derived again here; the loss, clipping
 the learning-rate schedule are stock PyTorch or written again. Its one input from the
 engine is the initial state: the engine's parameters before its first step, gathered to
 full tensors under the engine's names (tests/gloo_harness.initial_state; the init rule
-itself is tested on its own in tests/test_oracle.py).
+itself is tested on its own in tests/test_oracle.py). On Ray Data input the documents (or
+labelled rows) are read through the launcher's own Ray Dataset, since Ray's local shuffle
+order cannot be redone outside Ray; joining, windowing, batching and the shift are done here.
 
 What it returns, per step: the loss, the global gradient norm, the learning rate and every
 parameter's gradient norm under the engine's names, all taken where the engine's optimizer

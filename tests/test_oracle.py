@@ -169,13 +169,16 @@ def test_gpt2_layout_matches_single_process(name):
     assert_replicas_share_rows(result["memory"], GPT2_CASES[name])
 
 
-def test_the_oracle_notices_one_scaled_gradient():
+@pytest.mark.parametrize("case", ["1x2x2", "2x2x2-zero1"])
+def test_the_oracle_notices_one_scaled_gradient(case):
     """One layer's q_proj gradient doubled before the optimizer step (a test-only hook in the
-    gloo processes): AdamW's update is blind to a constant factor, so every loss and the
-    logged global norm still match; the per-parameter gradient norms do not."""
+    gloo processes; under ZeRO-1 on the reduced slices): AdamW's update is blind to a constant
+    factor, so every loss and the logged global norm still match; the per-parameter gradient
+    norms do not."""
     name = "model.layers.1.self_attn.q_proj.weight"
     reference = reference_history(SHORT + MEMORY, "memory")
-    result = run_gloo([*SHORT, *MEMORY, *layout(1, 2, 2, "1F1B", 2)], scale=(name, 2.0))
+    where = layout(1, 2, 2, "1F1B", 2) if case == "1x2x2" else layout(2, 2, 2, "1F1B", 2, 1)
+    result = run_gloo([*SHORT, *MEMORY, *where], scale=(name, 2.0))
     assert_matches(result["history"], reference)  # what the oracle compared before: all pass
     bad = oracle_mismatches(result, reference)
     scaled = [b for b in bad if b.startswith(f"gradient norm of {name} ")]
