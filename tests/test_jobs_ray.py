@@ -149,8 +149,10 @@ def test_a_job_whose_workers_take_every_cpu_is_refused(ray_head):
 def test_a_job_that_cannot_start_stops_and_says_what_ray_waits_for(ray_head):
     """12 workers cannot be placed on 10 CPUs (an autoscaler might add nodes, so no refusal up
     front): the start-up watchdog ends the job and names the pending placement group."""
+    # run.shared_fs: the group may wait for nodes still to come, so a local output directory is
+    # refused up front unless every node shares it (here they would: one machine).
     layout = ["parallelism.dp=6", "parallelism.pp=1", "parallelism.microbatches=1", "train.global_batch_size=24",
-              "run.startup_timeout_s=15"]  # fmt: skip
+              "run.startup_timeout_s=15", "run.shared_fs=true"]  # fmt: skip
     done = _submit(ray_head, "rh-stuck", *[a for kv in layout for a in ("--set", kv)])
     assert done.returncode != 0
     logs = _logs(ray_head, "rh-stuck")
