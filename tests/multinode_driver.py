@@ -39,12 +39,12 @@ def main() -> None:
             cfg = load_config(
                 None,
                 [
-                    *overrides,
                     "cluster.use_gpu=true",
                     "cluster.backend=gloo",  # fake GPUs: CUDA is absent, workers fall back to the CPU
                     f"run.output_dir={out}",
                     "run.shared_fs=true",  # the simulated nodes share this machine's disk
                     "run.progress=false",
+                    *overrides,  # last: a case may override the keys above
                 ],
             )
             try:

@@ -30,6 +30,8 @@ def two_nodes():
         "1x4x2": [*COMMON, *_layout(1, 4, 2, 2), "train.steps=1"],
         "2x2x2": [*COMMON, *_layout(2, 2, 2, 4)],
         "tp8": [*COMMON, *_layout(1, 8, 1, 1), "model.num_heads=8", "model.ffn_hidden_size=512"],
+        # A directory on the driver's disk, not declared shared: each node would keep its own part.
+        "local_out": [*COMMON, *_layout(2, 2, 2, 4), "run.shared_fs=false"],
     }
     spec = {"nodes": [4, 4], "cases": cases}
     argv = [sys.executable, str(HERE / "multinode_driver.py"), json.dumps(spec)]
@@ -73,3 +75,9 @@ def test_oracle_holds_on_two_nodes(two_nodes):
 def test_tp_larger_than_a_node_fails_with_workers_per_node(two_nodes):
     error = two_nodes["tp8"].get("error", "")
     assert "tp=8" in error and "[4, 4]" in error, error
+
+
+def test_a_local_output_dir_on_two_nodes_is_refused_naming_the_fix(two_nodes):
+    error = two_nodes["local_out"].get("error", "")
+    assert "run.output_dir" in error and "the cluster has" in error, error
+    assert "s3://" in error and "run.shared_fs=true" in error, error

@@ -19,20 +19,23 @@ def check_placement(cfg: Config, resources: dict[str, float]) -> list[int] | Non
     dims = ParallelDims.from_config(par)
     nodes = live_node_totals()
     counts = predict_workers_per_node(nodes, dims.world_size, resources, cfg.cluster.placement_strategy)
-    _check_output_dir(cfg, nodes, counts)
+    _check_output_dir(cfg, nodes, resources)
     if counts is not None:
         arrange_ranks(dims, [f"node{i}" for i, c in enumerate(counts) for _ in range(c)])
         _check_data_cpus(cfg, nodes, dims.world_size)
     return counts
 
 
-def _check_output_dir(cfg: Config, nodes: list[dict], counts: list[int] | None) -> None:
+def _check_output_dir(cfg: Config, nodes: list[dict], resources: dict[str, float]) -> None:
     """A local run.output_dir works only where every worker sees the driver's disk: one node.
     Elsewhere each node would keep its own shards and a restart, --resume or export on another
-    node would find nothing. (No placement yet, ``counts`` None, means workers wait for nodes
-    an autoscaler has still to add: other nodes.)"""
+    node would find nothing. A single node that cannot hold even one worker (an autoscaler's
+    CPU-only head) means the workers will run on nodes still to come."""
     out = open_store(cfg.run.output_dir)
-    if not out.local or cfg.run.shared_fs or (len(nodes) <= 1 and counts is not None):
+    if not out.local or cfg.run.shared_fs:
+        return
+    hosts_a_worker = any(all(n.get(k, 0) >= v for k, v in resources.items()) for n in nodes)
+    if len(nodes) <= 1 and hosts_a_worker:
         return
     where = f"the cluster has {len(nodes)} nodes" if len(nodes) > 1 else "the workers will run on nodes still to come"
     raise ConfigError(
