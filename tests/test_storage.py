@@ -67,3 +67,21 @@ def test_a_location_pyarrow_cannot_open_names_the_key():
         open_store("nosuchscheme://x/y")
     with pytest.raises(ConfigError, match="--resume"):
         open_store("", key="--resume")
+
+
+def test_a_local_output_dir_is_refused_where_workers_cannot_share_the_disk(s3, tmp_path):
+    """Refused before workers start on several nodes, or when the only node holds no worker (an
+    autoscaler's head); a mount declared shared, or an object-store URI, passes."""
+    from raytrain_hybrid.config import load_config
+    from raytrain_hybrid.launch.preflight import _check_output_dir
+
+    worker = {"CPU": 1.0}
+    one, head_only, two = [{"CPU": 8.0}], [{"CPU": 0.0}], [{"CPU": 8.0}, {"CPU": 8.0}]
+    local = load_config(None, [f"run.output_dir={tmp_path}"])
+    _check_output_dir(local, one, worker)
+    for nodes, where in ((two, "the cluster has 2 nodes"), (head_only, "nodes still to come")):
+        with pytest.raises(ConfigError, match=where) as refused:
+            _check_output_dir(local, nodes, worker)
+        assert "run.shared_fs=true" in str(refused.value) and "s3://" in str(refused.value)
+    _check_output_dir(load_config(None, [f"run.output_dir={tmp_path}", "run.shared_fs=true"]), two, worker)
+    _check_output_dir(load_config(None, ["run.output_dir=s3://bucket/run"]), two, worker)
