@@ -211,3 +211,9 @@ def test_architectures_come_from_the_registry():
     with pytest.raises(ConfigError, match="must be one of") as info:
         get_arch("mamba")
     assert all(name in str(info.value) for name in ARCH_NAMES), info.value
+
+
+def test_shared_fs_is_refused_with_an_object_store_uri():
+    with pytest.raises(ConfigError, match="run.shared_fs"):
+        load_config(None, ["run.output_dir=s3://bucket/run", "run.shared_fs=true"])
+    assert load_config(None, ["run.output_dir=/mnt/shared/run", "run.shared_fs=true"]).run.shared_fs

@@ -23,6 +23,7 @@ def validate(cfg: Config) -> None:
     _validate_model(cfg, spec)
     _validate_layout(cfg, spec)
     _validate_task(cfg, spec)
+    _validate_run(cfg)
 
 
 def _require_resolved(cfg: Config) -> None:
@@ -143,3 +144,14 @@ def _validate_task(cfg: Config, spec: ArchSpec) -> None:
             raise ConfigError(
                 f"data.{key}", getattr(cfg.data, key), f"is for classifiers ({classifiers}), not {cfg.model.arch}"
             )
+
+
+def _validate_run(cfg: Config) -> None:
+    """run.shared_fs declares a mounted directory shared; a URI is shared by what it is."""
+    if cfg.run.shared_fs and "://" in cfg.run.output_dir:
+        raise ConfigError(
+            "run.shared_fs",
+            True,
+            f"is for a directory mounted on every node; run.output_dir={cfg.run.output_dir} is object storage, "
+            "which every node reaches already: leave run.shared_fs=false",
+        )
