@@ -16,7 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 from conftest import reference_history
-from test_oracle import COMMON, assert_matches, layout
+from test_oracle import COMMON, RTOL, _noise_only, assert_matches, layout
+
+from raytrain_hybrid.checkpoint.export import load_full_state_dict
+from raytrain_hybrid.config import Config
 
 
 def _train_worker_pids() -> list[int]:
@@ -79,3 +82,14 @@ def test_killed_worker_recovers_from_checkpoint_with_identical_losses(ray_local,
     assert summary["world_size"] == 8 and summary["layout"]["tp"] == 2
     # checkpoint.keep=1: only the newest (after the last step) is left, and it is intact
     assert [p.name for p in (out / "checkpoints").glob("step_*")] == ["step_5"]
+    # After the last step every parameter, gathered from that checkpoint's shards, is the
+    # reference's (relative to its norm, as the gloo oracle cases compare them).
+    final = out / "checkpoints" / "step_5"
+    params = load_full_state_dict(final, Config.from_dict(json.loads((final / "manifest.json").read_text())["config"]))
+    want = reference.result()[-1]["params"]
+    assert sorted(params) == sorted(want)
+    noise = _noise_only(reference.result())
+    for name, w in want.items():
+        if name not in noise:
+            diff = float((params[name] - w).norm() / w.norm().clamp_min(1e-12))
+            assert diff <= RTOL, f"final value of {name} differs by {diff:.2e} of its norm"
