@@ -18,6 +18,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # files (launch/inputs.py reader_env) and no test dataset has more; set before Ray starts, so the
 # session's cluster and the subprocesses the tests start (CLI runs, jobs, notebooks) read alike.
 os.environ.setdefault("RAY_DATA_PARQUET_FOOTER_NUM_ACTORS", "1")
+# Ray Train's controller polls its workers every 2 s: a run's end (and a dead worker) is seen up
+# to 2 s late, in each of the suite's ~20 runs. Its preemption watcher, an actor process per
+# worker group, watches for cloud nodes being drained, which no test does. Both reach every Ray
+# the suite starts (the session's, CLI runs', `ray start` heads') through this environment.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 
 RAY_CPUS = 8
 
