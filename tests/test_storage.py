@@ -85,3 +85,29 @@ def test_a_local_output_dir_is_refused_where_workers_cannot_share_the_disk(s3, t
         assert "run.shared_fs=true" in str(refused.value) and "s3://" in str(refused.value)
     _check_output_dir(load_config(None, [f"run.output_dir={tmp_path}", "run.shared_fs=true"]), two, worker)
     _check_output_dir(load_config(None, ["run.output_dir=s3://bucket/run"]), two, worker)
+
+
+def test_a_save_cut_short_on_s3_is_passed_over_and_does_not_block_the_resume(s3, tmp_path):
+    """A killed job or a lost node can leave step_<N>/ on object storage with shards but no
+    manifest (no rename there): --resume of the run takes the newest complete checkpoint, keeps
+    the steps before it from metrics.jsonl, and the unfinished step_<N> is no reason to refuse
+    (the next save of step N replaces it)."""
+    import json
+
+    from raytrain_hybrid.checkpoint.manifest import FORMAT, layout_of
+    from raytrain_hybrid.config import load_config
+    from raytrain_hybrid.launch.driver import check_resume
+
+    run = f"s3://bucket/{tmp_path.name}/cut"
+    cfg = load_config(None, ["train.steps=6", f"run.output_dir={run}"])
+    root = open_store(run)
+    manifest = {"format": FORMAT, "step": 2, "launch_id": "a", "world_size": 1, "layout": layout_of(cfg),
+                "config": cfg.to_dict(), "data_position": {}, "files": {}}  # fmt: skip
+    root.child("checkpoints", "step_2", "manifest.json").write_text(json.dumps(manifest))
+    root.child("checkpoints", "step_4", "__0_0.distcp").write_bytes(b"shard")  # the save that was cut short
+    root.child("metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(3)))
+    path, history = check_resume(cfg, run)
+    assert path == f"{run}/checkpoints/step_2" and [h["step"] for h in history] == [0, 1]
+    root.child("checkpoints", "step_4", "manifest.json").write_text(json.dumps({**manifest, "step": 4}))
+    with pytest.raises(ConfigError, match="would overwrite the later step_4"):  # a complete one is kept
+        check_resume(cfg, f"{run}/checkpoints/step_2")

@@ -15,7 +15,7 @@ import time
 import uuid
 from typing import Any
 
-from raytrain_hybrid.checkpoint.manifest import check_compatible, resolve, step_dirs, step_number
+from raytrain_hybrid.checkpoint.manifest import MANIFEST, check_compatible, resolve, step_dirs, step_number
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.errors import ConfigError
 from raytrain_hybrid.launch.entry import train_loop_per_worker
@@ -52,7 +52,9 @@ def check_resume(cfg: Config, resume: str | None) -> tuple[str | None, list[dict
         return None, []
     path, manifest = resolve(resume)
     check_compatible(cfg, manifest, path)
-    later = [p for p in existing if step_number(p) > manifest["step"]]
+    # Only complete ones: on object storage a save cut short (a lost node, a killed job) leaves
+    # step_<N>/ without its manifest, which the next save of step N replaces.
+    later = [p for p in existing if step_number(p) > manifest["step"] and p.child(MANIFEST).exists()]
     if later:
         raise ConfigError(
             "run.output_dir",
