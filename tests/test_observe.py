@@ -46,3 +46,28 @@ def test_verbose_keeps_everything_on_the_terminal(tmp_path, capfd):
         print("step 1/3", file=out)
     assert capfd.readouterr().out == "(raylet) WARNING\nstep 1/3\n"
     assert not (tmp_path / "driver.log").exists()
+
+
+def test_every_worker_group_start_after_the_first_is_a_restart(tmp_path):
+    """Rank 0 of each worker group says where it starts: a restart is counted also when it
+    resumes past the last step the driver heard of (the checkpoint after step 4 was complete,
+    step 5 was never reported), and the steps and checkpoints it redoes are dropped."""
+    import json
+
+    from raytrain_hybrid.launch.progress import RunLog
+
+    log = RunLog(tmp_path, steps=6, progress=False, tensorboard=False)
+    log.handle("start", {"step": 0})
+    for step in range(4):
+        log.handle("step", {"step": step, "loss": 1.0})
+        if step in (1, 3):
+            log.handle("checkpoint", {"step": step + 1, "path": f"step_{step + 1}", "save_s": 0.1, "blocked_s": 0.0})
+    log.handle("start", {"step": 4})
+    log.handle("start", {"step": 2})
+    for step in range(2, 6):
+        log.handle("step", {"step": step, "loss": 2.0})
+    log.close()
+    assert log.restarts == 2 and log.restarted_from == [4, 2]
+    assert [c["step"] for c in log.checkpoints] == [2]
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == list(range(6)) and [m["loss"] for m in lines] == [1.0] * 2 + [2.0] * 4

@@ -194,7 +194,7 @@ def watch(trainer, sink, run_log: RunLog, startup_timeout_s: float, marks: dict)
 
 def write_results(cfg: Config, run_log: RunLog, marks: dict, run_dir: RunDir) -> dict:
     """summary.json and the run's config.json in run.output_dir; returns the summary."""
-    summary = summarize(cfg, run_log.history, run_log.memory, run_log.restarts)
+    summary = summarize(cfg, run_log.history, run_log.memory, run_log.restarts, run_log.restarted_from)
     summary["startup_s"] = startup_breakdown({**marks, **run_log.marks})
     summary["checkpoints"] = run_log.checkpoints
     (run_dir.local / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -50,11 +50,14 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             ckpt = Checkpoint(
                 posixpath.join(storage.experiment_fs_path, path.name), filesystem=storage.storage_filesystem
             )
+            if sink is not None:  # before report's barrier: the driver copies its files out sooner
+                timings = {k: metrics[k] for k in ("write_s", "save_s")}
+                sink.put(("checkpoint", {"step": steps_done, "path": str(path), **timings}))
         ray.train.report(report, checkpoint=ckpt, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
-        if rank == 0 and sink is not None:
-            timings = {k: metrics[k] for k in ("write_s", "save_s")}
-            sink.put(("checkpoint", {"step": steps_done, "path": str(path), **timings}))
 
+    resume = _restart_point(cfg, loop_config)
+    if rank == 0 and sink is not None:  # every start of a worker group: the driver counts restarts
+        sink.put(("start", {"step": read_manifest(resume)["step"] if resume else 0}))
     result = run_worker(
         cfg,
         node_id,
@@ -64,7 +67,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         val_fn=(lambda: ray.train.get_dataset_shard("val"))
         if cfg.data.val_path and cfg.data.path != "memory"
         else None,
-        resume=_restart_point(cfg, loop_config),
+        resume=resume,
         launch_id=loop_config["launch_id"],
         on_checkpoint=on_checkpoint,
         marks=marks,

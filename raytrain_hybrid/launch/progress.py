@@ -80,7 +80,8 @@ def _status(m: dict) -> str:
 
 
 class RunLog:
-    """Consumes ("step", metrics) and ("done", {"memory": per_rank}) events of one run."""
+    """Consumes ("start", {"step"}), ("step", metrics), ("checkpoint", ...) and ("done", {"memory": per_rank})
+    events of one run."""
 
     def __init__(
         self,
@@ -99,6 +100,8 @@ class RunLog:
         self.history: list[dict] = []
         self.memory: list[dict] = []
         self.restarts = 0
+        self.restarted_from: list[int] = []  # the step each restart continued from
+        self.starts = 0  # worker groups started (the first, then one per restart)
         self.live_steps = 0  # steps reported by this launch's workers
         self.checkpoints: list[dict] = []  # step, path, write_s, save_s
         self.marks: dict = {}  # rank 0's start-up phases (wall clock)
@@ -136,10 +139,15 @@ class RunLog:
             print(text, file=self.lines, flush=True)
 
     def handle(self, kind: str, payload: dict) -> None:
-        if kind == "step":
-            self.live_steps += 1
-            if self.history and payload["step"] <= self.history[-1]["step"]:
+        if kind == "start":
+            # Rank 0 of every worker group says where it starts; every start after the first is
+            # a restart (Ray Train's run.max_failures), also one that resumes past the last step
+            # seen (a node lost after a checkpoint, before the next step was heard of).
+            self.starts += 1
+            if self.starts > 1:
                 self._restarted(payload["step"])
+        elif kind == "step":
+            self.live_steps += 1
             self._step(payload)
         elif kind == "checkpoint":
             self.checkpoints.append(payload)
@@ -160,7 +168,9 @@ class RunLog:
     def _restarted(self, step: int) -> None:
         """The worker group restarted from a checkpoint: drop the steps it will redo."""
         self.restarts += 1
+        self.restarted_from.append(step)
         kept = [h for h in self.history if h["step"] < step]
+        self.checkpoints = [c for c in self.checkpoints if c["step"] <= step]  # later ones are redone
         self.file.close()
         self.file = self.path.open("w")
         self.history = []

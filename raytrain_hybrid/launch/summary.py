@@ -36,7 +36,9 @@ def startup_breakdown(marks: dict) -> dict:
     return out
 
 
-def summarize(cfg: Config, history: list[dict], memory: list[dict], restarts: int = 0) -> dict:
+def summarize(
+    cfg: Config, history: list[dict], memory: list[dict], restarts: int = 0, restarted_from: list[int] | None = None
+) -> dict:
     par = cfg.parallelism
     # The first steps pay for warm-up (allocations, pipeline shape inference); leave them out.
     steady = history[min(2, len(history) - 1) :] if history else []
@@ -44,6 +46,7 @@ def summarize(cfg: Config, history: list[dict], memory: list[dict], restarts: in
         "final_loss": history[-1]["loss"] if history else None,
         "steps": len(history),
         "restarts": restarts,
+        "restarted_from": restarted_from or [],  # per restart, the checkpoint's step it continued from
         "world_size": par.world_size,
         "layout": layout_dict(par, SUMMARY_LAYOUT),
         "model": {"arch": cfg.model.arch, "num_layers": cfg.model.num_layers, "hidden_size": cfg.model.hidden_size},
