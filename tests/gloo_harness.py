@@ -14,7 +14,8 @@ compares with tests/reference.py:
 
 Test-only options: ``scale`` multiplies one parameter's gradient before the optimizer step
 (the oracle must notice), ``watch_dtypes`` records the dtypes of the Linear layers' outputs
-(bf16 runs must show autocast ran).
+(bf16 runs must show autocast ran), ``fail_save=(step, rank)`` makes that rank's save of
+checkpoint step_<step> fail half-way (after DCP's write, while it hashes its files).
 """
 
 from __future__ import annotations
@@ -183,6 +184,8 @@ def _worker(rank: int, world: int, port: int, job: dict, queue) -> None:
         cfg = job["cfg"] if "cfg" in job else load_config(None, job["overrides"])
         probe = Probe(job.get("scale"), job.get("watch_dtypes", False))
         probe.install()
+        if job.get("fail_save"):
+            _fail_save(*job["fail_save"])
         if job.get("init_only"):
             _build_only(cfg)
             result = {}
@@ -208,6 +211,24 @@ def _worker(rank: int, world: int, port: int, job: dict, queue) -> None:
     # Skip interpreter teardown: gloo's background threads can abort the process there
     # ("terminate called without an active exception") after all work is done.
     os._exit(0 if status[0] == "ok" else 1)
+
+
+def _fail_save(step: int, rank: int) -> None:
+    """In this process only: the save of step_<step> fails on ``rank`` (a disk error half-way)."""
+    import re
+
+    import torch.distributed as dist
+
+    from raytrain_hybrid.checkpoint import save
+
+    digest = save.file_digest
+
+    def failing(path):
+        if re.search(rf"step_{step}[./]", str(path)) and dist.get_rank() == rank:
+            raise OSError(f"injected failure reading back {path}")
+        return digest(path)
+
+    save.file_digest = failing
 
 
 def _build_only(cfg) -> None:

@@ -1,8 +1,10 @@
 """Checkpoints: resume under other layouts, export to Hugging Face, refuse damaged checkpoints.
 
-The oracle holds across a checkpoint: a run saved at (2,2,2) after 2 of 4 steps and resumed
-at (4,1,2), (1,2,4) or (1,1,1) gives the uninterrupted single-process run's steps 3 and 4
-(losses, every parameter's gradient norm) and its final parameters.
+The oracle holds across a checkpoint: a run saved at (2,2,2) after every step (in the
+background, each save overlapping the next step) and resumed from its step 2 at (4,1,2),
+(1,2,4) or (1,1,1) gives the uninterrupted single-process run's steps 3 and 4 (losses, every
+parameter's gradient norm) and its final parameters. A save that fails half-way fails the run
+and leaves the checkpoint before it the newest complete one.
 """
 
 from __future__ import annotations
@@ -50,9 +52,10 @@ RESUME_AT = {
 
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory):
-    """A (2,2,2) run of 4 steps with a checkpoint every 2 (gloo processes, no Ray)."""
+    """A (2,2,2) run of 4 steps with a checkpoint after each, written in the background
+    (checkpoint.async_save's default; gloo processes, no Ray)."""
     out = tmp_path_factory.mktemp("saved") / "run"
-    result = run_gloo([*COMMON, *SAVED_AT, "checkpoint.interval=2", f"run.output_dir={out}"])
+    result = run_gloo([*COMMON, *SAVED_AT, "checkpoint.interval=1", f"run.output_dir={out}"])
     return out, result
 
 
@@ -70,6 +73,13 @@ def test_saved_run_matches_and_each_rank_writes_its_share(saved_run):
     total = sum(sizes)
     assert max(sizes) < 1.25 * total / 8, sizes
     assert not list((out / "checkpoints").glob("*.partial"))
+    # Every save completed (a save waits for the one before it; the run for the last), and the
+    # step loop waited only for part of each.
+    assert [p.name for p in checkpoint.step_dirs(out / "checkpoints")] == [f"step_{n}" for n in range(1, 5)]
+    for n in range(1, 4):
+        assert checkpoint.verify(out / "checkpoints" / f"step_{n}")["step"] == n
+    for m in result["history"]:
+        assert 0 < m["blocked_s"] and 0 < m["write_s"] <= m["save_s"], m
 
 
 @pytest.mark.parametrize("name", list(RESUME_AT))
@@ -165,9 +175,9 @@ def test_damaged_checkpoint_is_refused_and_nothing_is_written(saved_run, tmp_pat
     assert code == 2 and f"--resume='{step4}': {message}" in err, err
     assert not target.exists()  # refused before anything was created
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
-    # The run directory still resumes: its newest intact checkpoint is step_2.
+    # The run directory still resumes: its newest intact checkpoint is step_3.
     path, manifest = checkpoint.resolve(run_dir)
-    assert path.name == "step_2" and manifest["step"] == 2
+    assert path.name == "step_3" and manifest["step"] == 3
 
 
 def test_checkpoint_of_another_model_is_refused_by_the_cli(saved_run, tmp_path):
@@ -207,3 +217,20 @@ def test_metadata_pickle_with_foreign_objects_is_not_loaded(saved_run, tmp_path)
     meta = SafeFileSystemReader(str(out / "checkpoints" / "step_4")).read_metadata()
     assert "model.model.embed_tokens.weight" in meta.state_dict_metadata
     assert json.loads((out / "checkpoints" / "step_4" / "manifest.json").read_text())["step"] == 4
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_save_that_fails_half_way_fails_the_run_and_keeps_the_previous_checkpoint(tmp_path, mode):
+    """Rank 1's save of step_2 fails after DCP's write (in the background, or in the step with
+    checkpoint.async_save=false): every rank raises, nothing of step_2 counts as complete, and
+    the run fails rather than going on to save step 3."""
+    out = tmp_path / "run"
+    overrides = [*COMMON, "train.steps=3", "parallelism.dp=2", "checkpoint.interval=1", f"run.output_dir={out}",
+                 f"checkpoint.async_save={str(mode == 'async').lower()}"]  # fmt: skip
+    with pytest.raises(AssertionError, match=r"saving checkpoint \S*step_2 failed: rank 1: OSError\('injected"):
+        run_gloo(overrides, fail_save=(2, 1))
+    ckpts = out / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_1", "step_2.partial"]
+    assert not (ckpts / "step_2.partial" / "manifest.json").exists()
+    path, manifest = checkpoint.resolve(out)
+    assert path.name == "step_1" and manifest["step"] == 1

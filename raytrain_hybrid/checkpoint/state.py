@@ -11,13 +11,12 @@ Layout of ``run.output_dir/checkpoints/step_<N>/`` (N = optimizer steps done):
 
 ``run.output_dir`` may be a local path, a shared mount or an object-store URI
 (raytrain_hybrid.storage); the layout is the same on each, and a checkpoint is complete
-only with its manifest (see save_checkpoint for how each backend gets there).
+only with its manifest (checkpoint.save writes them, blocking the step loop only for a
+copy of the state).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -25,15 +24,9 @@ from typing import Any
 
 import torch
 
-from raytrain_hybrid.checkpoint.manifest import (
-    FORMAT,
-    MANIFEST,
-    file_digest,
-    layout_of,
-    read_manifest,
-)
+from raytrain_hybrid.checkpoint.manifest import MANIFEST, layout_of, read_manifest
 from raytrain_hybrid.checkpoint.reader import SafeFileSystemReader
-from raytrain_hybrid.storage import Store, as_store, open_store
+from raytrain_hybrid.storage import Store, as_store
 
 
 def _fqn(name: str) -> str:
@@ -88,7 +81,9 @@ def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
     return state
 
 
-def _training_state(trainer, rank: int, with_rng: bool) -> tuple[dict, list[dict]]:
+def training_state(trainer, rank: int, with_rng: bool) -> tuple[dict, list[dict]]:
+    """What a checkpoint holds of this rank (model shards, AdamW state, RNG), under global
+    names; and the per-module model state dicts (a load hands them back to their modules)."""
     per_module = model_state(trainer.modules)
     state: dict[str, Any] = {
         "model": {k: v for sd in per_module for k, v in sd.items()},
@@ -97,78 +92,6 @@ def _training_state(trainer, rank: int, with_rng: bool) -> tuple[dict, list[dict
     if with_rng:  # per rank: meaningful only when loaded by the same rank of the same layout
         state["rng"] = {f"rank{rank}": _rng_state(trainer.device)}
     return state, per_module
-
-
-def save_checkpoint(
-    trainer, cfg, step: int, *, launch_id: str, data_position: dict | None = None
-) -> tuple[Store, dict]:
-    """Write checkpoint ``step_<step>`` of this run (every rank calls it); returns its directory
-    and timings: ``write_s`` for DCP's write of the shards, ``save_s`` for all of it.
-
-    On a local disk or a shared mount the shards are written in place into ``step_<N>.partial``
-    and renamed (atomic). On object storage, where nothing is renamed, each rank writes its
-    shards to its own node's disk and uploads them itself (no rank reads another node's disk),
-    and rank 0 writes the manifest once every rank's upload is done: a checkpoint is complete
-    exactly when its manifest exists."""
-    import time
-
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-
-    t0 = time.perf_counter()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    root = open_store(cfg.run.output_dir).child("checkpoints")
-    final = root.child(f"step_{step}")
-    staging = _staging_dir(root, launch_id, step, rank)
-    if rank == 0:
-        (root.child(f"step_{step}.partial") if root.local else final).delete()  # an attempt that died
-        if root.local:
-            os.makedirs(staging)
-    if not root.local:
-        shutil.rmtree(staging, ignore_errors=True)
-        os.makedirs(staging)
-    dist.barrier()
-    state, _ = _training_state(trainer, rank, with_rng=True)
-    dcp.save(state, checkpoint_id=str(staging))
-    write_s = time.perf_counter() - t0
-    # Each rank hashes the files it wrote (and uploads them); rank 0 records them all.
-    mine = {p.name: file_digest(p) for p in staging.iterdir() if p.name.startswith(f"__{rank}_")}
-    if rank == 0:
-        mine[".metadata"] = file_digest(staging / ".metadata")
-    if not root.local:
-        final.upload(str(staging))
-        shutil.rmtree(staging, ignore_errors=True)
-    files: list[dict] = [{} for _ in range(world)]
-    dist.all_gather_object(files, mine)  # also the barrier after every rank's upload
-    if rank == 0:
-        manifest = {
-            "format": FORMAT,
-            "step": step,
-            "launch_id": launch_id,
-            "world_size": world,
-            "layout": layout_of(cfg),
-            "config": cfg.to_dict(),
-            "data_position": data_position or {},
-            "files": {name: d for part in files for name, d in part.items()},
-        }
-        text = json.dumps(manifest, indent=1) + "\n"
-        if root.local:
-            (staging / MANIFEST).write_text(text)
-            final.delete()  # the same step of an earlier attempt of this run (after a restart)
-            os.rename(staging, final.path)  # atomic: the directory appears complete or not at all
-        else:
-            final.child(MANIFEST).write_text(text)  # last: the checkpoint is complete from here on
-    dist.barrier()
-    return final, {"write_s": write_s, "save_s": time.perf_counter() - t0}
-
-
-def _staging_dir(root: Store, launch_id: str, step: int, rank: int) -> Path:
-    """Where this rank's DCP files are written: in place beside the final directory on a local
-    disk or a mount, else this node's temp dir (one directory per rank: ranks on one node do
-    not share it)."""
-    if root.local:
-        return Path(root.path) / f"step_{step}.partial"
-    return Path(tempfile.gettempdir()) / "raytrain-hybrid-ckpt" / launch_id / f"step_{step}" / f"rank{rank}"
 
 
 def local_copy(path: str | Path | Store) -> Path:
@@ -201,7 +124,7 @@ def load_checkpoint(trainer, cfg, path: str | Path | Store) -> dict:
     manifest = read_manifest(path)
     rank = dist.get_rank()
     same_layout = manifest["world_size"] == dist.get_world_size() and manifest["layout"] == layout_of(cfg)
-    state, per_module = _training_state(trainer, rank, with_rng=same_layout)
+    state, per_module = training_state(trainer, rank, with_rng=same_layout)
     dcp.load(state, storage_reader=SafeFileSystemReader(str(path)))
     for module, sd in zip(trainer.modules, per_module, strict=True):
         set_model_state_dict(module, sd, options=StateDictOptions(strict=True))

@@ -291,6 +291,10 @@ class CheckpointConfig:
     interval: int = 0
     # Keep the newest this many checkpoints (older ones are deleted); 0 keeps all.
     keep: int = 2
+    # Write checkpoints in the background: a save holds the step loop only while it copies
+    # the state (to CPU memory, which then holds one extra copy of this rank's shards); the
+    # write, hashing, upload and manifest overlap the next steps. false: the step waits for all.
+    async_save: bool = True
 
     def __post_init__(self) -> None:
         for key in ("interval", "keep"):

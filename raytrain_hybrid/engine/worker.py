@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from raytrain_hybrid.checkpoint.manifest import read_manifest
-from raytrain_hybrid.checkpoint.state import load_checkpoint, save_checkpoint
+from raytrain_hybrid.checkpoint.save import CheckpointWriter, Saved
+from raytrain_hybrid.checkpoint.state import load_checkpoint
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.data.corpus import Batch, TokenWindows, tokenize_corpus
 from raytrain_hybrid.data.rows import BUILTIN_TRAIN, RowBatches, read_parquet_rows
@@ -64,7 +65,9 @@ def run_worker(
     (classifiers evaluate every ``train.eval_interval`` steps and after the last).
     ``resume`` is a verified checkpoint directory to continue from (model, optimizer, LR
     schedule, RNG, data position); with ``checkpoint.interval`` the run saves its own, and
-    ``on_checkpoint(steps_done, directory, metrics)`` runs on every rank after each save.
+    ``on_checkpoint(steps_done, directory, metrics)`` runs on every rank, at the same step
+    boundary, once a save is complete (a background save: a step or more after it started;
+    ``metrics`` are those of the step it saved, with the save's timings).
     ``marks`` collects wall-clock times of the start-up phases (rank 0's are reported).
     """
     marks = marks if marks is not None else {}
@@ -91,7 +94,7 @@ def run_worker(
         validation=validation,
         on_step=on_step if dist.get_rank() == 0 else None,
         on_checkpoint=on_checkpoint,
-        launch_id=launch_id,
+        writer=CheckpointWriter(cfg, launch_id) if cfg.checkpoint.interval else None,
         marks=marks,
     )
     loop.run(start)
@@ -135,13 +138,14 @@ class StepLoop:
     validation: ValidationSet | None
     on_step: Callable[[dict], None] | None  # rank 0 only
     on_checkpoint: Callable[[int, Store, dict], None] | None
-    launch_id: str
+    writer: CheckpointWriter | None  # with checkpoint.interval
     marks: dict
     history: list[dict] = field(default_factory=list)
     digest: Any = field(default_factory=hashlib.sha256)  # of every row trained on: a replica's ranks agree
     rows: int = 0
     waited: float = 0.0  # seconds waiting for data, after the first step
     busy: float = 0.0  # seconds waiting or stepping, after the first step
+    saving: dict = field(default_factory=dict)  # step -> the metrics of a save not yet complete
 
     def run(self, start: int) -> None:
         for step in range(start, self.cfg.train.steps):
@@ -166,20 +170,32 @@ class StepLoop:
             if self.on_step is not None:
                 self.on_step(metrics)
             self.checkpoint_if_due(step + 1, metrics)
+        if self.writer is not None:  # the run does not end with a save in flight
+            self.completed(self.writer.close())
 
     def evaluates(self, step: int) -> bool:
         every = self.cfg.train.eval_interval
         return bool(every and (step + 1) % every == 0) or step + 1 == self.cfg.train.steps
 
     def checkpoint_if_due(self, done: int, metrics: dict) -> None:
+        if self.writer is None:
+            return
+        self.completed(self.writer.poll())  # a background save that every rank has finished
         interval = self.cfg.checkpoint.interval
-        if not interval or (done % interval and done != self.cfg.train.steps):
+        if done % interval and done != self.cfg.train.steps:
             return
         position = self.position.manifest_entry() if self.position is not None else {}
-        path, timings = save_checkpoint(self.trainer, self.cfg, done, launch_id=self.launch_id, data_position=position)
-        metrics.update(timings)  # this rank's history (the driver hears of it from on_checkpoint)
-        if self.on_checkpoint is not None:
-            self.on_checkpoint(done, path, metrics)
+        self.saving[done] = metrics
+        self.completed(self.writer.save(self.trainer, done, data_position=position))
+
+    def completed(self, saved: list[Saved]) -> None:
+        """Complete checkpoints: their timings go into their step's metrics (this rank's
+        history), and on_checkpoint hears of them (every rank, in step order)."""
+        for s in saved:
+            metrics = self.saving.pop(s.step)
+            metrics.update(s.timings)
+            if self.on_checkpoint is not None:
+                self.on_checkpoint(s.step, s.path, metrics)
 
     def inputs_report(self) -> dict:
         return {

@@ -51,7 +51,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 posixpath.join(storage.experiment_fs_path, path.name), filesystem=storage.storage_filesystem
             )
             if sink is not None:  # before report's barrier: the driver copies its files out sooner
-                timings = {k: metrics[k] for k in ("write_s", "save_s")}
+                timings = {k: metrics[k] for k in ("write_s", "save_s", "blocked_s")}
                 sink.put(("checkpoint", {"step": steps_done, "path": str(path), **timings}))
         ray.train.report(report, checkpoint=ckpt, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
 

@@ -103,7 +103,7 @@ class RunLog:
         self.restarted_from: list[int] = []  # the step each restart continued from
         self.starts = 0  # worker groups started (the first, then one per restart)
         self.live_steps = 0  # steps reported by this launch's workers
-        self.checkpoints: list[dict] = []  # step, path, write_s, save_s
+        self.checkpoints: list[dict] = []  # step, path, write_s, save_s, blocked_s
         self.marks: dict = {}  # rank 0's start-up phases (wall clock)
         self.on_checkpoint = on_checkpoint  # e.g. copy the run's files to its URI
         self.file = self.path.open("w")
@@ -151,7 +151,10 @@ class RunLog:
             self._step(payload)
         elif kind == "checkpoint":
             self.checkpoints.append(payload)
-            self._say(f"checkpoint: {payload['step']} steps -> {payload['path']} ({payload['save_s']:.2f} s)")
+            self._say(
+                f"checkpoint: {payload['step']} steps -> {payload['path']} "
+                f"({payload['save_s']:.2f} s, the steps held {payload['blocked_s']:.2f} s)"
+            )
             if self.on_checkpoint is not None:
                 if self.tb is not None:
                     self.tb.flush()

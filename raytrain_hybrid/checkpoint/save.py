@@ -1,0 +1,260 @@
+"""Writing checkpoints, with the step loop blocked only for a copy of the state.
+
+A save has two parts. The foreground part runs on every rank at a step boundary, and the step
+loop waits for it: clear what a dead attempt at the same step left, a barrier, and a copy of
+this rank's training state off the live tensors into CPU buffers (the next optimizer step
+changes them). The background part runs in a thread while training goes on: DCP writes the
+shards from that copy (``dcp.save``), each rank hashes (and on an object store uploads) its own
+files, the digests are gathered, and rank 0 renames ``step_<N>.partial`` to
+``step_<N>`` (a local disk or a mount) or writes ``manifest.json`` (an object store). That is
+the last thing a save does, so a save that dies anywhere leaves the previous checkpoint the
+newest complete one. ``checkpoint.async_save=false`` runs the same steps in the foreground.
+
+Collectives: those of one process group must come in the same order on every rank, and a
+background thread's interleave with the step's own (the training group, the mesh's groups) in
+no fixed order. So the background part has a gloo group of its own, and the ranks agree that a
+save is complete at a step boundary with a one-integer all-reduce on a second gloo group
+(main thread only): every rank then reports it (to Ray Train) at the same step. A save still in
+flight is waited for before the next one starts and at the end of the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from raytrain_hybrid.checkpoint.manifest import FORMAT, MANIFEST, file_digest, layout_of
+from raytrain_hybrid.checkpoint.state import training_state
+from raytrain_hybrid.storage import Store, open_store
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save failed (on some rank); its checkpoint is incomplete, the previous one stands."""
+
+
+@dataclass
+class Saved:
+    """A complete checkpoint: ``timings`` has ``write_s`` (DCP's write of this rank's shards,
+    from the save's start), ``save_s`` (to the manifest or rename) and ``blocked_s`` (the time
+    the step loop spent on this save: the copy, the barrier, agreeing it is done, waiting)."""
+
+    step: int
+    path: Store
+    timings: dict
+
+
+@dataclass
+class _InFlight:
+    step: int
+    path: Store
+    future: Future  # of the timings; raises what failed on any rank
+    blocked_s: float = 0.0
+
+
+class CheckpointWriter:
+    """Saves the checkpoints of one run; every rank holds one and calls it at the same steps.
+
+    ``save`` starts checkpoint ``step_<N>`` (finishing the one in flight first), ``poll`` at a
+    step boundary returns the one in flight once every rank has finished it, ``close`` waits
+    for it at the end. Each returns the checkpoints that became complete (none or one)."""
+
+    def __init__(self, cfg, launch_id: str) -> None:
+        self.cfg, self.launch_id = cfg, launch_id
+        self.background = cfg.checkpoint.async_save
+        self.root = open_store(cfg.run.output_dir).child("checkpoints")
+        self.inflight: _InFlight | None = None
+        self.group = self.poll_group = None
+        self.copy = _CpuCopy()
+        if self.background:  # collective: every rank constructs its writer at the same point
+            self.group = dist.new_group(backend="gloo")
+            self.poll_group = dist.new_group(backend="gloo")
+
+    def save(self, trainer, step: int, data_position: dict | None = None) -> list[Saved]:
+        """Start checkpoint ``step_<step>``; returns the save that was in flight (waited for
+        first) and, with checkpoint.async_save=false, this one too (done here)."""
+        done = self.wait()
+        t0 = time.perf_counter()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        final = self.root.child(f"step_{step}")
+        staging = _staging_dir(self.root, self.launch_id, step, rank)
+        if rank == 0:
+            (self.root.child(f"step_{step}.partial") if self.root.local else final).delete()  # an attempt that died
+            if self.root.local:
+                os.makedirs(staging)
+        if not self.root.local:
+            shutil.rmtree(staging, ignore_errors=True)
+            os.makedirs(staging)
+        dist.barrier()
+        state, _ = training_state(trainer, rank, with_rng=True)
+        manifest = {
+            "format": FORMAT,
+            "step": step,
+            "launch_id": self.launch_id,
+            "world_size": world,
+            "layout": layout_of(self.cfg),
+            "config": self.cfg.to_dict(),
+            "data_position": data_position or {},
+        }
+        finish = _Finish(self.root, final, staging, rank, world, self.group, manifest, t0)
+        future: Future = Future()
+        if not self.background:  # all of it here, on the default group: the step waits
+            try:
+                future.set_result(finish(state))
+            except Exception as exc:
+                future.set_exception(exc)
+            self.inflight = _InFlight(step, final, future, time.perf_counter() - t0)
+            return [*done, *self._collect()]
+        staged = self.copy(state)
+        del state
+
+        def run() -> None:
+            try:
+                future.set_result(finish(staged))
+            except BaseException as exc:  # handed to the step loop, which raises it
+                future.set_exception(exc)
+
+        # A daemon: a rank that fails elsewhere must not hang at exit on a peer that is gone.
+        threading.Thread(target=run, name=f"checkpoint-step_{step}", daemon=True).start()
+        self.inflight = _InFlight(step, final, future, time.perf_counter() - t0)
+        return done
+
+    def poll(self) -> list[Saved]:
+        """The save in flight if it is finished on every rank (all ranks call this together)."""
+        if self.inflight is None:
+            return []
+        t0 = time.perf_counter()
+        flag = torch.tensor([int(self.inflight.future.done())])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.poll_group)
+        self.inflight.blocked_s += time.perf_counter() - t0
+        return self._collect() if flag.item() else []
+
+    def wait(self) -> list[Saved]:
+        """The save in flight, waited for."""
+        if self.inflight is None:
+            return []
+        t0 = time.perf_counter()
+        try:
+            self.inflight.future.exception()  # waits; the error (if any) is raised by _collect
+        finally:
+            self.inflight.blocked_s += time.perf_counter() - t0
+        return self._collect()
+
+    def close(self) -> list[Saved]:
+        """At the end of the run: nothing may be left in flight."""
+        done = self.wait()
+        self.copy.buffers.clear()
+        return done
+
+    def _collect(self) -> list[Saved]:
+        inflight, self.inflight = self.inflight, None
+        try:
+            timings = inflight.future.result()
+        except BaseException as exc:
+            raise CheckpointSaveError(
+                f"saving checkpoint {inflight.path} failed: {exc}; it is incomplete, the checkpoint "
+                "before it is the newest complete one"
+            ) from exc
+        return [Saved(inflight.step, inflight.path, {**timings, "blocked_s": inflight.blocked_s})]
+
+
+class _CpuCopy:
+    """This rank's training state copied into CPU buffers kept from save to save (no allocation
+    each time; pinned when the tensors are on a GPU). Reusing them is safe: a save starts only
+    once the previous one has finished. A DTensor keeps its spec (mesh, placements, global
+    shape) around the copied local shard, so DCP writes it as it would the original."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def __call__(self, obj, key: str = ""):
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(obj, dict):
+            return {k: self(v, f"{key}/{k}") for k, v in obj.items()}
+        if isinstance(obj, DTensor):
+            # The constructor, not DTensor.from_local: that would move the copy back to the mesh's device.
+            return DTensor(self._copy(obj.to_local(), key), obj._spec, requires_grad=False)
+        if isinstance(obj, torch.Tensor):
+            return self._copy(obj, key)
+        return obj
+
+    def _copy(self, t: torch.Tensor, key: str) -> torch.Tensor:
+        buf = self.buffers.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = self.buffers[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+        return buf.copy_(t)
+
+
+@dataclass
+class _Finish:
+    """The part of a save after the copy: DCP writes the shards, this rank hashes (and uploads)
+    its files, every rank's digests (or errors) are gathered, and rank 0 completes the checkpoint."""
+
+    root: Store
+    final: Store
+    staging: Path
+    rank: int
+    world: int
+    group: object  # the background's own gloo group; None (the default group) in the foreground
+    manifest: dict
+    t0: float
+
+    def __call__(self, state: dict) -> dict:
+        import torch.distributed.checkpoint as dcp
+
+        error, mine, write_s = None, {}, 0.0
+        try:  # any rank's failure goes to every rank through the gather: none waits for a peer forever
+            dcp.save(state, checkpoint_id=str(self.staging), process_group=self.group)  # DCP shares its errors
+            write_s = time.perf_counter() - self.t0
+            mine = {p.name: file_digest(p) for p in self.staging.iterdir() if p.name.startswith(f"__{self.rank}_")}
+            if self.rank == 0:
+                mine[".metadata"] = file_digest(self.staging / ".metadata")
+            if not self.root.local:  # each rank uploads its own files: no rank reads another node's disk
+                self.final.upload(str(self.staging))
+                shutil.rmtree(self.staging, ignore_errors=True)
+        except Exception as exc:
+            error = f"rank {self.rank}: {exc!r}"
+        parts: list = [None] * self.world
+        dist.all_gather_object(parts, (error, mine), group=self.group)
+        errors = [e for e, _ in parts if e]
+        if errors:
+            raise CheckpointSaveError("; ".join(errors))
+        outcome = [None]
+        if self.rank == 0:
+            try:
+                self._complete({name: d for _, part in parts for name, d in part.items()})
+            except Exception as exc:
+                outcome = [f"rank 0: {exc!r}"]
+        dist.broadcast_object_list(outcome, src=0, group=self.group)  # every rank returns after it
+        if outcome[0]:
+            raise CheckpointSaveError(outcome[0])
+        return {"write_s": write_s, "save_s": time.perf_counter() - self.t0}
+
+    def _complete(self, files: dict) -> None:
+        text = json.dumps({**self.manifest, "files": files}, indent=1) + "\n"
+        if self.root.local:
+            (self.staging / MANIFEST).write_text(text)
+            self.final.delete()  # the same step of an earlier attempt of this run (after a restart)
+            os.rename(self.staging, self.final.path)  # atomic: the directory appears complete or not at all
+        else:
+            self.final.child(MANIFEST).write_text(text)  # last: the checkpoint is complete from here on
+
+
+def _staging_dir(root: Store, launch_id: str, step: int, rank: int) -> Path:
+    """Where this rank's DCP files are written: in place beside the final directory on a local
+    disk or a mount, else this node's temp dir (one directory per rank: ranks on one node do
+    not share it)."""
+    if root.local:
+        return Path(root.path) / f"step_{step}.partial"
+    return Path(tempfile.gettempdir()) / "raytrain-hybrid-ckpt" / launch_id / f"step_{step}" / f"rank{rank}"
