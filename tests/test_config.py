@@ -63,6 +63,7 @@ BAD = {
     "gpt2-gqa": (["model.arch=gpt2", "model.num_kv_heads=2"], "model.num_kv_heads"),
     "lr": (["train.lr=-1"], "train.lr"),
     "no-equals": (["parallelism.tp"], "parallelism.tp"),
+    "tracking": (["run.tracking=tensorboard"], "run.tracking"),
 }
 
 

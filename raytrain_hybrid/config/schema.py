@@ -302,6 +302,10 @@ class CheckpointConfig:
                 raise ConfigError(f"checkpoint.{key}", getattr(self, key), "must be >= 0 (0: off / keep all)")
 
 
+# run.tracking's trackers ("" is off).
+TRACKERS = ("mlflow", "wandb")
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
     # Where the run keeps metrics.jsonl, summary.json, config.json, driver.log, TensorBoard
@@ -320,12 +324,22 @@ class RunConfig:
     # Give up when no step has run this long after the workers were asked for (placement,
     # worker start, data, model build), saying what Ray is waiting for; 0 waits forever.
     startup_timeout_s: float = 900.0
+    # Experiment tracking, an optional extra (pip install 'raytrain-hybrid[mlflow]' or [wandb]):
+    # "mlflow" or "wandb" get the config as params, rank 0's metrics at every step, the
+    # checkpoints and the summary; empty: off. Where to and credentials come from the tracker's
+    # own environment variables (MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME, ...; WANDB_PROJECT,
+    # WANDB_API_KEY, WANDB_MODE, ...), never from this config.
+    tracking: str = ""
 
     def __post_init__(self) -> None:
         if self.startup_timeout_s < 0:
             raise ConfigError("run.startup_timeout_s", self.startup_timeout_s, "must be >= 0 (0: no limit)")
         if self.max_failures < 0:
             raise ConfigError("run.max_failures", self.max_failures, "must be >= 0 (-1 is not supported)")
+        if self.tracking and self.tracking not in TRACKERS:
+            raise ConfigError(
+                "run.tracking", self.tracking, f"must be one of {choices(TRACKERS)}, or empty for no tracking"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

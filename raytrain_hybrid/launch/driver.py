@@ -26,6 +26,7 @@ from raytrain_hybrid.launch.progress import RunLog
 from raytrain_hybrid.launch.rundir import RunDir
 from raytrain_hybrid.launch.session import ensure_ray, resolve_use_gpu, use_train_v2
 from raytrain_hybrid.launch.summary import startup_breakdown, summarize
+from raytrain_hybrid.launch.tracking import TrackedRun, check_tracking
 from raytrain_hybrid.storage import open_store
 
 
@@ -79,13 +80,16 @@ def run(cfg: Config, resume: str | None = None, stream=None) -> dict:
     from ray.util.queue import Queue
 
     marks = {"launched": time.time()}
+    check_tracking(cfg)  # run.tracking's package, before Ray starts
     cfg, resume, kept_history = prepare_run_dir(cfg, resume)
     use_gpu, resources = open_session(cfg, marks)
     open_store(cfg.run.output_dir).makedirs()  # only now: a refused run leaves nothing behind
     cfg = prepare_input(cfg)
     marks["input_checked"] = time.time()
     sink = Queue(actor_options={"num_cpus": 0})  # rank 0's events, see the module docstring
-    trainer = make_trainer(cfg, sink=sink, use_gpu=use_gpu, resources=resources, resume=resume)
+    tracked = TrackedRun()  # run.tracking: its run is opened before any worker starts
+    tracking = tracked.open(cfg)
+    trainer = make_trainer(cfg, sink=sink, use_gpu=use_gpu, resources=resources, resume=resume, tracking=tracking)
     run_dir = RunDir.open(cfg.run.output_dir)
     run_log = RunLog(
         run_dir.local,
@@ -95,9 +99,10 @@ def run(cfg: Config, resume: str | None = None, stream=None) -> dict:
         stream=stream,
         on_checkpoint=run_dir.sync,
     )
-    with contextlib.closing(run_log):
+    with contextlib.closing(run_log), tracked:  # a run that fails ends its tracker run FAILED
         watch(trainer, sink, run_log, cfg.run.startup_timeout_s, marks)
     summary = write_results(cfg, run_log, marks, run_dir)
+    tracked.finish(summary)
     ray.kill(sink.actor)
     return summary
 
@@ -122,7 +127,7 @@ def open_session(cfg: Config, marks: dict) -> tuple[bool, dict[str, float]]:
     return use_gpu, resources
 
 
-def make_trainer(cfg: Config, *, sink, use_gpu: bool, resources: dict[str, float], resume: str | None):
+def make_trainer(cfg: Config, *, sink, use_gpu: bool, resources: dict[str, float], resume: str | None, tracking=None):
     """The run's TorchTrainer, with its Ray Datasets (unless data.path is "memory")."""
     use_train_v2()  # before the driver first imports ray.train (below, and data.ray_data in build_datasets)
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -139,6 +144,7 @@ def make_trainer(cfg: Config, *, sink, use_gpu: bool, resources: dict[str, float
             "resume": resume,
             "launch_id": uuid.uuid4().hex,
             "data_env": data_env,
+            "tracking": tracking,  # rank 0's tracker run (launch.tracking.TrackerRun), or None
         },
         torch_config=TorchConfig(backend=backend),
         **build_datasets(cfg, data_env),

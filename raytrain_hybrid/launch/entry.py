@@ -9,6 +9,7 @@ from typing import Any
 
 from raytrain_hybrid.checkpoint.manifest import read_manifest
 from raytrain_hybrid.config import Config
+from raytrain_hybrid.launch.tracking import StepLogger
 from raytrain_hybrid.storage import open_store
 
 
@@ -31,10 +32,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     os.environ.setdefault("LOCAL_RANK", str(ray.train.get_context().get_local_rank()))
 
     rank = ray.train.get_context().get_world_rank()
+    tracker = StepLogger.attach(loop_config.get("tracking"), rank)  # run.tracking: rank 0 logs
 
     def on_step(metrics: dict) -> None:
         if sink is not None:
             sink.put(("step", metrics))
+        tracker.step(metrics)
 
     def on_checkpoint(steps_done: int, path, metrics: dict) -> None:
         # Written where it stays (under Ray Train's run directory, on any storage): rank 0
@@ -54,24 +57,26 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 timings = {k: metrics[k] for k in ("write_s", "save_s", "blocked_s")}
                 sink.put(("checkpoint", {"step": steps_done, "path": str(path), **timings}))
         ray.train.report(report, checkpoint=ckpt, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+        tracker.checkpoint(steps_done, str(path), metrics)  # registered with Ray now
 
     resume = _restart_point(cfg, loop_config)
     if rank == 0 and sink is not None:  # every start of a worker group: the driver counts restarts
         sink.put(("start", {"step": read_manifest(resume)["step"] if resume else 0}))
-    result = run_worker(
-        cfg,
-        node_id,
-        use_gpu=loop_config["use_gpu"],
-        on_step=on_step,
-        dataset_fn=None if cfg.data.path == "memory" else (lambda: ray.train.get_dataset_shard("train")),
-        val_fn=(lambda: ray.train.get_dataset_shard("val"))
-        if cfg.data.val_path and cfg.data.path != "memory"
-        else None,
-        resume=resume,
-        launch_id=loop_config["launch_id"],
-        on_checkpoint=on_checkpoint,
-        marks=marks,
-    )
+    with tracker:  # rank 0's tracking ends with the loop, also when it raises
+        result = run_worker(
+            cfg,
+            node_id,
+            use_gpu=loop_config["use_gpu"],
+            on_step=on_step,
+            dataset_fn=None if cfg.data.path == "memory" else (lambda: ray.train.get_dataset_shard("train")),
+            val_fn=(lambda: ray.train.get_dataset_shard("val"))
+            if cfg.data.val_path and cfg.data.path != "memory"
+            else None,
+            resume=resume,
+            launch_id=loop_config["launch_id"],
+            on_checkpoint=on_checkpoint,
+            marks=marks,
+        )
     if rank == 0 and sink is not None:
         sink.put(("done", {"memory": result["memory"], "marks": result["marks"]}))
     last = result["history"][-1]
