@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -46,14 +47,15 @@ def raw_text_dir(tmp_path_factory) -> Path:
     return out
 
 
-def _train(ray_local, data: Path, out: Path, layout: list[str]) -> subprocess.Popen:
+def _train(ray_local, data: Path, out: Path, layout: list[str], env: dict | None = None) -> subprocess.Popen:
     address = ray_local.get_runtime_context().gcs_address  # the session's cluster: no second start
     sets = [*COMMON, *layout, f"data.path={data}", "data.text_column=body", f"run.output_dir={out}"]
     sets.append("run.max_failures=0")
     sets.append(f"cluster.address={address}")
     exe = Path(sys.executable).parent / "raytrain-hybrid"
     argv = [str(exe), "train", *[a for s in sets for a in ("--set", s)]]
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = {**os.environ, **(env or {})}
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 LAYOUTS = {
@@ -62,18 +64,38 @@ LAYOUTS = {
 }
 
 
-def test_raw_text_parquet_trains_the_same_at_1x1x1_and_2x2x2_and_the_terminal_is_quiet(
-    ray_local, raw_text_dir, tmp_path
-):
-    # Both runs at once (9 of the session's 12 CPUs), and the reference meanwhile: much of a
-    # run's start-up is waiting, which the others fill.
-    procs = {name: _train(ray_local, raw_text_dir, tmp_path / name, layout) for name, layout in LAYOUTS.items()}
+# The 2x2x2 run is also tracked in MLflow from rank 0 (a local file store, the environment a
+# user sets), with a checkpoint at its end. The token is a stand-in credential: nothing keeps it.
+FAKE_TOKEN = "mlflow-token-that-must-not-be-kept"
+TRACKED = ["run.tracking=mlflow", "checkpoint.interval=3"]
+
+
+@pytest.fixture(scope="module")
+def raw_text_runs(ray_local, raw_text_dir, tmp_path_factory):
+    """Both runs at once (9 of the session's 12 CPUs), and the reference meanwhile: much of a
+    run's start-up is waiting, which the others fill. -> (directory, reference, {name: (proc, out, err)})"""
+    tmp_path = tmp_path_factory.mktemp("raw_text_runs")
+    mlflow_env = {
+        "MLFLOW_TRACKING_URI": (tmp_path / "mlruns").as_uri(),
+        "MLFLOW_EXPERIMENT_NAME": "cli",
+        "MLFLOW_ALLOW_FILE_STORE": "true",  # MLflow 3 refuses a file store without it
+        "MLFLOW_TRACKING_TOKEN": FAKE_TOKEN,
+    }
+    procs = {
+        "1x1x1": _train(ray_local, raw_text_dir, tmp_path / "1x1x1", LAYOUTS["1x1x1"]),
+        "2x2x2": _train(ray_local, raw_text_dir, tmp_path / "2x2x2", [*LAYOUTS["2x2x2"], *TRACKED], mlflow_env),
+    }
     try:
         reference = reference_history((*COMMON, f"data.path={raw_text_dir}", "data.text_column=body"), "ray")
         done = {name: (proc, *proc.communicate(timeout=600)) for name, proc in procs.items()}
     finally:
         for proc in procs.values():
             proc.kill()
+    return tmp_path, reference, done
+
+
+def test_raw_text_parquet_trains_the_same_at_1x1x1_and_2x2x2_and_the_terminal_is_quiet(raw_text_runs):
+    tmp_path, reference, done = raw_text_runs
     runs = {}
     for name, (proc, stdout, stderr) in done.items():
         assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
@@ -81,7 +103,7 @@ def test_raw_text_parquet_trains_the_same_at_1x1x1_and_2x2x2_and_the_terminal_is
         # What the user sees: one line per step and the result; Ray's output is in driver.log.
         assert [ln.split()[1] for ln in lines if ln.startswith("step ")] == ["1/3", "2/3", "3/3"]
         assert lines[-1].startswith("done: 3 steps"), lines
-        assert all(ln.startswith(("step ", "done: ")) for ln in lines), lines
+        assert all(ln.startswith(("step ", "checkpoint: ", "done: ")) for ln in lines), lines
         assert stderr.strip() == "", stderr[-2000:]
         assert (tmp_path / name / "driver.log").is_file()
         runs[name] = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
@@ -92,6 +114,34 @@ def test_raw_text_parquet_trains_the_same_at_1x1x1_and_2x2x2_and_the_terminal_is
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
     assert runs["1x1x1"][0]["loss"] > 7.0  # learning from scratch on the shipped 4096-token BPE
+
+
+def test_mlflow_tracks_the_cli_run_from_rank_0(raw_text_runs, monkeypatch):
+    """What `--set run.tracking=mlflow` with MLFLOW_TRACKING_URI gives, read with MLflow's own
+    client: one run, the config as params, rank 0's loss once per step as metrics.jsonl has it,
+    the checkpoint and the summary, ended FINISHED; the credential nowhere in what is kept."""
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    tmp_path, _, done = raw_text_runs
+    proc, stdout, stderr = done["2x2x2"]
+    assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
+    client = MlflowClient((tmp_path / "mlruns").as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("cli").experiment_id])
+    assert run.info.status == "FINISHED"
+    params = run.data.params
+    assert [params[f"parallelism.{k}"] for k in ("dp", "tp", "pp", "microbatches")] == ["2", "2", "2", "2"]
+    assert params["model.num_layers"] == "2" and params["run.tracking"] == "mlflow"
+    steps = [json.loads(x) for x in (tmp_path / "2x2x2" / "metrics.jsonl").read_text().splitlines()]
+    for key in ("loss", "grad_norm", "tokens_per_s"):
+        history = sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)
+        assert [(m.step, m.value) for m in history] == [(s["step"], s[key]) for s in steps], key
+    summary = json.loads((tmp_path / "2x2x2" / "summary.json").read_text())
+    assert run.data.metrics["summary.final_loss"] == summary["final_loss"]
+    assert run.data.metrics["checkpoint.steps_done"] == 3
+    assert run.data.tags["checkpoint.latest"] == summary["checkpoints"][-1]["path"]
+    for path in [*(tmp_path / "2x2x2").rglob("*"), *(tmp_path / "mlruns").rglob("*")]:
+        assert not path.is_file() or FAKE_TOKEN.encode() not in path.read_bytes(), path
 
 
 @pytest.fixture(scope="module")
