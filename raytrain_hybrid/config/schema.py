@@ -322,7 +322,10 @@ class RunConfig:
     # continues from the newest checkpoint of this run, so set checkpoint.interval too.
     max_failures: int = 0
     # Give up when no step has run this long after the workers were asked for (placement,
-    # worker start, data, model build), saying what Ray is waiting for; 0 waits forever.
+    # worker start, data, model build), saying what Ray is waiting for; 0 waits forever. With an
+    # autoscaler the clock starts again each time it is seen adding nodes (a GPU node can take
+    # 10-15 minutes to join; the workers then get the whole time for their own start), and a
+    # worker that no node type can hold stops the run as soon as the autoscaler says so, even at 0.
     startup_timeout_s: float = 900.0
     # Experiment tracking, an optional extra (pip install 'raytrain-hybrid[mlflow]' or [wandb]):
     # "mlflow" or "wandb" get the config as params, rank 0's metrics at every step, the

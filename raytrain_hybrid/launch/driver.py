@@ -18,6 +18,7 @@ from typing import Any
 from raytrain_hybrid.checkpoint.manifest import MANIFEST, check_compatible, resolve, step_dirs, step_number
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.errors import ConfigError
+from raytrain_hybrid.launch.autoscale import POLL_S, ScalerProbe, StartupTimeout, StartupWatchdog
 from raytrain_hybrid.launch.entry import train_loop_per_worker
 from raytrain_hybrid.launch.inputs import build_datasets, prepare_input, reader_env
 from raytrain_hybrid.launch.placement import worker_resources
@@ -28,10 +29,6 @@ from raytrain_hybrid.launch.session import ensure_ray, resolve_use_gpu, use_trai
 from raytrain_hybrid.launch.summary import startup_breakdown, summarize
 from raytrain_hybrid.launch.tracking import TrackedRun, check_tracking
 from raytrain_hybrid.storage import open_store
-
-
-class StartupTimeout(RuntimeError):
-    """The run did not reach its first step in time; the message says what Ray waits for."""
 
 
 def check_resume(cfg: Config, resume: str | None) -> tuple[str | None, list[dict]]:
@@ -100,7 +97,8 @@ def run(cfg: Config, resume: str | None = None, stream=None) -> dict:
         on_checkpoint=run_dir.sync,
     )
     with contextlib.closing(run_log), tracked:  # a run that fails ends its tracker run FAILED
-        watch(trainer, sink, run_log, cfg.run.startup_timeout_s, marks)
+        watchdog = StartupWatchdog.for_run(cfg.cluster, resources, cfg.run.startup_timeout_s)
+        watch(trainer, sink, run_log, watchdog, marks)
     summary = write_results(cfg, run_log, marks, run_dir)
     tracked.finish(summary)
     ray.kill(sink.actor)
@@ -166,9 +164,10 @@ def make_trainer(cfg: Config, *, sink, use_gpu: bool, resources: dict[str, float
     )
 
 
-def watch(trainer, sink, run_log: RunLog, startup_timeout_s: float, marks: dict) -> None:
+def watch(trainer, sink, run_log: RunLog, watchdog: StartupWatchdog, marks: dict) -> None:
     """Run ``trainer.fit()`` in a thread and hand the workers' events to ``run_log`` until it
-    ends; its error is raised here, on the driver's main thread."""
+    ends; its error is raised here, on the driver's main thread. Until the first step,
+    ``watchdog`` reads the autoscaler every POLL_S and may end the run (see launch/autoscale.py)."""
     from ray.util.queue import Empty
 
     outcome: dict[str, Any] = {}
@@ -181,13 +180,19 @@ def watch(trainer, sink, run_log: RunLog, startup_timeout_s: float, marks: dict)
 
     thread = threading.Thread(target=fit, daemon=True)
     marks["fit_called"] = time.time()
+    watchdog.start(marks["fit_called"])
+    probe, next_look = ScalerProbe(since=marks["fit_called"]), 0.0
     thread.start()
     while thread.is_alive() or not sink.empty():
-        if startup_timeout_s and not run_log.live_steps and time.time() - marks["fit_called"] > startup_timeout_s:
-            # Leave the trainer thread: the driver exits, and Ray ends its workers with it.
-            raise StartupTimeout(
-                f"no training step after {startup_timeout_s:g} s (run.startup_timeout_s). {waiting_for()}"
-            )
+        if not run_log.live_steps and time.time() >= next_look:
+            # Raising leaves the trainer thread: the driver exits, and Ray ends its workers with it.
+            ran_out = watchdog.check(probe.read(), time.time())
+            for line in watchdog.news:
+                run_log._say(line)
+            watchdog.news.clear()
+            if ran_out:
+                raise StartupTimeout(f"{ran_out}. {waiting_for()}")
+            next_look = time.time() + POLL_S
         try:
             kind, payload = sink.get(timeout=0.5)
         except Empty:
