@@ -169,9 +169,9 @@ def _train(cfg, resume: str | None = None, verbose: bool = False) -> int:
     log = mirror_dir(cfg.run.output_dir) / "driver.log"  # the run dir itself, unless it is a URI
     summary = None
     try:
-        with quiet_driver(log, quiet=not verbose) as (out, err):
+        with quiet_driver(log, quiet=not verbose) as (out, err, live_log):
             try:
-                summary = run(cfg, resume=resume, stream=out)
+                summary = run(cfg, resume=resume, stream=out, driver_log=live_log)
             except (ConfigError, LayoutError):
                 raise
             except Exception as exc:  # a worker failed: Ray's error carries its traceback

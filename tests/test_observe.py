@@ -16,7 +16,7 @@ def test_quiet_driver_sends_ray_output_to_the_log_and_keeps_the_terminal(tmp_pat
     logger = logging.getLogger("fake_ray")
     logger.addHandler(handler)
     try:
-        with quiet_driver(log) as (out, err):
+        with quiet_driver(log) as (out, err, _):
             print("(raylet) WARNING: 8 PYTHON worker processes have been started")  # Ray: sys.stdout
             logger.warning("Started a local Ray instance.")  # Ray's loggers: the stderr they hold
             os.write(2, b"[C++ core] fd 2\n")  # Ray's core: the file descriptor
@@ -41,9 +41,10 @@ def test_a_run_refused_before_its_directory_exists_creates_nothing(tmp_path):
 
 
 def test_verbose_keeps_everything_on_the_terminal(tmp_path, capfd):
-    with quiet_driver(tmp_path / "driver.log", quiet=False) as (out, err):
+    with quiet_driver(tmp_path / "driver.log", quiet=False) as (out, err, live):
         print("(raylet) WARNING")
         print("step 1/3", file=out)
+    assert live is None
     assert capfd.readouterr().out == "(raylet) WARNING\nstep 1/3\n"
     assert not (tmp_path / "driver.log").exists()
 

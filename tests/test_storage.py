@@ -111,3 +111,39 @@ def test_a_save_cut_short_on_s3_is_passed_over_and_does_not_block_the_resume(s3,
     root.child("checkpoints", "step_4", "manifest.json").write_text(json.dumps({**manifest, "step": 4}))
     with pytest.raises(ConfigError, match="would overwrite the later step_4"):  # a complete one is kept
         check_resume(cfg, f"{run}/checkpoints/step_2")
+
+
+def test_the_driver_files_reach_the_uri_when_a_checkpoint_completes(s3, tmp_path):
+    """The driver's RunLog and RunDir as a run uses them: when a checkpoint is heard of, what the
+    steps before it wrote (metrics.jsonl, TensorBoard events, config.json, the driver's log as it
+    stands) is in the bucket already, before the run ends."""
+    import functools
+    import json
+    import shutil
+
+    from raytrain_hybrid.launch.progress import RunLog
+    from raytrain_hybrid.launch.rundir import RunDir
+
+    uri = f"s3://bucket/{tmp_path.name}/run"
+    run_dir = RunDir.open(uri)
+    (run_dir.local / "config.json").write_text("{}\n")
+    live = tmp_path / "driver.log"  # quiet_driver's log, still being written
+    live.write_text("Started a local Ray instance.\n")
+    log = RunLog(run_dir.local, steps=4, progress=False, on_checkpoint=functools.partial(run_dir.sync, live))
+    try:
+        for step in (0, 1):
+            log.handle("step", {"step": step, "loss": 9.0 - step, "grad_norm": 1.0, "tokens_per_s": 1e3})
+        log.handle(
+            "checkpoint",
+            {"step": 2, "path": f"{uri}/checkpoints/step_2", "write_s": 0.1, "save_s": 0.1, "blocked_s": 0.0},
+        )
+        root = open_store(uri)
+        steps = [json.loads(line)["step"] for line in root.child("metrics.jsonl").read_text().splitlines()]
+        assert steps == [0, 1]
+        assert root.child("driver.log").read_text() == "Started a local Ray instance.\n"
+        assert root.child("config.json").read_text() == "{}\n"
+        (events,) = root.child("tensorboard").listdir()
+        assert b"train/loss" in root.child("tensorboard", events).read_bytes()  # flushed, not only buffered
+    finally:
+        log.close()
+        shutil.rmtree(run_dir.local)

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 from raytrain_hybrid.checkpoint.manifest import MANIFEST, check_compatible, resolve, step_dirs, step_number
@@ -67,11 +69,13 @@ def check_resume(cfg: Config, resume: str | None) -> tuple[str | None, list[dict
     return path.uri, history
 
 
-def run(cfg: Config, resume: str | None = None, stream=None) -> dict:
+def run(cfg: Config, resume: str | None = None, stream=None, driver_log: Path | None = None) -> dict:
     """Train on Ray; write metrics.jsonl and summary.json to run.output_dir; return the summary.
 
     ``resume``: a checkpoint directory, or a run directory meaning its newest checkpoint.
     ``stream``: where progress goes (default sys.stdout).
+    ``driver_log``: the driver's log as it is written (the CLI's), kept as driver.log at every
+    checkpoint and at the end.
     """
     import ray
     from ray.util.queue import Queue
@@ -88,18 +92,20 @@ def run(cfg: Config, resume: str | None = None, stream=None) -> dict:
     tracking = tracked.open(cfg)
     trainer = make_trainer(cfg, sink=sink, use_gpu=use_gpu, resources=resources, resume=resume, tracking=tracking)
     run_dir = RunDir.open(cfg.run.output_dir)
+    # config.json from the start: it reaches the output URI with the first checkpoint.
+    (run_dir.local / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     run_log = RunLog(
         run_dir.local,
         steps=cfg.train.steps,
         progress=cfg.run.progress,
         history=kept_history,
         stream=stream,
-        on_checkpoint=run_dir.sync,
+        on_checkpoint=functools.partial(run_dir.sync, driver_log),
     )
     with contextlib.closing(run_log), tracked:  # a run that fails ends its tracker run FAILED
         watchdog = StartupWatchdog.for_run(cfg.cluster, resources, cfg.run.startup_timeout_s)
         watch(trainer, sink, run_log, watchdog, marks)
-    summary = write_results(cfg, run_log, marks, run_dir)
+    summary = write_results(cfg, run_log, marks, run_dir, driver_log)
     tracked.finish(summary)
     ray.kill(sink.actor)
     return summary
@@ -203,12 +209,11 @@ def watch(trainer, sink, run_log: RunLog, watchdog: StartupWatchdog, marks: dict
         raise outcome["error"]
 
 
-def write_results(cfg: Config, run_log: RunLog, marks: dict, run_dir: RunDir) -> dict:
-    """summary.json and the run's config.json in run.output_dir; returns the summary."""
+def write_results(cfg: Config, run_log: RunLog, marks: dict, run_dir: RunDir, driver_log: Path | None = None) -> dict:
+    """summary.json in run.output_dir (config.json is there from the start); returns the summary."""
     summary = summarize(cfg, run_log.history, run_log.memory, run_log.restarts, run_log.restarted_from)
     summary["startup_s"] = startup_breakdown({**marks, **run_log.marks})
     summary["checkpoints"] = run_log.checkpoints
     (run_dir.local / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (run_dir.local / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-    run_dir.sync()
+    run_dir.sync(driver_log)
     return summary

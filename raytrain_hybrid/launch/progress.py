@@ -40,12 +40,14 @@ def quiet_driver(log_path: Path, *, quiet: bool = True):
     Ray writes start-up notices and Ray Data progress through loggers bound to stderr,
     raylet warnings ("N PYTHON worker processes have been started...") to ``sys.stdout``
     and its C++ core to file descriptor 2. Inside: fd 2 and ``sys.stdout`` go to a log;
-    yields (terminal_out, terminal_err) for the progress bar and our own messages. The log
-    is written in the temp dir and moved to ``log_path`` at the end if its directory exists
-    (a refused run creates nothing in run.output_dir).
+    yields (terminal_out, terminal_err, live_log): the terminal for the progress bar and our
+    own messages, and the log file as it is written (None when not quiet), which the run copies
+    into its files at every checkpoint (RunDir.sync). The log is written in the temp dir and
+    moved to ``log_path`` at the end if its directory exists (a refused run creates nothing in
+    run.output_dir).
     """
     if not quiet:
-        yield sys.stdout, sys.stderr
+        yield sys.stdout, sys.stderr, None
         return
     sys.stdout.flush()
     sys.stderr.flush()
@@ -57,7 +59,7 @@ def quiet_driver(log_path: Path, *, quiet: bool = True):
     os.dup2(log.fileno(), 2)
     sys.stdout = log
     try:
-        yield terminal_out, terminal_err
+        yield terminal_out, terminal_err, Path(tmp)
     finally:
         sys.stdout = terminal_out
         sys.stderr.flush()

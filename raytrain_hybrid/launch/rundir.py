@@ -3,12 +3,15 @@ and where they end up: run.output_dir, on a local disk, a shared mount or object
 
 On a local path the driver writes there directly. For a URI it writes to a local mirror and
 copies the mirror to the URI at every checkpoint and at the end, so a cluster that goes away
-keeps what its run wrote (nothing lands in the working directory).
+keeps what its run wrote (nothing lands in the working directory). driver.log is written
+elsewhere until the run ends (a refused run must leave nothing behind): each sync copies it in
+as it stands, so a driver that dies mid-run still leaves its log up to the last checkpoint.
 """
 
 from __future__ import annotations
 
 import hashlib
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +39,10 @@ class RunDir:
         local.mkdir(parents=True, exist_ok=True)
         return cls(open_store(output_dir), local)
 
-    def sync(self) -> None:
-        """Copy the mirror's files to the run's URI (nothing to do for a local run)."""
+    def sync(self, driver_log: Path | None = None) -> None:
+        """Copy the mirror's files to the run's URI (nothing to do for a local run); first
+        ``driver_log``, the driver's log being written (progress.quiet_driver), as driver.log."""
+        if driver_log is not None and driver_log.exists():
+            shutil.copyfile(driver_log, self.local / "driver.log")
         if not self.store.local:
             self.store.upload(str(self.local))
