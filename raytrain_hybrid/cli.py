@@ -71,7 +71,11 @@ def _parser() -> argparse.ArgumentParser:
     sw.add_argument("--top", type=int, default=4)
     sw.add_argument("--steps", type=int, default=8)
     sw.add_argument("--hardware", default="", help="profile (default: the calibrated local one, else h100)")
-    sw.add_argument("--out", default="runs/sweep", help="directory for sweep.csv, sweep.json, sweep.png")
+    sw.add_argument(
+        "--out",
+        default="runs/sweep",
+        help="directory or URI (s3://, gs://) for sweep.csv, sweep.json, sweep.png and the trials' runs",
+    )
     prep = sub.add_parser("prepare-data", help="tokenize text files or Parquet into token Parquet (Ray Data)")
     prep.add_argument("source", help="text files (documents split by blank lines), Parquet, a directory or a glob")
     prep.add_argument("out_dir", help="directory (or URI) for the Parquet shards")
@@ -225,15 +229,15 @@ def _plan(args, cfg) -> int:
 
 
 def _sweep(args, cfg) -> int:
-    from pathlib import Path
-
     from raytrain_hybrid.planner.calibrate import default_profile
     from raytrain_hybrid.planner.hardware import load_hardware
-    from raytrain_hybrid.tools.sweep import set_line, sweep
+    from raytrain_hybrid.storage import open_store
+    from raytrain_hybrid.tools.sweep import OUT_KEY, set_line, sweep
 
     profile = default_profile()
     hw = load_hardware(args.hardware or (str(profile) if profile.exists() else "h100"))
-    rows = sweep(cfg, args.world_size, hw, top=args.top, steps=args.steps, out_dir=Path(args.out))
+    out = open_store(args.out, OUT_KEY)
+    rows = sweep(cfg, args.world_size, hw, top=args.top, steps=args.steps, out_dir=out)
     for r in rows:
         measured = f"{r['measured_tokens_per_s']:,.0f}" if not r["failed"] else f"failed: {r['reason'][:80]}"
         print(f"{r['name']:>40}  predicted {r['predicted_tokens_per_s']:>12,.0f}  measured {measured}")
@@ -242,7 +246,7 @@ def _sweep(args, cfg) -> int:
         print("error: every trial failed", file=sys.stderr)
         return 1
     best = max(ok, key=lambda r: r["measured_tokens_per_s"])
-    print(f"best: {best['name']}  ({best['measured_tokens_per_s']:,.0f} tokens/s); results in {args.out}")
+    print(f"best: {best['name']}  ({best['measured_tokens_per_s']:,.0f} tokens/s); results in {out.uri}")
     print(set_line(best))
     return 0
 

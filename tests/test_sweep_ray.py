@@ -1,29 +1,59 @@
-"""A layout sweep of 3 layouts runs end to end with Ray Tune on the session's local Ray."""
+"""Layout sweeps with Ray Tune: 3 layouts end to end from the CLI into an S3 bucket (a real S3
+endpoint, moto's server, found through AWS_ENDPOINT_URL alone); a failing trial on the session's
+local Ray."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+
+import pyarrow.fs as pafs
+from s3_server import s3_server
 
 from raytrain_hybrid.config import load_config
 from raytrain_hybrid.planner.hardware import PROFILES
 from raytrain_hybrid.tools.sweep import sweep
 
 
-def test_sweep_three_layouts(ray_local, tmp_path, capsys):
-    cfg = load_config(None, ["model.num_layers=2", "model.seq_len=64", "train.global_batch_size=8", "data.path=memory"])
-    rows = sweep(cfg, 2, PROFILES["h100"], top=3, steps=3, out_dir=tmp_path)
+def test_sweep_three_layouts_into_a_bucket(tmp_path):
+    sets = ["model.num_layers=2", "model.seq_len=64", "train.global_batch_size=8", "data.path=memory"]
+    args = ["sweep", "--world-size", "2", "--top", "3", "--steps", "3", "--hardware", "h100"]
+    with s3_server() as env:
+        fs = pafs.S3FileSystem(endpoint_override=env["AWS_ENDPOINT_URL"])
+        done = subprocess.run(
+            [sys.executable, "-m", "raytrain_hybrid.cli", *args, "--out", "s3://bucket/sweep"]
+            + [a for o in sets for a in ("--set", o)],
+            cwd=tmp_path,
+            env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},  # its own local Ray
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+        def read(path: str) -> bytes:
+            with fs.open_input_stream(f"bucket/sweep/{path}") as f:
+                return f.read()
+
+        rows = json.loads(read("sweep.json"))
+        assert read("sweep.csv").decode().count("\n") == 4
+        assert read("sweep.png").startswith(b"\x89PNG") and len(read("sweep.png")) > 1000
+        for r in rows:  # each trial's run directory, and Tune's own storage, in the bucket too
+            assert len(read(f"trials/{r['name']}/metrics.jsonl").splitlines()) == 3
+            assert json.loads(read(f"trials/{r['name']}/summary.json"))["steps"] == 3
+        tune = fs.get_file_info(pafs.FileSelector("bucket/sweep/tune/sweep", recursive=True))
+        assert any(i.base_name.startswith("experiment_state") for i in tune), [i.path for i in tune]
+    assert list(tmp_path.iterdir()) == [], "the sweep wrote into the working directory"
     assert len(rows) == 3
     assert len({(r["dp"], r["tp"], r["pp"], r["schedule"], r["zero"]) for r in rows}) == 3
     for r in rows:
         assert not r["failed"], r
         assert r["measured_tokens_per_s"] > 0 and r["param_bytes"] > 0
-    saved = json.loads((tmp_path / "sweep.json").read_text())
-    assert [r["name"] for r in saved] == [r["name"] for r in rows]
-    assert (tmp_path / "sweep.csv").read_text().count("\n") == 4
-    assert (tmp_path / "sweep.png").stat().st_size > 1000
-    shown = capsys.readouterr().out  # progress without a terminal: one line per finished trial
+    shown = done.stdout  # progress without a terminal: one line per finished trial
     assert [line.split()[1] for line in shown.splitlines() if line.startswith("sweep ")] == ["1/3", "2/3", "3/3"]
-    assert "tokens/s" in shown
+    assert "tokens/s" in shown and "results in s3://bucket/sweep" in shown
 
 
 def test_failed_trial_is_recorded_and_the_sweep_goes_on(ray_local, tmp_path):

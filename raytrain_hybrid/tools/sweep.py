@@ -3,18 +3,26 @@
 Each trial is a function trainable that runs the launcher (a full TorchTrainer run of a few
 steps) and reports measured tokens/s, step time, per-rank memory and loss. A trial that fails
 (error, out of memory) is recorded with its reason and the sweep goes on.
+
+Everything a sweep writes goes under its ``out`` directory, a local path, a shared mount or a
+URI (s3://, gs://) through raytrain_hybrid.storage: sweep.json, sweep.csv, sweep.png, each
+trial's run directory (trials/<name>, a run.output_dir) and Ray Tune's own storage (tune/).
 """
 
 from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import json
-from pathlib import Path
+import os
 
 from raytrain_hybrid.config import LAYOUT_KEYS, Config
 from raytrain_hybrid.planner.hardware import Hardware
 from raytrain_hybrid.planner.search import plan
+from raytrain_hybrid.storage import Store, as_store
+
+OUT_KEY = "sweep --out"
 
 
 def _trial(config: dict) -> None:
@@ -25,7 +33,8 @@ def _trial(config: dict) -> None:
     cfg = Config.from_dict(config["base"])  # the sweep's resolved config, as a dict
     trial = config["trial"]
     par = dataclasses.replace(cfg.parallelism, **trial["layout"], virtual_stages=0)
-    run_cfg = dataclasses.replace(cfg.run, output_dir=str(Path(config["out_dir"]) / trial["name"]), progress=False)
+    out = as_store(config["out_dir"], OUT_KEY).child(trial["name"]).uri
+    run_cfg = dataclasses.replace(cfg.run, output_dir=out, progress=False)
     cfg = dataclasses.replace(cfg, parallelism=par, run=run_cfg)
     try:
         summary = run(cfg)
@@ -62,17 +71,25 @@ def set_line(layout: dict) -> str:
 
 
 def sweep(
-    cfg: Config, world: int, hw: Hardware, *, top: int, steps: int, out_dir: Path, only: list[dict] | None = None
+    cfg: Config,
+    world: int,
+    hw: Hardware,
+    *,
+    top: int,
+    steps: int,
+    out_dir: str | os.PathLike | Store,
+    only: list[dict] | None = None,
 ) -> list[dict]:
     """Run the planner's ``top`` best distinct feasible layouts (or the planned rows matching
-    each partial layout in ``only``, e.g. ``{"dp": 2, "tp": 2, "pp": 1}``) as Tune trials."""
+    each partial layout in ``only``, e.g. ``{"dp": 2, "tp": 2, "pp": 1}``) as Tune trials.
+    ``out_dir``: a directory or URI for the results (see the module docstring)."""
     from raytrain_hybrid.launch.session import ensure_ray, use_train_v2
 
     use_train_v2()  # before ray.tune imports ray.train
     from ray import tune
 
-    out_dir = Path(out_dir).resolve()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out = as_store(out_dir, OUT_KEY)
+    out.makedirs()
     rows = plan(cfg, world, hw)
     planned, seen = [], set()
     if only is not None:
@@ -93,12 +110,17 @@ def sweep(
         tune.with_resources(_trial, {"CPU": 0.01}),  # the trial waits; its TorchTrainer holds the CPUs
         param_space={
             "base": base.to_dict(),
-            "out_dir": str(out_dir / "trials"),
+            "out_dir": out.child("trials").uri,
             "trial": tune.grid_search(trials),
         },
         tune_config=tune.TuneConfig(max_concurrent_trials=1),  # each trial takes every worker slot
         run_config=tune.RunConfig(
-            storage_path=str(out_dir / "tune"), name="sweep", verbose=0, callbacks=[_progress(len(trials))]
+            # A path on the store's filesystem (no scheme: Tune refuses a URI with a filesystem).
+            storage_path=out.child("tune").path,
+            storage_filesystem=out.fs,
+            name="sweep",
+            verbose=0,
+            callbacks=[_progress(len(trials))],
         ),
     )
     grid = tuner.fit()
@@ -132,16 +154,17 @@ def sweep(
                 + p["memory_bytes"]["optimizer"],
             }
         )
-    _save(rows, out_dir)
+    _save(rows, out)
     return rows
 
 
-def _save(rows: list[dict], out_dir: Path) -> None:
-    (out_dir / "sweep.json").write_text(json.dumps(rows, indent=2) + "\n")
-    with (out_dir / "sweep.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+def _save(rows: list[dict], out: Store) -> None:
+    out.child("sweep.json").write_text(json.dumps(rows, indent=2) + "\n")
+    table = io.StringIO(newline="")
+    writer = csv.DictWriter(table, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    out.child("sweep.csv").write_text(table.getvalue())
     import matplotlib
 
     matplotlib.use("Agg")
@@ -150,8 +173,10 @@ def _save(rows: list[dict], out_dir: Path) -> None:
     from raytrain_hybrid.tools.plots import plot_sweep
 
     fig = plot_sweep(rows)
-    fig.savefig(out_dir / "sweep.png", dpi=120)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=120)
     plt.close(fig)
+    out.child("sweep.png").write_bytes(png.getvalue())
 
 
 def _progress(total: int):
