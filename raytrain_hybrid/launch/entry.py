@@ -7,7 +7,7 @@ import posixpath
 import time
 from typing import Any
 
-from raytrain_hybrid.checkpoint.manifest import read_manifest
+from raytrain_hybrid.checkpoint.manifest import MANIFEST, read_manifest, step_dirs
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.launch.tracking import StepLogger
 from raytrain_hybrid.storage import open_store
@@ -59,7 +59,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         ray.train.report(report, checkpoint=ckpt, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
         tracker.checkpoint(steps_done, str(path), metrics)  # registered with Ray now
 
-    resume = _restart_point(cfg, loop_config)
+    resume, unheard = _restart_point(cfg, loop_config)
+    if unheard:  # every rank alike: Ray Train learns of it (retention; the restart after this one)
+        _register(resume if rank == 0 else None, read_manifest(resume)["step"])
     if rank == 0 and sink is not None:  # every start of a worker group: the driver counts restarts
         sink.put(("start", {"step": read_manifest(resume)["step"] if resume else 0}))
     with tracker:  # rank 0's tracking ends with the loop, also when it raises
@@ -83,17 +85,37 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     ray.train.report({"loss": last["loss"], "step": last["step"]})
 
 
-def _restart_point(cfg: Config, loop_config: dict) -> str | None:
-    """Where this worker group starts: this launch's newest checkpoint after a restart, else
-    the checkpoint given with --resume, else nothing. (Ray Train also hands back checkpoints of
-    an earlier launch into the same directory; the manifest's launch id tells them apart.)"""
+def _restart_point(cfg: Config, loop_config: dict) -> tuple[str | None, bool]:
+    """Where this worker group starts, and whether Ray Train has not heard of that checkpoint:
+    this launch's newest complete checkpoint on storage after a restart, else the checkpoint
+    given with --resume, else nothing.
+
+    Storage, not ray.train.get_checkpoint(), says which is newest: a save completes (its
+    manifest written) some time before every rank reports it to Ray Train, at a later step
+    boundary when it is saved in the background, and a node lost in between would otherwise
+    send the run back to the checkpoint before (or to step 0). Every rank reads the same
+    listing: the worker group before this one is gone. Checkpoints of an earlier launch into
+    the same directory (a run continued in place) are told apart by the manifest's launch id."""
     import ray.train
 
     latest = ray.train.get_checkpoint()
-    if latest is not None:
-        # Ray hands it back as a path on its filesystem; read it by the run's own URI.
-        path = open_store(cfg.run.output_dir).child("checkpoints", posixpath.basename(latest.path.rstrip("/")))
-        manifest = read_manifest(path)
-        if manifest.get("launch_id") == loop_config["launch_id"]:
-            return path.uri
-    return loop_config.get("resume")
+    heard = posixpath.basename(latest.path.rstrip("/")) if latest is not None else None
+    for path in reversed(step_dirs(open_store(cfg.run.output_dir).child("checkpoints"))):
+        if path.child(MANIFEST).exists() and read_manifest(path).get("launch_id") == loop_config["launch_id"]:
+            return path.uri, path.name != heard
+    return loop_config.get("resume"), False
+
+
+def _register(path: str | None, step: int) -> None:
+    """Report a checkpoint already on storage to Ray Train (``path`` on rank 0, None elsewhere;
+    a barrier: every rank calls it)."""
+    import ray.train
+    from ray.train import Checkpoint
+    from ray.train.v2.api.report_config import CheckpointUploadMode
+
+    ckpt = None
+    if path is not None:
+        storage = ray.train.get_context().get_storage()
+        name = posixpath.basename(path.rstrip("/"))
+        ckpt = Checkpoint(posixpath.join(storage.experiment_fs_path, name), filesystem=storage.storage_filesystem)
+    ray.train.report({"step": step}, checkpoint=ckpt, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
