@@ -87,7 +87,7 @@ def run(cfg: Config, resume: str | None = None, stream=None, driver_log: Path | 
     open_store(cfg.run.output_dir).makedirs()  # only now: a refused run leaves nothing behind
     cfg = prepare_input(cfg)
     marks["input_checked"] = time.time()
-    sink = Queue(actor_options={"num_cpus": 0})  # rank 0's events, see the module docstring
+    sink = Queue(actor_options=sink_options())  # rank 0's events, see the module docstring
     tracked = TrackedRun()  # run.tracking: its run is opened before any worker starts
     tracking = tracked.open(cfg)
     trainer = make_trainer(cfg, sink=sink, use_gpu=use_gpu, resources=resources, resume=resume, tracking=tracking)
@@ -109,6 +109,17 @@ def run(cfg: Config, resume: str | None = None, stream=None, driver_log: Path | 
     tracked.finish(summary)
     ray.kill(sink.actor)
     return summary
+
+
+def sink_options() -> dict:
+    """The event queue lives on the driver's node: a worker node may go away mid-run (the
+    worker group restarts elsewhere), and the queue, with the events in it, must outlive it."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    # Not soft: a soft affinity was seen to put it on a worker node now and then (0 CPUs fit anywhere).
+    return {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=False)}
 
 
 def prepare_run_dir(cfg: Config, resume: str | None) -> tuple[Config, str | None, list[dict]]:
