@@ -91,7 +91,7 @@ def run(cfg: Config, resume: str | None = None, stream=None, driver_log: Path | 
     tracked = TrackedRun()  # run.tracking: its run is opened before any worker starts
     tracking = tracked.open(cfg)
     trainer = make_trainer(cfg, sink=sink, use_gpu=use_gpu, resources=resources, resume=resume, tracking=tracking)
-    run_dir = RunDir.open(cfg.run.output_dir)
+    run_dir = RunDir.open(cfg.run.output_dir, fresh=True)
     # config.json from the start: it reaches the output URI with the first checkpoint.
     (run_dir.local / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     run_log = RunLog(

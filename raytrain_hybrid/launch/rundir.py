@@ -34,10 +34,14 @@ class RunDir:
     local: Path
 
     @classmethod
-    def open(cls, output_dir: str) -> RunDir:
-        local = mirror_dir(output_dir)
+    def open(cls, output_dir: str, fresh: bool = False) -> RunDir:
+        """``fresh``: a run starting empties the mirror of a URI first; what an earlier run on this
+        machine left there (another launch of the same URI) is in the URI already or not wanted."""
+        store, local = open_store(output_dir), mirror_dir(output_dir)
+        if fresh and not store.local:
+            shutil.rmtree(local, ignore_errors=True)
         local.mkdir(parents=True, exist_ok=True)
-        return cls(open_store(output_dir), local)
+        return cls(store, local)
 
     def sync(self, driver_log: Path | None = None) -> None:
         """Copy the mirror's files to the run's URI (nothing to do for a local run); first
