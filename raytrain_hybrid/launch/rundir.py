@@ -11,6 +11,7 @@ as it stands, so a driver that dies mid-run still leaves its log up to the last 
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -20,11 +21,15 @@ from raytrain_hybrid.storage import Store, open_store
 
 
 def mirror_dir(output_dir: str) -> Path:
-    """Where the driver writes a run's files before they reach ``output_dir`` (itself when local)."""
+    """Where the driver writes a run's files before they reach ``output_dir`` (itself when local).
+
+    One per driver process and URI: two drivers on one machine writing the same URI (two jobs
+    on a head node, or tests against two S3 servers with the same bucket name) must not share,
+    and empty (RunDir.open fresh), each other's mirror."""
     store = open_store(output_dir)
     if store.local:
         return Path(store.path)
-    key = hashlib.sha256(store.uri.encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{store.uri}\0{os.getpid()}".encode()).hexdigest()[:16]
     return Path(tempfile.gettempdir()) / "raytrain-hybrid-runs" / key
 
 
