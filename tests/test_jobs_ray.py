@@ -1,8 +1,11 @@
 """`ray job submit` as a user runs it: a real head started with `ray start --head` on loopback,
-the documented runtime environment and entrypoint, then status, logs and outputs."""
+the documented runtime environment and entrypoint, then status, logs and outputs. The head
+has an S3 endpoint (moto's server on loopback) in its environment, as a cloud node has its
+credentials: a job that fails mid-way continues when resubmitted with --resume s3://..."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -13,9 +16,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
+import pyarrow.fs as pafs
 import pytest
+from s3_server import KEY_ID, SECRET, s3_server
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -28,7 +35,13 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def ray_head():
+def s3():
+    with s3_server() as env:
+        yield pafs.S3FileSystem(endpoint_override=env["AWS_ENDPOINT_URL"])
+
+
+@pytest.fixture(scope="module")
+def ray_head(s3):
     """A head in its own process group (ended by that group, never a machine-wide `ray stop`),
     with token authentication as Ray turns it on, the venv first on PATH as after `source
     .venv/bin/activate`."""
@@ -76,7 +89,7 @@ def ray_head():
             os.killpg(head.pid, signal.SIGKILL)
             pytest.fail(f"ray head did not take a job: {probe.stdout[-1500:]} {probe.stderr[-1500:]}")
         time.sleep(2)
-    yield {"address": address, "env": env, "tmp": tmp}
+    yield {"address": address, "env": env, "tmp": tmp, "pid": head.pid}
     os.killpg(head.pid, signal.SIGTERM)
     try:
         head.wait(timeout=10)
@@ -93,12 +106,12 @@ def _ray(head, *args, timeout=600):
     )
 
 
-def _submit(head, job_id: str, *train_args: str):
+def _submit(head, job_id: str, *train_args: str, wait: bool = True):
     # The documented line (jobs/README.md), with a known id and the outputs kept outside the
     # working directory copy.
     return _ray(
         head, "job", "submit", "--address", head["address"], "--submission-id", job_id,
-        "--working-dir", ".", "--runtime-env", "jobs/runtime_env_local.yaml",
+        *([] if wait else ["--no-wait"]), "--working-dir", ".", "--runtime-env", "jobs/runtime_env_local.yaml",
         "--", "python", "-m", "raytrain_hybrid.cli", "train", "jobs/local_3d.toml", *train_args,
     )  # fmt: skip
 
@@ -158,3 +171,80 @@ def test_a_job_that_cannot_start_stops_and_says_what_ray_waits_for(ray_head):
     logs = _logs(ray_head, "rh-stuck")
     assert "no training step after 15 s (run.startup_timeout_s)" in logs, logs[-2000:]
     assert "Ray is waiting for: placement group of 12 x {'CPU': 1.0}" in logs
+
+
+def _wait_for(what, timeout: float = 600, every: float = 0.2):
+    deadline = time.time() + timeout
+    while not (found := what()):
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(every)
+    return found
+
+
+def _ended(head, job_id: str) -> str:
+    """The job's status line once it has ended, else ""."""
+    out = _ray(head, "job", "status", "--address", head["address"], job_id).stdout
+    return out if any(f"Job '{job_id}' {end}" in out for end in ("failed", "succeeded", "stopped")) else ""
+
+
+def _train_workers(head) -> list[psutil.Process]:
+    """The head's training worker processes (children of its raylet), none of another Ray."""
+    found = []
+    for proc in psutil.Process(head["pid"]).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if " ".join(proc.cmdline()).startswith("ray::RayTrainWorker"):
+                found.append(proc)
+    return found
+
+
+def _bucket(fs, prefix: str) -> dict[str, bytes]:
+    out = {}
+    for info in fs.get_file_info(pafs.FileSelector(prefix, recursive=True)):
+        if info.type == pafs.FileType.File:
+            with fs.open_input_stream(info.path) as f:
+                out[info.path.removeprefix(prefix + "/")] = f.read()
+    return out
+
+
+@pytest.mark.slow
+def test_a_failed_job_resubmitted_with_resume_continues_under_another_layout(ray_head, s3):
+    """The job loses a worker after its first checkpoint with no restart allowed and fails;
+    the same job resubmitted with --resume <its output URI>, at another layout, continues in
+    place to the full step count: every step's loss and gradient norm is the uninterrupted
+    single-process run's, each step once in the bucket's metrics.jsonl."""
+    from reference import reference_run
+
+    from raytrain_hybrid.config import load_config
+
+    sets = ["train.steps=6", "checkpoint.interval=2", "data.path=memory", "run.max_failures=0",
+            "run.output_dir=s3://bucket/cut"]  # fmt: skip
+    args = [a for kv in sets for a in ("--set", kv)]
+    submitted = _submit(ray_head, "rh-cut", *args, wait=False)
+    assert submitted.returncode == 0, submitted.stderr[-2000:]
+    with ThreadPoolExecutor(1) as pool:  # the reference meanwhile: the jobs mostly wait on their workers
+        reference = pool.submit(reference_run, load_config(ROOT / "jobs" / "local_3d.toml", sets))
+        _wait_for(lambda: s3.get_file_info("bucket/cut/checkpoints/step_2/manifest.json").size)
+        _wait_for(lambda: _train_workers(ray_head))[0].kill()
+        status = _wait_for(lambda: _ended(ray_head, "rh-cut"), every=2)  # each look costs ~1 s of CPU
+        assert "Job 'rh-cut' failed" in status, status
+        assert "error: training failed" in _logs(ray_head, "rh-cut")
+        cut = _bucket(s3, "bucket/cut")
+        assert "checkpoints/step_6/manifest.json" not in cut and "metrics.jsonl" in cut, sorted(cut)
+
+        other = ["parallelism.dp=1", "parallelism.tp=2", "parallelism.pp=2"]
+        done = _submit(ray_head, "rh-resume", *args, *[a for kv in other for a in ("--set", kv)],
+                       "--resume", "s3://bucket/cut")  # fmt: skip
+        logs = _logs(ray_head, "rh-resume")
+        assert done.returncode == 0, logs[-3000:]
+        assert "done: 6 steps" in logs and "newest checkpoint s3://bucket/cut/checkpoints/step_6" in logs, logs[-2000:]
+        want = reference.result()
+    objects = _bucket(s3, "bucket/cut")
+    history = [json.loads(line) for line in objects["metrics.jsonl"].decode().splitlines()]
+    assert [h["step"] for h in history] == list(range(6))
+    for got, ref in zip(history, want, strict=True):
+        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4), f"loss at step {ref['step']}"
+        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), f"grad_norm at step {ref['step']}"
+    summary = json.loads(objects["summary.json"])
+    assert summary["steps"] == 6 and summary["world_size"] == 4 and summary["layout"]["dp"] == 1
+    for name, data in objects.items():
+        assert KEY_ID.encode() not in data and SECRET.encode() not in data, name
