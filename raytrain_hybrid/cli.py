@@ -78,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     prep = sub.add_parser("prepare-data", help="tokenize text files or Parquet into token Parquet (Ray Data)")
     prep.add_argument("source", help="text files (documents split by blank lines), Parquet, a directory or a glob")
-    prep.add_argument("out_dir", help="directory (or URI) for the Parquet shards")
+    prep.add_argument("out_dir", help="directory or URI (s3://, gs://) for the Parquet shards")
     prep.add_argument("--text-column", default="text", help="text column of Parquet input (default: text)")
     prep.add_argument("--tokenizer", default="", help="local tokenizer.json (default: the shipped BPE)")
     return parser
@@ -96,7 +96,7 @@ def _prepare(args) -> int:
                 address=address or "local", log_to_driver=False, **({} if address else {"include_dashboard": False})
             )
         stats = prepare_data(args.source, args.out_dir, text_column=args.text_column, tokenizer=args.tokenizer)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {stats['tokens']:,} tokens to {stats['out_dir']}")

@@ -31,11 +31,13 @@ def schema_check(cfg: Config) -> int:
     if not files:
         raise ConfigError("data.path", d.path, "holds no Parquet files")
     rows = 0
-    for f in files:
+    # Each file through the dataset's own filesystem: its paths carry no scheme (an object
+    # store's read "bucket/key"), so they cannot be opened again on their own.
+    for fragment in dataset.get_fragments():
+        f = fragment.path
         try:
-            meta = pads.dataset(f, format="parquet")
-            schema = meta.schema
-            rows += meta.count_rows()
+            schema = fragment.physical_schema
+            rows += fragment.count_rows()
         except (OSError, pa.ArrowInvalid) as exc:
             raise ConfigError("data.path", f, f"is not a readable Parquet file: {exc}") from exc
         key, column = ("data.text_column", d.text_column) if d.text_column else ("data.token_column", d.token_column)

@@ -4,7 +4,9 @@ Tokenization runs as a Ray Data ``map_batches`` over the source; the output
 has one row per document with ``input_ids`` (list<int32>) and ``num_tokens``,
 in the source's order, ready for ``data.token_column = "input_ids"``.
 Text files hold documents separated by blank lines. ``data.path = "builtin"`` is the
-shipped corpus prepared this way once, into a cache.
+shipped corpus prepared this way once, into a cache. SOURCE and OUT_DIR are local paths,
+shared mounts or URIs (s3://, gs://) opened through raytrain_hybrid.storage: the shards are
+written straight to OUT_DIR's filesystem, where ``data.path=<OUT_DIR>`` then reads them.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import os
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 
 from raytrain_hybrid.data.tokenizer import EOT, load_tokenizer, resolve_tokenizer, tokenizer_json
-from raytrain_hybrid.storage import cache_dir
+from raytrain_hybrid.storage import Store, as_store, cache_dir, is_uri, open_store
 
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 
@@ -43,7 +46,9 @@ def _split_documents(row: dict) -> list[dict]:
 
 
 def _expand(source: str) -> list[str]:
-    if "://" in source:
+    if is_uri(source):
+        if not open_store(source, "prepare-data SOURCE").exists():
+            raise FileNotFoundError(f"prepare-data SOURCE {source!r} matches no file or directory")
         return [source]
     paths = sorted(glob.glob(source)) if any(c in source for c in "*?[") else [source]
     if not paths or not all(os.path.exists(p) for p in paths):
@@ -54,15 +59,24 @@ def _expand(source: str) -> list[str]:
 def _is_text(paths: list[str]) -> bool:
     files = []
     for p in paths:
-        files += [str(f) for f in Path(p).rglob("*") if f.is_file()] if os.path.isdir(p) else [p]
+        store = open_store(p, "prepare-data SOURCE")
+        if store.is_dir():
+            infos = store.fs.get_file_info(pafs.FileSelector(store.path, recursive=True))
+            files += [i.path for i in infos if i.type == pafs.FileType.File]
+        else:
+            files.append(store.path)
     return bool(files) and all(f.endswith(TEXT_SUFFIXES) for f in files)
 
 
-def prepare_data(source: str, out_dir: str, *, text_column: str = "text", tokenizer: str = "") -> dict:
-    """Tokenize ``source`` into Parquet shards under ``out_dir``; returns counts."""
+def prepare_data(
+    source: str, out_dir: str | os.PathLike | Store, *, text_column: str = "text", tokenizer: str = ""
+) -> dict:
+    """Tokenize ``source`` into Parquet shards under ``out_dir`` (a directory or URI); returns
+    the output's URI and its token count."""
     import ray
     import ray.data
 
+    out = as_store(out_dir, "prepare-data OUT_DIR")
     tokenizer = tokenizer_json(tokenizer)
     load_tokenizer(tokenizer)  # fail here, not in a Ray task, on a bad path
     paths = _expand(source)
@@ -80,10 +94,10 @@ def prepare_data(source: str, out_dir: str, *, text_column: str = "text", tokeni
         batch_size=256,
         fn_kwargs={"text_column": column, "tokenizer": tokenizer},
     )
-    out = Path(out_dir) if "://" not in out_dir else out_dir
-    ds.write_parquet(str(out))
-    stats = ray.data.read_parquet(str(out), columns=["num_tokens"]).sum("num_tokens")
-    return {"out_dir": str(out), "tokens": int(stats or 0)}
+    # The store's own filesystem, given explicitly: the same one a run's data.path resolves to.
+    ds.write_parquet(out.path, filesystem=out.fs)
+    stats = ray.data.read_parquet(out.path, filesystem=out.fs, columns=["num_tokens"]).sum("num_tokens")
+    return {"out_dir": out.uri, "tokens": int(stats or 0)}
 
 
 def builtin_dataset(cfg) -> str:
