@@ -1,7 +1,10 @@
 """Placement on a simulated 2-node cluster (4 fake GPUs each): TP inside a node, PP across.
 
 The layouts run through the real launcher (Ray Train places the workers), the
-mesh is laid over the nodes Ray chose, and the oracle still holds.
+mesh is laid over the nodes Ray chose, and the oracle still holds. Last, a run with its
+output on S3 (a real S3 endpoint on loopback) loses a node mid-run: Ray Train restarts the
+worker group on the nodes left and a spare, from the newest checkpoint in the bucket, and
+the losses are the uninterrupted run's; each node has its own temp dir ("local disk").
 """
 
 from __future__ import annotations
@@ -14,10 +17,16 @@ from pathlib import Path
 
 import pytest
 from conftest import reference_history
+from s3_server import s3_server
 
 STEPS = 3
 COMMON = (f"train.steps={STEPS}", "model.num_layers=4", "train.global_batch_size=16", "data.path=memory")
 HERE = Path(__file__).resolve().parent
+
+
+# The node-loss run: checkpoints at steps 2, 4 and 6, one worker-group restart allowed.
+LOSS_STEPS = 6
+NODE_LOSS = (f"train.steps={LOSS_STEPS}", *COMMON[1:])
 
 
 def _layout(dp, tp, pp, m):
@@ -25,27 +34,38 @@ def _layout(dp, tp, pp, m):
 
 
 @pytest.fixture(scope="module")
-def two_nodes():
+def two_nodes(tmp_path_factory):
     cases = {
         "1x4x2": [*COMMON, *_layout(1, 4, 2, 2), "train.steps=1"],
         "2x2x2": [*COMMON, *_layout(2, 2, 2, 4)],
         "tp8": [*COMMON, *_layout(1, 8, 1, 1), "model.num_heads=8", "model.ffn_hidden_size=512"],
         # A directory on the driver's disk, not declared shared: each node would keep its own part.
         "local_out": [*COMMON, *_layout(2, 2, 2, 4), "run.shared_fs=false"],
-    }
-    spec = {"nodes": [4, 4], "cases": cases}
+        # Last (it changes the cluster): output on S3 only, a node lost after the first checkpoint.
+        "node_loss": {
+            "overrides": [*NODE_LOSS, *_layout(2, 2, 2, 4), "checkpoint.interval=2", "run.max_failures=1",
+                          "run.output_dir=s3://bucket/node-loss", "run.shared_fs=false"],
+            "lose_node_after": "checkpoints/step_2",
+        },
+    }  # fmt: skip
+    spec = {"nodes": [4, 4], "cases": cases, "tmp_root": str(tmp_path_factory.mktemp("disks"))}
     argv = [sys.executable, str(HERE / "multinode_driver.py"), json.dumps(spec)]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        # The oracle test's reference, cached while the cluster starts (a failure shows there).
-        with contextlib.suppress(Exception):
-            reference_history(COMMON)
-        stdout, stderr = proc.communicate(timeout=900)
-    finally:
-        proc.kill()
+    cwd = tmp_path_factory.mktemp("cwd")
+    with s3_server():  # its endpoint and keys reach the driver, and so every node, by the environment
+        proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            # The oracle tests' references, cached while the cluster starts (a failure shows there).
+            with contextlib.suppress(Exception):
+                reference_history(COMMON)
+                reference_history(NODE_LOSS)
+            stdout, stderr = proc.communicate(timeout=900)
+        finally:
+            proc.kill()
     lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT ") :])
+    results = json.loads(lines[-1][len("RESULT ") :])
+    print("seconds per case:", {k: v["seconds"] for k, v in results.items() if "seconds" in v})  # pytest -s
+    return results
 
 
 def _groups(per_rank, key_axes):
@@ -81,3 +101,38 @@ def test_a_local_output_dir_on_two_nodes_is_refused_naming_the_fix(two_nodes):
     error = two_nodes["local_out"].get("error", "")
     assert "run.output_dir" in error and "the cluster has" in error, error
     assert "s3://" in error and "run.shared_fs=true" in error, error
+
+
+def test_a_node_lost_mid_run_restarts_from_storage_with_identical_losses(two_nodes):
+    result = two_nodes["node_loss"]
+    assert "error" not in result, result
+    # A node holding workers went away once step_2 was complete in the bucket.
+    assert len(result["busy_before"]) == 2 and result["removed"] in result["busy_before"], result
+    summary = result["summary"]
+    assert summary["restarts"] == 1, summary
+    # From the newest checkpoint on storage when the node went: step_2, or step_4 if it got that far.
+    assert summary["restarted_from"][0] in (2, 4), summary
+    assert summary == {**result["summary_returned"], "per_rank": summary["per_rank"]}  # summary.json in the bucket
+    history = result["history"]
+    assert [h["step"] for h in history] == list(range(LOSS_STEPS))  # every step once, as if never interrupted
+    for got, want in zip(history, reference_history(NODE_LOSS), strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4), f"loss at step {want['step']}"
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), f"grad_norm at step {want['step']}"
+    # The restarted group: the node left and the spare, TP groups inside a node again.
+    nodes = {r["node"] for r in result["per_rank"]}
+    assert len(nodes) == 2 and result["removed"] not in nodes, (nodes, result["removed"])
+    assert all(len(n) == 1 for n in _groups(result["per_rank"], ("pp", "dp")).values())
+    assert f"step_{LOSS_STEPS}" in result["checkpoints"], result["checkpoints"]
+
+
+def test_after_a_node_loss_each_node_read_the_checkpoint_from_storage_into_its_own_disk(two_nodes):
+    """Each node's temp dir is its own "local disk"; the lost node's was deleted with it. The
+    restarted ranks on each node found the checkpoint in the bucket and copied it to their own
+    node's disk; nothing of the run is in the working directory."""
+    result, disks = two_nodes["node_loss"], two_nodes["disks"]
+    restart = result["summary"]["restarted_from"][0]
+    assert result["removed"] not in disks
+    for node in {r["node"] for r in result["per_rank"]}:
+        copied = [p for p in disks[node] if f"step_{restart}" in p and p.endswith("manifest.json")]
+        assert len(copied) == 1, (node, disks[node])
+    assert two_nodes["cwd"] == [], "the run wrote into the working directory"
