@@ -116,8 +116,39 @@ def _submit(head, job_id: str, *train_args: str, wait: bool = True):
     )  # fmt: skip
 
 
+REFUSED = {
+    "rh-bad": ["parallelism.tp=3"],
+    # 10 workers on the 10-CPU head would leave Ray Data's reads waiting forever.
+    "rh-cpus": ["parallelism.dp=5", "parallelism.pp=1", "parallelism.microbatches=1", "train.global_batch_size=20"],
+    # 12 workers cannot be placed on 10 CPUs (an autoscaler might add nodes, so no refusal up
+    # front). run.shared_fs: the group may wait for nodes still to come, so a local output
+    # directory is refused up front unless every node shares it (here they would: one machine).
+    # 45 s: beside the 3D job's workers starting, the controller may take 15 s to ask for the group.
+    "rh-stuck": ["parallelism.dp=6", "parallelism.pp=1", "parallelism.microbatches=1", "train.global_batch_size=24",
+                 "run.startup_timeout_s=45", "run.shared_fs=true"],
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def refused_jobs(ray_head):
+    """The jobs that must fail, submitted together and left running beside the 3D job (their
+    drivers mostly wait: on imports, on the 45 s watchdog); each test then waits for its own."""
+    argv = [str(BIN / "ray"), "job", "submit", "--address", ray_head["address"], "--working-dir", ".",
+            "--runtime-env", "jobs/runtime_env_local.yaml"]  # fmt: skip
+    entry = ["--", "python", "-m", "raytrain_hybrid.cli", "train", "jobs/local_3d.toml"]
+    procs = {}
+    for job_id, sets in REFUSED.items():  # as _submit, each `ray job submit` waiting for its job's end
+        cmd = [*argv, "--submission-id", job_id, *entry, *[a for kv in sets for a in ("--set", kv)]]
+        procs[job_id] = subprocess.Popen(
+            cmd, cwd=ROOT, env=ray_head["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+    yield {**ray_head, "submits": procs}
+    for proc in procs.values():
+        proc.kill()
+
+
 @pytest.mark.slow
-def test_submitted_3d_job_trains_and_reports(ray_head, tmp_path):
+def test_submitted_3d_job_trains_and_reports(ray_head, refused_jobs, tmp_path):
     out = tmp_path / "run"
     done = _submit(ray_head, "rh-ok", "--set", "train.steps=3", "--set", f"run.output_dir={out}")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -135,12 +166,18 @@ def test_submitted_3d_job_trains_and_reports(ray_head, tmp_path):
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
 
 
-def test_a_failing_job_exits_non_zero_with_the_reason(ray_head):
-    done = _submit(ray_head, "rh-bad", "--set", "parallelism.tp=3")
-    assert done.returncode != 0
-    status = _ray(ray_head, "job", "status", "--address", ray_head["address"], "rh-bad")
-    assert "Job 'rh-bad' failed" in status.stdout
-    logs = _ray(ray_head, "job", "logs", "--address", ray_head["address"], "rh-bad").stdout
+def _failed(head, job_id: str) -> str:
+    """The logs of a job whose `ray job submit` exited non-zero and whose status says failed."""
+    proc = head["submits"][job_id]
+    proc.communicate(timeout=600)
+    assert proc.returncode != 0
+    status = _ray(head, "job", "status", "--address", head["address"], job_id).stdout
+    assert f"Job '{job_id}' failed" in status, status
+    return _logs(head, job_id)
+
+
+def test_a_failing_job_exits_non_zero_with_the_reason(refused_jobs):
+    logs = _failed(refused_jobs, "rh-bad")
     assert "parallelism.tp=3: does not divide model.num_heads=4" in logs, logs[-2000:]
 
 
@@ -148,28 +185,17 @@ def _logs(head, job_id: str) -> str:
     return _ray(head, "job", "logs", "--address", head["address"], job_id).stdout
 
 
-def test_a_job_whose_workers_take_every_cpu_is_refused(ray_head):
-    """10 workers on the 10-CPU head would leave Ray Data's reads waiting forever: refused, with
-    the CPUs there and the CPUs needed."""
-    layout = ["parallelism.dp=5", "parallelism.pp=1", "parallelism.microbatches=1", "train.global_batch_size=20"]
-    done = _submit(ray_head, "rh-cpus", *[a for kv in layout for a in ("--set", kv)])
-    assert done.returncode != 0
-    logs = _logs(ray_head, "rh-cpus")
+def test_a_job_whose_workers_take_every_cpu_is_refused(refused_jobs):
+    """10 workers on the 10-CPU head: refused, with the CPUs there and the CPUs needed."""
+    logs = _failed(refused_jobs, "rh-cpus")
     assert "the cluster has 10 CPUs and 10 workers take 10 of them" in logs, logs[-2000:]
     assert "ray start --head --num-cpus=11" in logs
 
 
-def test_a_job_that_cannot_start_stops_and_says_what_ray_waits_for(ray_head):
-    """12 workers cannot be placed on 10 CPUs (an autoscaler might add nodes, so no refusal up
-    front): the start-up watchdog ends the job and names the pending placement group."""
-    # run.shared_fs: the group may wait for nodes still to come, so a local output directory is
-    # refused up front unless every node shares it (here they would: one machine).
-    layout = ["parallelism.dp=6", "parallelism.pp=1", "parallelism.microbatches=1", "train.global_batch_size=24",
-              "run.startup_timeout_s=15", "run.shared_fs=true"]  # fmt: skip
-    done = _submit(ray_head, "rh-stuck", *[a for kv in layout for a in ("--set", kv)])
-    assert done.returncode != 0
-    logs = _logs(ray_head, "rh-stuck")
-    assert "no training step after 15 s (run.startup_timeout_s)" in logs, logs[-2000:]
+def test_a_job_that_cannot_start_stops_and_says_what_ray_waits_for(refused_jobs):
+    """12 workers on 10 CPUs: the start-up watchdog ends the job and names the pending placement group."""
+    logs = _failed(refused_jobs, "rh-stuck")
+    assert "no training step after 45 s (run.startup_timeout_s)" in logs, logs[-2000:]
     assert "Ray is waiting for: placement group of 12 x {'CPU': 1.0}" in logs
 
 
