@@ -37,8 +37,9 @@ def _train_worker_pids() -> list[int]:
 
 
 @pytest.mark.slow
-def test_killed_worker_recovers_from_checkpoint_with_identical_losses(ray_local, tmp_path):
+def test_killed_worker_recovers_from_checkpoint_with_identical_losses(ray_local, tmp_path, monkeypatch):
     from raytrain_hybrid.config import load_config
+    from raytrain_hybrid.launch import progress
     from raytrain_hybrid.launch.driver import run
 
     out = tmp_path / "run"
@@ -48,13 +49,25 @@ def test_killed_worker_recovers_from_checkpoint_with_identical_losses(ray_local,
          "run.max_failures=1", f"run.output_dir={out}", "run.progress=false"],
     )  # fmt: skip
     killed: dict = {}
+    # Saves complete in the background, a step or so after they start. The worker is killed
+    # once step_2 is registered with Ray Train: rank 0 tells the driver it is complete, then
+    # reports it (a barrier of all ranks), then steps on; a step heard of after that is proof.
+    reported: dict = {}
+    handle = progress.RunLog.handle
+
+    def handle_and_note(run_log, kind: str, payload: dict) -> None:
+        handle(run_log, kind, payload)
+        if kind == "checkpoint" and payload["step"] == 2:
+            reported["steps_then"] = len(run_log.history)
+
+    monkeypatch.setattr(progress.RunLog, "handle", handle_and_note)
 
     def kill_after_first_checkpoint() -> None:
         metrics = out / "metrics.jsonl"
         deadline = time.time() + 600
         while time.time() < deadline:
             steps = len(metrics.read_text().splitlines()) if metrics.exists() else 0
-            if (out / "checkpoints" / "step_2" / "manifest.json").exists() and steps >= 3:
+            if "steps_then" in reported and steps > max(reported["steps_then"], 2):
                 pids = _train_worker_pids()
                 if len(pids) == 8:
                     killed["pid"], killed["after_steps"] = pids[5], steps
