@@ -1,9 +1,11 @@
 """A run on object storage, entered as a user does: the CLI with run.output_dir=s3://..., against a
 real S3 endpoint (moto's server on loopback) found through AWS_ENDPOINT_URL alone.
 
-Everything the run keeps lands in the bucket and nothing in the working directory; --resume from
-the bucket under another layout continues with the uninterrupted run's losses; export reads the
-bucket; a damaged checkpoint on S3 is refused as on disk; no credential reaches the bucket.
+prepare-data writes its shards straight into the bucket and a run reads them from there.
+Everything a run keeps lands in the bucket and nothing in the working directory, the driver's
+files at every checkpoint (the bucket keeps every version of an object); --resume from the bucket
+under another layout continues with the uninterrupted run's losses; export reads the bucket; a
+damaged checkpoint on S3 is refused as on disk; no credential reaches the bucket, in any version.
 """
 
 from __future__ import annotations
@@ -14,9 +16,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 import pytest
 from s3_server import KEY_ID, SECRET, s3_server
+
+from raytrain_hybrid.data.corpus import DEFAULT_CORPUS
 
 CLI = [sys.executable, "-m", "raytrain_hybrid.cli"]
 COMMON = [
@@ -55,10 +61,69 @@ def _losses(metrics: bytes) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in map(json.loads, metrics.decode().splitlines())}
 
 
+def _versions(s3, key: str) -> list[bytes]:
+    """Every version of ``key`` (or of each object under a prefix ending in "/") the bucket kept."""
+    env, _ = s3
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"])
+    out = []
+    for page in client.get_paginator("list_object_versions").paginate(Bucket="bucket", Prefix=key):
+        for v in page.get("Versions", []):
+            # Under a prefix: its objects, not the empty marker pyarrow puts for the "directory".
+            if (v["Key"] != key) if key.endswith("/") else (v["Key"] == key):
+                body = client.get_object(Bucket="bucket", Key=v["Key"], VersionId=v["VersionId"])["Body"]
+                out.append(body.read())
+    return out
+
+
 @pytest.fixture(scope="module")
 def s3():
     with s3_server() as env:
+        import boto3
+
+        # Every upload kept: what reached the bucket mid-run stays visible after the run.
+        boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"]).put_bucket_versioning(
+            Bucket="bucket", VersioningConfiguration={"Status": "Enabled"}
+        )
         yield env, pafs.S3FileSystem(endpoint_override=env["AWS_ENDPOINT_URL"])
+
+
+@pytest.fixture(scope="module")
+def prepared(s3, tmp_path_factory):
+    """prepare-data from a local text file straight into the bucket, as a cluster's input is made."""
+    source = tmp_path_factory.mktemp("source") / "docs.txt"
+    source.write_text(DEFAULT_CORPUS.read_text()[:20000])  # a few thousand tokens: 4 steps need ~1000
+    cwd = tmp_path_factory.mktemp("prepare_cwd")
+    done = _cli(["prepare-data", str(source), "s3://bucket/prep"], cwd)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done, cwd
+
+
+def test_prepare_data_writes_its_shards_into_the_bucket(s3, prepared):
+    _, fs = s3
+    done, cwd = prepared
+    objects = _objects(fs, "bucket/prep")
+    assert objects and all(name.endswith(".parquet") for name in objects), sorted(objects)
+    tables = [pq.read_table(pa.BufferReader(data)) for data in objects.values()]
+    tokens = sum(sum(t.column("num_tokens").to_pylist()) for t in tables)
+    assert done.stdout.strip() == f"wrote {tokens:,} tokens to s3://bucket/prep"
+    assert tables[0].schema.field("input_ids").type == pa.list_(pa.int32())
+    assert list(cwd.iterdir()) == [], "prepare-data wrote into the working directory"
+
+
+def test_train_reads_prepared_data_from_the_bucket(s3, prepared, tmp_path):
+    """data.path=s3://...: the input check before workers start, Ray Data's reads and the replica
+    leaders' streams all read the bucket."""
+    _, fs = s3
+    tiny = ["model.num_layers=2", "model.seq_len=32", "train.global_batch_size=8", "train.steps=2"]
+    run = ["parallelism.dp=2", "run.progress=false", "data.path=s3://bucket/prep", "run.output_dir=s3://bucket/fed"]
+    done = _cli(["train", *_sets([*tiny, *run])], tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    objects = _objects(fs, "bucket/fed")
+    assert sorted(_losses(objects["metrics.jsonl"])) == [0, 1]
+    assert json.loads(objects["config.json"])["data"]["path"] == "s3://bucket/prep"
+    assert list(tmp_path.iterdir()) == [], "the run wrote into the working directory"
 
 
 @pytest.fixture(scope="module")
@@ -85,10 +150,22 @@ def test_everything_the_run_keeps_is_in_the_bucket(first_run):
     assert list(cwd.iterdir()) == [], "the run wrote into the working directory"
 
 
-def test_no_credential_reaches_the_bucket(first_run):
+def test_the_driver_files_reach_the_bucket_at_every_checkpoint(s3, first_run):
+    """Not only at the end: the driver uploads its files whenever a checkpoint completes (two
+    here) and at the end, every file each time (tests/test_storage.py shows one such upload
+    mid-run); summary.json exists only at the end."""
     _, _, objects = first_run
-    for name, data in objects.items():
-        assert KEY_ID.encode() not in data and SECRET.encode() not in data, name
+    checkpoints = len(json.loads(objects["summary.json"])["checkpoints"])
+    uploads = len(_versions(s3, "run/metrics.jsonl"))
+    assert checkpoints == 2 and uploads > checkpoints
+    for name in ("run/driver.log", "run/config.json", "run/tensorboard/"):
+        assert len(_versions(s3, name)) == uploads, name  # uploaded together with metrics.jsonl
+    assert len(_versions(s3, "run/summary.json")) < uploads
+
+
+def test_no_credential_reaches_the_bucket(s3, first_run):
+    for data in _versions(s3, "run/"):  # every object, every version the bucket kept
+        assert KEY_ID.encode() not in data and SECRET.encode() not in data
 
 
 def test_resume_from_the_bucket_under_another_layout_continues_the_losses(s3, first_run, tmp_path):
