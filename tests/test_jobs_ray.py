@@ -123,7 +123,7 @@ REFUSED = {
     # 12 workers cannot be placed on 10 CPUs (an autoscaler might add nodes, so no refusal up
     # front). run.shared_fs: the group may wait for nodes still to come, so a local output
     # directory is refused up front unless every node shares it (here they would: one machine).
-    # 45 s: beside the 3D job's workers starting, the controller may take 15 s to ask for the group.
+    # 45 s: beside another job's workers starting, the controller may take 15 s to ask for the group.
     "rh-stuck": ["parallelism.dp=6", "parallelism.pp=1", "parallelism.microbatches=1", "train.global_batch_size=24",
                  "run.startup_timeout_s=45", "run.shared_fs=true"],
 }  # fmt: skip
@@ -131,8 +131,9 @@ REFUSED = {
 
 @pytest.fixture(scope="module")
 def refused_jobs(ray_head):
-    """The jobs that must fail, submitted together and left running beside the 3D job (their
-    drivers mostly wait: on imports, on the 45 s watchdog); each test then waits for its own."""
+    """The jobs that must fail, submitted together at the start and left running beside the
+    other jobs (their drivers mostly wait: on imports, on the 45 s watchdog); each test then
+    waits for its own."""
     argv = [str(BIN / "ray"), "job", "submit", "--address", ray_head["address"], "--working-dir", ".",
             "--runtime-env", "jobs/runtime_env_local.yaml"]  # fmt: skip
     entry = ["--", "python", "-m", "raytrain_hybrid.cli", "train", "jobs/local_3d.toml"]
@@ -147,56 +148,8 @@ def refused_jobs(ray_head):
         proc.kill()
 
 
-@pytest.mark.slow
-def test_submitted_3d_job_trains_and_reports(ray_head, refused_jobs, tmp_path):
-    out = tmp_path / "run"
-    done = _submit(ray_head, "rh-ok", "--set", "train.steps=3", "--set", f"run.output_dir={out}")
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "succeeded" in done.stdout
-    status = _ray(ray_head, "job", "status", "--address", ray_head["address"], "rh-ok")
-    assert "Job 'rh-ok' succeeded" in status.stdout
-    logs = _ray(ray_head, "job", "logs", "--address", ray_head["address"], "rh-ok").stdout
-    assert "step 3/3" in logs and "done: 3 steps" in logs, logs[-3000:]
-    listed = _ray(ray_head, "job", "list", "--address", ray_head["address"]).stdout  # what the dashboard serves
-    assert "rh-ok" in listed
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["steps"] == 3 and summary["world_size"] == 8
-    assert summary["layout"] | {"dp": 2, "tp": 2, "pp": 2} == summary["layout"]
-    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
-    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
-
-
-def _failed(head, job_id: str) -> str:
-    """The logs of a job whose `ray job submit` exited non-zero and whose status says failed."""
-    proc = head["submits"][job_id]
-    proc.communicate(timeout=600)
-    assert proc.returncode != 0
-    status = _ray(head, "job", "status", "--address", head["address"], job_id).stdout
-    assert f"Job '{job_id}' failed" in status, status
-    return _logs(head, job_id)
-
-
-def test_a_failing_job_exits_non_zero_with_the_reason(refused_jobs):
-    logs = _failed(refused_jobs, "rh-bad")
-    assert "parallelism.tp=3: does not divide model.num_heads=4" in logs, logs[-2000:]
-
-
 def _logs(head, job_id: str) -> str:
     return _ray(head, "job", "logs", "--address", head["address"], job_id).stdout
-
-
-def test_a_job_whose_workers_take_every_cpu_is_refused(refused_jobs):
-    """10 workers on the 10-CPU head: refused, with the CPUs there and the CPUs needed."""
-    logs = _failed(refused_jobs, "rh-cpus")
-    assert "the cluster has 10 CPUs and 10 workers take 10 of them" in logs, logs[-2000:]
-    assert "ray start --head --num-cpus=11" in logs
-
-
-def test_a_job_that_cannot_start_stops_and_says_what_ray_waits_for(refused_jobs):
-    """12 workers on 10 CPUs: the start-up watchdog ends the job and names the pending placement group."""
-    logs = _failed(refused_jobs, "rh-stuck")
-    assert "no training step after 45 s (run.startup_timeout_s)" in logs, logs[-2000:]
-    assert "Ray is waiting for: placement group of 12 x {'CPU': 1.0}" in logs
 
 
 def _wait_for(what, timeout: float = 600, every: float = 0.2):
@@ -233,11 +186,13 @@ def _bucket(fs, prefix: str) -> dict[str, bytes]:
 
 
 @pytest.mark.slow
-def test_a_failed_job_resubmitted_with_resume_continues_under_another_layout(ray_head, s3):
-    """The job loses a worker after its first checkpoint with no restart allowed and fails;
-    the same job resubmitted with --resume <its output URI>, at another layout, continues in
-    place to the full step count: every step's loss and gradient norm is the uninterrupted
-    single-process run's, each step once in the bucket's metrics.jsonl."""
+def test_a_failed_job_resubmitted_with_resume_continues_under_another_layout(refused_jobs, s3):
+    """The job at (1,2,2) loses a worker after its first checkpoint with no restart allowed and
+    fails; the same job resubmitted with --resume <its output URI> at the job file's own (2,2,2)
+    (the main 3D job, 8 workers) continues in place to the full step count and reports: every
+    step's loss and gradient norm is the uninterrupted single-process run's, each step once in
+    the bucket's metrics.jsonl. (The jobs that must fail run meanwhile.)"""
+    ray_head = refused_jobs
     from reference import reference_run
 
     from raytrain_hybrid.config import load_config
@@ -245,7 +200,8 @@ def test_a_failed_job_resubmitted_with_resume_continues_under_another_layout(ray
     sets = ["train.steps=6", "checkpoint.interval=2", "data.path=memory", "run.max_failures=0",
             "run.output_dir=s3://bucket/cut"]  # fmt: skip
     args = [a for kv in sets for a in ("--set", kv)]
-    submitted = _submit(ray_head, "rh-cut", *args, wait=False)
+    small = ["parallelism.dp=1", "parallelism.tp=2", "parallelism.pp=2"]
+    submitted = _submit(ray_head, "rh-cut", *args, *[a for kv in small for a in ("--set", kv)], wait=False)
     assert submitted.returncode == 0, submitted.stderr[-2000:]
     with ThreadPoolExecutor(1) as pool:  # the reference meanwhile: the jobs mostly wait on their workers
         reference = pool.submit(reference_run, load_config(ROOT / "jobs" / "local_3d.toml", sets))
@@ -257,12 +213,15 @@ def test_a_failed_job_resubmitted_with_resume_continues_under_another_layout(ray
         cut = _bucket(s3, "bucket/cut")
         assert "checkpoints/step_6/manifest.json" not in cut and "metrics.jsonl" in cut, sorted(cut)
 
-        other = ["parallelism.dp=1", "parallelism.tp=2", "parallelism.pp=2"]
-        done = _submit(ray_head, "rh-resume", *args, *[a for kv in other for a in ("--set", kv)],
-                       "--resume", "s3://bucket/cut")  # fmt: skip
+        done = _submit(ray_head, "rh-resume", *args, "--resume", "s3://bucket/cut")
         logs = _logs(ray_head, "rh-resume")
-        assert done.returncode == 0, logs[-3000:]
-        assert "done: 6 steps" in logs and "newest checkpoint s3://bucket/cut/checkpoints/step_6" in logs, logs[-2000:]
+        assert done.returncode == 0 and "succeeded" in done.stdout, logs[-3000:]
+        assert "step 6/6" in logs and "done: 6 steps" in logs, logs[-3000:]
+        assert "newest checkpoint s3://bucket/cut/checkpoints/step_6" in logs, logs[-2000:]
+        status = _ray(ray_head, "job", "status", "--address", ray_head["address"], "rh-resume")
+        assert "Job 'rh-resume' succeeded" in status.stdout
+        listed = _ray(ray_head, "job", "list", "--address", ray_head["address"]).stdout  # what the dashboard serves
+        assert "rh-resume" in listed and "rh-cut" in listed
         want = reference.result()
     objects = _bucket(s3, "bucket/cut")
     history = [json.loads(line) for line in objects["metrics.jsonl"].decode().splitlines()]
@@ -271,6 +230,37 @@ def test_a_failed_job_resubmitted_with_resume_continues_under_another_layout(ray
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4), f"loss at step {ref['step']}"
         assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), f"grad_norm at step {ref['step']}"
     summary = json.loads(objects["summary.json"])
-    assert summary["steps"] == 6 and summary["world_size"] == 4 and summary["layout"]["dp"] == 1
+    assert summary["steps"] == 6 and summary["world_size"] == 8
+    assert summary["layout"] | {"dp": 2, "tp": 2, "pp": 2} == summary["layout"]
+    assert any(name.startswith("tensorboard/events.out.tfevents.") for name in objects), sorted(objects)
     for name, data in objects.items():
         assert KEY_ID.encode() not in data and SECRET.encode() not in data, name
+
+
+def _failed(head, job_id: str) -> str:
+    """The logs of a job whose `ray job submit` exited non-zero and whose status says failed."""
+    proc = head["submits"][job_id]
+    proc.communicate(timeout=600)
+    assert proc.returncode != 0
+    status = _ray(head, "job", "status", "--address", head["address"], job_id).stdout
+    assert f"Job '{job_id}' failed" in status, status
+    return _logs(head, job_id)
+
+
+def test_a_failing_job_exits_non_zero_with_the_reason(refused_jobs):
+    logs = _failed(refused_jobs, "rh-bad")
+    assert "parallelism.tp=3: does not divide model.num_heads=4" in logs, logs[-2000:]
+
+
+def test_a_job_whose_workers_take_every_cpu_is_refused(refused_jobs):
+    """10 workers on the 10-CPU head: refused, with the CPUs there and the CPUs needed."""
+    logs = _failed(refused_jobs, "rh-cpus")
+    assert "the cluster has 10 CPUs and 10 workers take 10 of them" in logs, logs[-2000:]
+    assert "ray start --head --num-cpus=11" in logs
+
+
+def test_a_job_that_cannot_start_stops_and_says_what_ray_waits_for(refused_jobs):
+    """12 workers on 10 CPUs: the start-up watchdog ends the job and names the pending placement group."""
+    logs = _failed(refused_jobs, "rh-stuck")
+    assert "no training step after 45 s (run.startup_timeout_s)" in logs, logs[-2000:]
+    assert "Ray is waiting for: placement group of 12 x {'CPU': 1.0}" in logs
