@@ -159,7 +159,7 @@ class RunLog:
             )
             if self.on_checkpoint is not None:
                 if self.tb is not None:
-                    self.tb.flush()
+                    _flush_tensorboard(self.tb)
                 self.on_checkpoint()
         elif kind == "done":
             self.memory = payload["memory"]
@@ -206,3 +206,21 @@ class RunLog:
             self.bar.stop()
         if self.tb is not None:
             self.tb.close()
+
+
+def _flush_tensorboard(tb) -> None:
+    """Every event added so far written to the file, before the file is copied to the output URI.
+
+    tensorboardX writes events from a thread fed by a queue, and its ``flush()`` flushes the file
+    without waiting for that queue. Stopping the thread (it drains the queue up to the stop
+    signal), flushing, and starting a new one on the same file and queue makes it deterministic
+    (what ``close()`` + ``reopen()`` do, without closing the file)."""
+    from tensorboardX.event_file_writer import _EventLoggerThread
+
+    writer = tb._get_file_writer().event_writer
+    if writer._closed:
+        return
+    writer._worker.stop()
+    writer._ev_writer.flush()
+    writer._worker = _EventLoggerThread(writer._event_queue, writer._ev_writer, writer._flush_secs)
+    writer._worker.start()
