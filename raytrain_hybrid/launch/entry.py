@@ -43,27 +43,18 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         # Written where it stays (under Ray Train's run directory, on any storage): rank 0
         # registers it on Ray Train's own filesystem, so that a restarted worker group gets it
         # from ray.train.get_checkpoint() and `keep` prunes there.
-        from ray.train import Checkpoint
-        from ray.train.v2.api.report_config import CheckpointUploadMode
-
-        report = {"loss": metrics["loss"], "step": steps_done}
-        ckpt = None
-        if rank == 0:
-            storage = ray.train.get_context().get_storage()
-            ckpt = Checkpoint(
-                posixpath.join(storage.experiment_fs_path, path.name), filesystem=storage.storage_filesystem
-            )
-            if sink is not None:  # before report's barrier: the driver copies its files out sooner
-                timings = {k: metrics[k] for k in ("write_s", "save_s", "blocked_s")}
-                sink.put(("checkpoint", {"step": steps_done, "path": str(path), **timings}))
-        ray.train.report(report, checkpoint=ckpt, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+        if rank == 0 and sink is not None:  # before report's barrier: the driver copies its files out sooner
+            timings = {k: metrics[k] for k in ("write_s", "save_s", "blocked_s")}
+            sink.put(("checkpoint", {"step": steps_done, "path": str(path), **timings}))
+        _register(path.uri if rank == 0 else None, {"loss": metrics["loss"], "step": steps_done})
         tracker.checkpoint(steps_done, str(path), metrics)  # registered with Ray now
 
     resume, unheard = _restart_point(cfg, loop_config)
+    start = read_manifest(resume)["step"] if resume else 0
     if unheard:  # every rank alike: Ray Train learns of it (retention; the restart after this one)
-        _register(resume if rank == 0 else None, read_manifest(resume)["step"])
+        _register(resume if rank == 0 else None, {"step": start})
     if rank == 0 and sink is not None:  # every start of a worker group: the driver counts restarts
-        sink.put(("start", {"step": read_manifest(resume)["step"] if resume else 0}))
+        sink.put(("start", {"step": start}))
     with tracker:  # rank 0's tracking ends with the loop, also when it raises
         result = run_worker(
             cfg,
@@ -106,9 +97,10 @@ def _restart_point(cfg: Config, loop_config: dict) -> tuple[str | None, bool]:
     return loop_config.get("resume"), False
 
 
-def _register(path: str | None, step: int) -> None:
-    """Report a checkpoint already on storage to Ray Train (``path`` on rank 0, None elsewhere;
-    a barrier: every rank calls it)."""
+def _register(path: str | None, metrics: dict) -> None:
+    """Report ``metrics`` and a checkpoint already on storage to Ray Train (``path`` on rank 0,
+    None elsewhere; a barrier: every rank calls it). Ray Train gets it on its own filesystem
+    (its run directory is run.output_dir/checkpoints): nothing is uploaded."""
     import ray.train
     from ray.train import Checkpoint
     from ray.train.v2.api.report_config import CheckpointUploadMode
@@ -118,4 +110,4 @@ def _register(path: str | None, step: int) -> None:
         storage = ray.train.get_context().get_storage()
         name = posixpath.basename(path.rstrip("/"))
         ckpt = Checkpoint(posixpath.join(storage.experiment_fs_path, name), filesystem=storage.storage_filesystem)
-    ray.train.report({"step": step}, checkpoint=ckpt, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+    ray.train.report(metrics, checkpoint=ckpt, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
