@@ -1,5 +1,10 @@
 """Checkpoint -> Hugging Face model directory (config.json + model.safetensors), offline.
 
+A model fine-tuned from ``model.pretrained`` keeps that checkpoint's settings (its config.json
+through the spec's hf_config), tokenizer files, chat template and generation_config.json, so
+``transformers.pipeline("text-generation", model=OUT_DIR)`` runs on it. The head is written
+untied (``tie_word_embeddings`` false): the engine trains embedding and head as two matrices.
+
 Runs in one process without a process group: DCP assembles every parameter whole from the
 shards of whatever layout wrote them; the architecture's ``to_hf`` maps the project's names
 back to the unmodified transformers model (GPT-2: q/k/v re-fused into Conv1D ``c_attn``).
@@ -17,9 +22,9 @@ from raytrain_hybrid.checkpoint.reader import SafeFileSystemReader
 from raytrain_hybrid.checkpoint.state import local_copy
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.errors import ConfigError
-from raytrain_hybrid.models import get_arch
+from raytrain_hybrid.models import get_arch, hf_checkpoint
 from raytrain_hybrid.models.common import build_stage
-from raytrain_hybrid.storage import Store
+from raytrain_hybrid.storage import Store, as_store
 
 
 def load_full_state_dict(path: str | Path | Store, cfg: Config) -> dict[str, torch.Tensor]:
@@ -32,6 +37,32 @@ def load_full_state_dict(path: str | Path | Store, cfg: Config) -> dict[str, tor
     state = {name: torch.empty(p.shape, dtype=torch.float32) for name, p in meta.named_parameters()}
     dcp.load({"model": state}, storage_reader=SafeFileSystemReader(str(local_copy(path))), no_dist=True)
     return state
+
+
+# What a Hugging Face model directory holds besides the weights and config.json.
+COMPANIONS = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
+
+
+def copy_companions(pretrained: str, out: Path) -> None:
+    """Copy the checkpoint's tokenizer and generation files (local or on storage) into ``out``."""
+    store = as_store(pretrained, "model.pretrained")
+    have = set(store.listdir())
+    if "config.json" not in have:
+        raise ConfigError("model.pretrained", pretrained, "is gone: export needs its tokenizer files")
+    for name in COMPANIONS:
+        if name in have:
+            (out / name).write_bytes(store.child(name).read_bytes())
 
 
 def export_hf(source: str | Path, out_dir: str | Path) -> Path:
@@ -58,10 +89,15 @@ def export_hf(source: str | Path, out_dir: str | Path) -> Path:
         )
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
+    model.config.use_cache = True  # generation wants its KV cache (training turned it off)
     model.save_pretrained(tmp, safe_serialization=True)
-    from raytrain_hybrid.data.tokenizer import resolve_tokenizer
+    if hf_checkpoint.is_set(cfg.model.pretrained) and spec.from_hf is not None:
+        # The checkpoint's tokenizer files, chat template and generation settings, as they were.
+        copy_companions(cfg.model.pretrained, tmp)
+    else:
+        from raytrain_hybrid.data.tokenizer import resolve_tokenizer
 
-    shutil.copy(resolve_tokenizer(cfg), tmp / "tokenizer.json")
+        shutil.copy(resolve_tokenizer(cfg), tmp / "tokenizer.json")
     if out.exists():
         out.rmdir()
     tmp.rename(out)

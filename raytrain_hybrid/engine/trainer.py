@@ -12,6 +12,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
+from raytrain_hybrid.checkpoint.hf_load import fetch_pretrained, load_hf_weights
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.data.corpus import Batch
 from raytrain_hybrid.distributed import pipeline
@@ -22,7 +23,7 @@ from raytrain_hybrid.distributed.tensor_parallel import align_grad_placements
 from raytrain_hybrid.distributed.utils import clip_grads_, global_grad_norm
 from raytrain_hybrid.distributed.zero1 import ZeroOneOptimizer
 from raytrain_hybrid.engine.loss import lr_factor, make_loss
-from raytrain_hybrid.models import get_arch
+from raytrain_hybrid.models import get_arch, hf_checkpoint
 from raytrain_hybrid.models.common import build_stage, full_init_state_dict
 from raytrain_hybrid.models.flops import device_peak_tflops, flops_per_token, tokens_per_row
 
@@ -37,6 +38,10 @@ class Trainer:
         self.cfg, self.dims, self.mesh, self.device = cfg, dims, mesh, device
         par = cfg.parallelism
         self.spec = get_arch(cfg.model.arch)
+        # A language model's Hugging Face checkpoint, on this node's disk (copied once per node).
+        self.pretrained = None
+        if hf_checkpoint.is_set(cfg.model.pretrained) and self.spec.from_hf is not None:
+            self.pretrained = fetch_pretrained(cfg.model.pretrained)
         self.hf_config = self.spec.hf_config(cfg)
         self.loss_fn = make_loss(cfg, self.spec.task, device)
         self.pp_rank = mesh.pp.get_local_rank()
@@ -95,7 +100,9 @@ class Trainer:
     def _build(self, stage_id: int, layer_ids: list[int], num_stages: int):
         stage = build_stage(self.spec, self.hf_config, layer_ids, first=stage_id == 0, last=stage_id == num_stages - 1)
         shapes = {name: p.shape for name, p in stage.named_parameters()}
-        if self.spec.initial_state is not None:  # e.g. pretrained weights
+        if self.pretrained is not None:  # read later, each rank its own slices only
+            full = None
+        elif self.spec.initial_state is not None:  # e.g. pretrained weights
             full = self.spec.initial_state(self.cfg, stage, shapes)
         else:
             full = full_init_state_dict(stage, self.cfg.train.seed, self.cfg.train.init_std, shapes)
@@ -111,8 +118,10 @@ class Trainer:
         stage.to_empty(device=self.device)
         if self.spec.init_buffers is not None:
             self.spec.init_buffers(stage, self.hf_config, self.device)
-        # Every rank holds the same full values; each keeps its own TP/FSDP shard.
-        set_model_state_dict(stage, full, options=StateDictOptions(full_state_dict=True, strict=True))
+        if full is None:
+            load_hf_weights(stage, self.spec, self.cfg.model.pretrained, self.pretrained)
+        else:  # every rank holds the same full values; each keeps its own TP/FSDP shard
+            set_model_state_dict(stage, full, options=StateDictOptions(full_state_dict=True, strict=True))
         if self.dims.tp > 1 and not isinstance(stage, FSDPModule):
             align_grad_placements(stage)
         return stage

@@ -6,6 +6,7 @@ from raytrain_hybrid.config import Config
 from raytrain_hybrid.distributed.parallel_dims import ParallelDims, arrange_ranks
 from raytrain_hybrid.errors import ConfigError
 from raytrain_hybrid.launch.placement import live_node_totals, predict_workers_per_node
+from raytrain_hybrid.models import get_arch, hf_checkpoint
 from raytrain_hybrid.storage import open_store
 
 
@@ -20,6 +21,8 @@ def check_placement(cfg: Config, resources: dict[str, float]) -> list[int] | Non
     nodes = live_node_totals()
     counts = predict_workers_per_node(nodes, dims.world_size, resources, cfg.cluster.placement_strategy)
     _check_output_dir(cfg, nodes, resources)
+    if hf_checkpoint.is_set(cfg.model.pretrained) and get_arch(cfg.model.arch).from_hf is not None:
+        hf_checkpoint.check_weights(cfg.model.pretrained)  # resolving the config read its config.json only
     if counts is not None:
         arrange_ranks(dims, [f"node{i}" for i, c in enumerate(counts) for _ in range(c)])
         _check_data_cpus(cfg, nodes, dims.world_size)

@@ -13,7 +13,13 @@ from raytrain_hybrid.models.spec import ArchSpec
 
 # Architecture name -> the module that defines its SPEC. A module is imported when its
 # architecture is first asked for (they import torch and transformers), so the names cost nothing.
-_MODULES = {"llama": "llama", "gpt2": "gpt2", "multimodal-bert": "multimodal_bert"}
+_MODULES = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "gpt2": "gpt2",
+    "multimodal-bert": "multimodal_bert",
+}
 
 
 ARCH_NAMES = tuple(_MODULES)

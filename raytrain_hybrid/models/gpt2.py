@@ -15,6 +15,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.pytorch_utils import Conv1D
 
 from raytrain_hybrid.errors import ConfigError
+from raytrain_hybrid.models.hf_checkpoint import checkpoint_config, is_set
 from raytrain_hybrid.models.spec import ArchSpec
 
 _CONV1D = ("attn.c_proj", "mlp.c_fc", "mlp.c_proj")
@@ -35,6 +36,8 @@ class FusedQKV(nn.Module):
 
 def hf_config(cfg) -> GPT2Config:
     m = cfg.model
+    if is_set(m.pretrained):  # the checkpoint's settings, without dropout (see below)
+        return checkpoint_config(GPT2Config, m.pretrained, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     return GPT2Config(
         vocab_size=m.vocab_size,
         n_embd=m.hidden_size,
@@ -110,6 +113,36 @@ def to_hf(sd: dict) -> dict:
     return out
 
 
+def sizes_from_hf(conf: dict) -> dict:
+    hidden = conf["n_embd"]
+    return {
+        "num_layers": conf["n_layer"],
+        "hidden_size": hidden,
+        "num_heads": conf["n_head"],
+        "num_kv_heads": conf["n_head"],
+        "ffn_hidden_size": conf.get("n_inner") or 4 * hidden,
+        "vocab_size": conf["vocab_size"],
+    }
+
+
+def from_hf(name: str, conf: dict) -> tuple[tuple[str, ...], bool, tuple[int, ...]]:
+    """Where an engine parameter lies in a GPT2LMHeadModel checkpoint: Conv1D weights are the
+    transposes of our Linear ones; q, k, v are column blocks of c_attn (the inverse of to_hf)."""
+    transposed, offset = False, ()
+    if ".attn.c_attn." in name:
+        prefix, rest = name.split(".attn.c_attn.")
+        proj, kind = rest.split(".")
+        block = ("q_proj", "k_proj", "v_proj").index(proj) * conf["n_embd"]
+        name = f"{prefix}.attn.c_attn.{kind}"
+        transposed, offset = (True, (0, block)) if kind == "weight" else (False, (block,))
+    elif any(f".{p}.weight" in name for p in _CONV1D):
+        transposed = True
+    if name == "lm_head.weight":  # tied: the head starts from the token embedding
+        return ("lm_head.weight", "transformer.wte.weight", "wte.weight"), False, ()
+    # Checkpoints saved from GPT2Model (the original "gpt2") lack the "transformer." prefix.
+    return (name, name.removeprefix("transformer.")), transposed, offset
+
+
 def check(cfg) -> None:
     m = cfg.model
     if m.num_kv_heads != m.num_heads:
@@ -135,6 +168,10 @@ SPEC = ArchSpec(
     build=build,
     hf_class=GPT2LMHeadModel,
     check=check,
+    hf_model_types=("gpt2",),
+    sizes_from_hf=sizes_from_hf,
+    max_seq_len=lambda conf: conf.get("n_positions", 1024),
+    from_hf=from_hf,
     param_parts=param_parts,
     matmul_params=matmul_params,
     layers="transformer.h",

@@ -1,17 +1,27 @@
-"""Llama: the unmodified transformers LlamaForCausalLM, driven stage by stage."""
+"""Llama: the unmodified transformers LlamaForCausalLM, driven stage by stage.
+
+The Llama family (Mistral, Qwen2) shares its module tree, names and forward; a variant is the
+same spec with its own transformers classes (``family_spec``): Qwen2's q/k/v biases come with
+its attention module, a sliding window with its config (refused past model.seq_len, as the
+engine attends over the whole causal window).
+"""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from raytrain_hybrid.models.hf_checkpoint import checkpoint_config, is_set
 from raytrain_hybrid.models.spec import ArchSpec
 
 
-def hf_config(cfg) -> LlamaConfig:
+def _hf_config(config_cls, cfg):
     m = cfg.model
-    return LlamaConfig(
+    if is_set(m.pretrained):  # every setting from the checkpoint (RoPE scaling, eps, theta, ...)
+        return checkpoint_config(config_cls, m.pretrained, attention_dropout=0.0)
+    return config_cls(
         vocab_size=m.vocab_size,
         hidden_size=m.hidden_size,
         intermediate_size=m.ffn_hidden_size,
@@ -42,9 +52,35 @@ def stage_forward(stage, x: torch.Tensor) -> torch.Tensor:
     return h
 
 
-def init_buffers(stage, config: LlamaConfig, device: torch.device) -> None:
+def init_buffers(stage, config, device: torch.device) -> None:
     # inv_freq is a non-persistent buffer: not in any state dict, garbage after to_empty().
-    stage.model.rotary_emb = LlamaRotaryEmbedding(config).to(device)
+    stage.model.rotary_emb = type(stage.model.rotary_emb)(config).to(device)
+
+
+def sizes_from_hf(conf: dict) -> dict:
+    heads = conf["num_attention_heads"]
+    return {
+        "num_layers": conf["num_hidden_layers"],
+        "hidden_size": conf["hidden_size"],
+        "num_heads": heads,
+        "num_kv_heads": conf.get("num_key_value_heads") or heads,
+        "ffn_hidden_size": conf["intermediate_size"],
+        "vocab_size": conf["vocab_size"],
+    }
+
+
+def max_seq_len(conf: dict) -> int:
+    limit = conf.get("max_position_embeddings") or 0
+    # Mistral slides whenever sliding_window is set; Qwen2 only with use_sliding_window.
+    window = conf.get("sliding_window") if conf.get("use_sliding_window", conf.get("model_type") == "mistral") else None
+    return min(limit, window) if window and limit else (window or limit)
+
+
+def from_hf(name: str, conf: dict) -> tuple[tuple[str, ...], bool, tuple[int, ...]]:
+    # Same names; a tied checkpoint has no lm_head.weight: the head starts from the embedding.
+    if name == "lm_head.weight":
+        return ("lm_head.weight", "model.embed_tokens.weight"), False, ()
+    return (name,), False, ()
 
 
 def default_ffn(hidden: int) -> int:
@@ -52,10 +88,11 @@ def default_ffn(hidden: int) -> int:
     return 32 * ((8 * hidden // 3 + 31) // 32)
 
 
-def param_parts(m) -> tuple[int, int, int]:
+def _param_parts(qkv_bias: bool, m) -> tuple[int, int, int]:
     h, f, v = m.hidden_size, m.ffn_hidden_size, m.vocab_size
     kv = m.num_kv_heads * (h // m.num_heads)
     per_layer = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h  # attention, gated MLP, 2 RMSNorms
+    per_layer += (h + 2 * kv) * qkv_bias
     return per_layer, v * h, h + v * h
 
 
@@ -66,34 +103,43 @@ def matmul_params(m) -> int:
     return m.num_layers * per_layer + m.vocab_size * h  # the LM head is a matmul; the embedding lookup is not
 
 
-SPEC = ArchSpec(
-    name="llama",
-    hf_config=hf_config,
-    build=LlamaForCausalLM,
-    hf_class=LlamaForCausalLM,
-    default_ffn=default_ffn,
-    param_parts=param_parts,
-    matmul_params=matmul_params,
-    layers="model.layers",
-    first_stage=("model.embed_tokens",),
-    last_stage=("model.norm", "lm_head"),
-    tp_plan={
-        "self_attn.q_proj": "colwise",
-        "self_attn.k_proj": "colwise",
-        "self_attn.v_proj": "colwise",
-        "self_attn.o_proj": "rowwise",
-        "mlp.gate_proj": "colwise",
-        "mlp.up_proj": "colwise",
-        "mlp.down_proj": "rowwise",
-    },
-    tp_plan_outer={"model.embed_tokens": "embedding", "lm_head": "head"},
-    sp_plan={
-        "input_layernorm": "norm",
-        "self_attn": "gather:hidden_states",
-        "post_attention_layernorm": "norm",
-        "mlp": "gather",
-    },
-    sp_plan_outer={"model.norm": "norm"},
-    stage_forward=stage_forward,
-    init_buffers=init_buffers,
-)
+def family_spec(name: str, config_cls, model_cls, *, qkv_bias: bool = False) -> ArchSpec:
+    """The spec of a Llama-family architecture: Llama's, with its own transformers classes."""
+    return ArchSpec(
+        name=name,
+        hf_config=functools.partial(_hf_config, config_cls),
+        build=model_cls,
+        hf_class=model_cls,
+        hf_model_types=(name,),
+        sizes_from_hf=sizes_from_hf,
+        max_seq_len=max_seq_len,
+        from_hf=from_hf,
+        default_ffn=default_ffn,
+        param_parts=functools.partial(_param_parts, qkv_bias),
+        matmul_params=matmul_params,
+        layers="model.layers",
+        first_stage=("model.embed_tokens",),
+        last_stage=("model.norm", "lm_head"),
+        tp_plan={
+            "self_attn.q_proj": "colwise",
+            "self_attn.k_proj": "colwise",
+            "self_attn.v_proj": "colwise",
+            "self_attn.o_proj": "rowwise",
+            "mlp.gate_proj": "colwise",
+            "mlp.up_proj": "colwise",
+            "mlp.down_proj": "rowwise",
+        },
+        tp_plan_outer={"model.embed_tokens": "embedding", "lm_head": "head"},
+        sp_plan={
+            "input_layernorm": "norm",
+            "self_attn": "gather:hidden_states",
+            "post_attention_layernorm": "norm",
+            "mlp": "gather",
+        },
+        sp_plan_outer={"model.norm": "norm"},
+        stage_forward=stage_forward,
+        init_buffers=init_buffers,
+    )
+
+
+SPEC = family_spec("llama", LlamaConfig, LlamaForCausalLM)

@@ -54,6 +54,16 @@ class ArchSpec:
     # The sizes a pretrained checkpoint fixes (ModelConfig -> {key: value}; {} without one).
     # It reads the checkpoint's config.json: resolve_defaults is the one caller.
     checkpoint_sizes: Callable[[Any], dict] = lambda model_cfg: {}
+    # Hugging Face checkpoints (model.pretrained, models.hf_checkpoint): the config.json
+    # model_types this spec builds; config.json -> {model.* size key: value}; the longest
+    # sequence the checkpoint attends over (config.json -> int, 0: no limit); and where an
+    # engine parameter's values lie in the checkpoint: (engine name, config.json) ->
+    # (candidate keys, the first present is read; transposed; offset of the block in the
+    # checkpoint tensor, () for the whole tensor). None: no Hugging Face checkpoints.
+    hf_model_types: tuple[str, ...] = ()
+    sizes_from_hf: Callable[[dict], dict] | None = None
+    max_seq_len: Callable[[dict], int] = lambda conf: 0
+    from_hf: Callable[[str, dict], tuple[tuple[str, ...], bool, tuple[int, ...]]] | None = None
     # With data.path "builtin" or "memory": the shipped data's columns, for the data keys the
     # user left empty ({key: columns}; language models read the shipped token corpus instead).
     builtin_columns: dict[str, list[str]] = field(default_factory=dict)

@@ -1,0 +1,117 @@
+"""Pretrained Hugging Face weights straight into each rank's shards (``model.pretrained``).
+
+Each rank reads, from the checkpoint's safetensors files, only the slices of the tensors it
+holds after TP, PP and FSDP/ZeRO are applied: torch's ``HuggingFaceStorageReader`` with
+``dcp.load``, which opens every file with safetensors' lazy slicing. No rank builds a full
+parameter. The architecture spec's ``from_hf`` says where an engine parameter lies in the
+checkpoint (its key, transposed or not, at which offset: GPT-2's Conv1D weights and fused
+q/k/v); a small planner turns each rank's local chunks into read requests on those keys.
+
+A checkpoint on object storage is copied once per node first (the reader opens local files).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import shutil
+from pathlib import Path
+
+import pyarrow.fs as pafs
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.tensor import DTensor
+
+from raytrain_hybrid.errors import ConfigError
+from raytrain_hybrid.models.hf_checkpoint import KEY, check_weights, local_dir, read_config_json
+from raytrain_hybrid.storage import as_store, is_uri
+
+_DONE = ".raytrain-hybrid-complete"
+
+
+def fetch_pretrained(location: str) -> Path:
+    """The checkpoint as a directory on this node: itself when local, else downloaded once per
+    node into a temp dir (ranks of one node take turns on a lock; the first downloads)."""
+    check_weights(location)
+    target = local_dir(location)
+    if not is_uri(location):
+        return target
+    store = as_store(location, KEY)
+    # What the copy was made from: a checkpoint replaced under the same URI is copied again.
+    infos = store.fs.get_file_info(pafs.FileSelector(store.path, recursive=True))
+    stamp = json.dumps(sorted((i.path, i.size, str(i.mtime)) for i in infos if i.type == pafs.FileType.File))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{target}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = target / _DONE
+        if not done.exists() or done.read_text() != stamp:
+            shutil.rmtree(target, ignore_errors=True)
+            store.download(str(target))
+            done.write_text(stamp)
+    return target
+
+
+class _SlicePlanner(DefaultLoadPlanner):
+    """Reads, per checkpoint key, the chunks this rank holds (global offsets in the
+    checkpoint tensor) into their destination views; nothing else of the state dict."""
+
+    def __init__(self, targets: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]]) -> None:
+        super().__init__()
+        self.targets = targets
+
+    def create_local_plan(self) -> LoadPlan:
+        requests = []
+        for key, chunks in self.targets.items():
+            md = self.metadata.state_dict_metadata[key]
+            local = [ChunkStorageMetadata(offsets=torch.Size(off), sizes=view.shape) for off, view in chunks]
+            requests += create_read_items_for_chunk_list(key, md, local)
+        return LoadPlan(requests)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self.targets[index.fqn][index.index][1]
+
+
+def _local_chunk(p: torch.Tensor) -> tuple[tuple[int, ...], torch.Tensor]:
+    """(global offset, this rank's values as a writable view) of a parameter."""
+    if isinstance(p, DTensor):
+        (chunk,) = p.__create_chunk_list__()  # one local shard per rank (TP, FSDP, both)
+        return tuple(chunk.offsets), p._local_tensor.detach()
+    return (0,) * p.dim(), p.detach()
+
+
+def load_hf_weights(stage: torch.nn.Module, spec, location: str, path: Path) -> None:
+    """Fill every parameter of ``stage`` (after parallelize and to_empty) from the checkpoint
+    at ``path`` (the node-local copy of ``location``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    conf = read_config_json(str(path))
+    reader = HuggingFaceStorageReader(str(path))
+    available = reader.read_metadata().state_dict_metadata
+    targets: dict[str, list] = {}
+    for name, p in stage.named_parameters():
+        name = name.replace("_checkpoint_wrapped_module.", "")
+        candidates, transposed, offset = spec.from_hf(name, conf)
+        key = next((k for k in candidates if k in available), None)
+        if key is None:
+            raise ConfigError(KEY, location, f"has no tensor {candidates[0]!r} (for the engine's {name})")
+        shape = tuple(reversed(p.shape)) if transposed else tuple(p.shape)
+        stored = tuple(available[key].size)
+        fits = stored == shape
+        if offset:  # a block of a fused tensor: inside it
+            fits = len(stored) == len(shape) and all(o + n <= s for o, n, s in zip(offset, shape, stored, strict=True))
+        if not fits:
+            raise ConfigError(KEY, location, f"tensor {key!r} has shape {list(stored)}; the model needs {list(shape)}")
+        start, view = _local_chunk(p)
+        if view.numel() == 0:  # an uneven FSDP shard can be empty
+            continue
+        if transposed:
+            start, view = tuple(reversed(start)), view.t()
+        if offset:
+            start = tuple(s + o for s, o in zip(start, offset, strict=True))
+        targets.setdefault(key, []).append((start, view))
+    with torch.no_grad():
+        dcp.load({}, storage_reader=reader, planner=_SlicePlanner(targets), no_dist=True)
