@@ -211,6 +211,10 @@ class TrainConfig:
             raise ConfigError("train.eval_interval", self.eval_interval, "must be >= 0 (0: after the last step)")
 
 
+# data.format's values: packed text, or one example per sequence with a label mask.
+DATA_FORMATS = ("text", "chat", "prompt_completion")
+
+
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
     # Parquet file, directory, glob or URI pyarrow can open (s3://, gs://, ...), read with
@@ -223,8 +227,26 @@ class DataConfig:
     # Column of pre-tokenized ids (list of integers), as prepare-data writes; used when
     # text_column is empty.
     token_column: str = "input_ids"
-    # Local tokenizer.json (Hugging Face tokenizers) for text; empty means the shipped BPE.
+    # Local tokenizer.json (Hugging Face tokenizers), or a directory holding a Hugging Face
+    # tokenizer (tokenizer.json, tokenizer_config.json with its special tokens and chat
+    # template); empty means model.pretrained's tokenizer for a language model with a
+    # checkpoint, else the shipped BPE.
     tokenizer: str = ""
+    # What a row of data.path holds: "text" (raw text or token ids, packed into windows);
+    # "chat" (a column of messages [{role, content}], rendered with the tokenizer's chat
+    # template, the loss on assistant tokens only); "prompt_completion" (two text columns,
+    # the loss on completion tokens only). Chat and prompt/completion rows are one example
+    # per sequence of model.seq_len+1 tokens, padded; a longer one is cut at the end.
+    format: str = "text"
+    # data.format="chat": the column of messages (a list of {role, content} structs).
+    messages_column: str = "messages"
+    # data.format="prompt_completion": the prompt and completion text columns.
+    prompt_column: str = "prompt"
+    completion_column: str = "completion"
+    # Chat / prompt_completion: rows whose prompt alone fills model.seq_len (no assistant or
+    # completion token would remain in the window) stop the run before it starts; true drops
+    # them instead (their count is printed).
+    drop_long_prompts: bool = False
     # Seed of the per-epoch local shuffle of documents (seed + epoch).
     shuffle_seed: int = 0
     # Documents in the local shuffle buffer; 0 keeps the stored order.
@@ -250,6 +272,11 @@ class DataConfig:
         for key in ("shuffle_buffer", "epochs"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"data.{key}", getattr(self, key), "must be >= 0")
+        if self.format not in DATA_FORMATS:
+            raise ConfigError("data.format", self.format, f"must be one of {choices(DATA_FORMATS)}")
+        for key in ("messages_column", "prompt_column", "completion_column"):
+            if not getattr(self, key):
+                raise ConfigError(f"data.{key}", "", "must name a column")
 
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")

@@ -133,7 +133,15 @@ def _validate_task(cfg: Config, spec: ArchSpec) -> None:
     """Keys a language model does not read (they would switch the data path to labelled rows);
     a classifier's own keys are its spec's check."""
     if spec.task != "lm":
+        if cfg.data.format != "text":
+            raise ConfigError("data.format", cfg.data.format, f"is for language models, not {cfg.model.arch}")
         return
+    if cfg.data.format != "text" and cfg.data.path == "memory":
+        raise ConfigError(
+            "data.format",
+            cfg.data.format,
+            "needs data.path to name Parquet files with its columns; data.path=memory is the shipped text corpus",
+        )
     classifiers = ", ".join(arch_names("classify"))
     if cfg.train.eval_interval:
         raise ConfigError(

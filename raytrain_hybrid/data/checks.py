@@ -7,16 +7,22 @@ import pyarrow as pa
 from raytrain_hybrid.config import Config
 
 
-def schema_check(cfg: Config) -> int:
+def schema_check(cfg: Config, say=print) -> int:
     """Before any worker starts: the files open, the column exists with the right type, rows exist.
 
-    Returns the number of rows. Reads only Parquet footers.
+    Returns the number of rows. Reads only Parquet footers, but for chat / prompt_completion
+    data (data.format), whose rows are all encoded here once (check_examples; ``say`` gets the
+    one warning about rows cut or dropped).
     """
     import pyarrow.dataset as pads
 
     from raytrain_hybrid.errors import ConfigError
 
     d = cfg.data
+    if d.format != "text":
+        from raytrain_hybrid.data.example_checks import check_examples
+
+        return check_examples(cfg, say)
     if d.text_columns:
         rows = _rows_schema_check(cfg, "data.path", d.path)
         if d.val_path:
@@ -61,13 +67,15 @@ def schema_check(cfg: Config) -> int:
 def check_tokenizer(cfg: Config) -> None:
     """Text is tokenized in Ray Data's tasks: a missing tokenizer, or one whose ids do not fit
     the model's embedding, must stop the run here rather than in a worker."""
-    from raytrain_hybrid.data.tokenizer import classifier_tokenizer, load_tokenizer, resolve_tokenizer
+    from raytrain_hybrid.data.tokenizer import classifier_tokenizer, load_tokenizer, resolve_tokenizer, tokenizer_source
     from raytrain_hybrid.errors import ConfigError
     from raytrain_hybrid.models.pretrained import read_config
 
     classifier = bool(cfg.data.text_columns)
     path = classifier_tokenizer(cfg) if classifier else resolve_tokenizer(cfg)
     shown = cfg.data.tokenizer or (path if classifier else "(the shipped BPE)")
+    if not classifier and not cfg.data.tokenizer and tokenizer_source(cfg):  # model.pretrained's
+        shown = path
     try:
         size = load_tokenizer(path).get_vocab_size()
     except FileNotFoundError as exc:

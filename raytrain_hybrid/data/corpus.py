@@ -38,12 +38,18 @@ def tokenize_corpus(corpus: str = "", tokenizer: str = "") -> np.ndarray:
     return np.asarray(ids, dtype=np.int32)
 
 
+# A label the loss does not count (a prompt or padding token): F.cross_entropy's default.
+IGNORE_INDEX = -100
+
+
 @dataclass(frozen=True)
 class Batch:
     """One replica's share of a step: inputs for the first stage, labels for the last."""
 
     inputs: tuple[torch.Tensor, ...]  # LM: (token ids [rows, seq_len],); classifiers: rows.INPUTS
-    labels: torch.Tensor  # LM: [rows, seq_len], the input shifted by one token; classifiers: [rows]
+    # LM: [rows, seq_len], the input shifted by one token (IGNORE_INDEX where not counted);
+    # classifiers: [rows]
+    labels: torch.Tensor
 
     @property
     def input_ids(self) -> torch.Tensor:

@@ -18,16 +18,16 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from raytrain_hybrid.data.tokenizer import EOT, load_tokenizer, resolve_tokenizer, tokenizer_json
+from raytrain_hybrid.data.tokenizer import EOT, end_of_text, load_tokenizer, resolve_tokenizer, tokenizer_json
 from raytrain_hybrid.storage import Store, as_store, cache_dir, is_uri, open_store
 
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 
 
-def tokenize_batch(batch: pa.Table, *, text_column: str, tokenizer: str) -> pa.Table:
-    """One Ray Data batch of documents -> their token ids (EOT appended to each)."""
+def tokenize_batch(batch: pa.Table, *, text_column: str, tokenizer: str, eos: str = EOT) -> pa.Table:
+    """One Ray Data batch of documents -> their token ids (``eos`` appended to each)."""
     tok = load_tokenizer(tokenizer)
-    eot = tok.token_to_id(EOT)
+    eot = tok.token_to_id(eos)
     texts = batch.column(text_column).to_pylist()
     ids = []
     for enc in tok.encode_batch([t or "" for t in texts]):
@@ -69,7 +69,12 @@ def _is_text(paths: list[str]) -> bool:
 
 
 def prepare_data(
-    source: str, out_dir: str | os.PathLike | Store, *, text_column: str = "text", tokenizer: str = ""
+    source: str,
+    out_dir: str | os.PathLike | Store,
+    *,
+    text_column: str = "text",
+    tokenizer: str = "",
+    eos: str = EOT,
 ) -> dict:
     """Tokenize ``source`` into Parquet shards under ``out_dir`` (a directory or URI); returns
     the output's URI and its token count."""
@@ -92,7 +97,7 @@ def prepare_data(
         tokenize_batch,
         batch_format="pyarrow",
         batch_size=256,
-        fn_kwargs={"text_column": column, "tokenizer": tokenizer},
+        fn_kwargs={"text_column": column, "tokenizer": tokenizer, "eos": eos},
     )
     # The store's own filesystem, given explicitly: the same one a run's data.path resolves to.
     ds.write_parquet(out.path, filesystem=out.fs)
@@ -106,13 +111,13 @@ def builtin_dataset(cfg) -> str:
 
     from raytrain_hybrid.data.corpus import DEFAULT_CORPUS
 
-    tokenizer = resolve_tokenizer(cfg)
-    digest = hashlib.sha256(DEFAULT_CORPUS.read_bytes() + Path(tokenizer).read_bytes()).hexdigest()[:16]
+    tokenizer, eos = resolve_tokenizer(cfg), end_of_text(cfg)
+    digest = hashlib.sha256(DEFAULT_CORPUS.read_bytes() + Path(tokenizer).read_bytes() + eos.encode()).hexdigest()[:16]
     cache = cache_dir()
     out = cache / f"builtin-{digest}"
     if not (out / "_DONE").exists():
         tmp = cache / f"builtin-{digest}.tmp{os.getpid()}"
-        prepare_data(str(DEFAULT_CORPUS), str(tmp), tokenizer=tokenizer)
+        prepare_data(str(DEFAULT_CORPUS), str(tmp), tokenizer=tokenizer, eos=eos)
         (tmp / "_DONE").write_text("ok\n")
         tmp.rename(out) if not out.exists() else None
     return str(out)

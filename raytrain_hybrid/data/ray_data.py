@@ -7,7 +7,7 @@ from __future__ import annotations
 from ray.train import DataConfig
 
 from raytrain_hybrid.config import Config
-from raytrain_hybrid.data.tokenizer import resolve_tokenizer
+from raytrain_hybrid.data.tokenizer import end_of_text, resolve_tokenizer
 
 
 def build_rows_dataset(cfg: Config, path: str):
@@ -31,11 +31,17 @@ def build_dataset(cfg: Config):
     d = cfg.data
     if d.text_columns:  # a classifier's rows (resolve_defaults() fills text_columns for those only)
         return build_rows_dataset(cfg, d.path)
+    if d.format != "text":  # chat / prompt_completion: one example a row, with its label mask
+        from raytrain_hybrid.data.chat import ExampleSpec, encode_table
+
+        spec = ExampleSpec.of(cfg)
+        ds = ray.data.read_parquet(d.path, include_paths=True).select_columns([*spec.columns, "path"])
+        return ds.map_batches(encode_table, fn_kwargs={"spec": spec}, batch_format="pyarrow", batch_size=64)
     ds = ray.data.read_parquet(d.path, include_paths=True).select_columns([d.text_column or d.token_column, "path"])
     if d.text_column:
-        tokenizer = resolve_tokenizer(cfg)
+        tokenizer, eos = resolve_tokenizer(cfg), end_of_text(cfg)
         ds = ds.map_batches(
-            lambda b: tokenize_batch(b, text_column=d.text_column, tokenizer=tokenizer).append_column(
+            lambda b: tokenize_batch(b, text_column=d.text_column, tokenizer=tokenizer, eos=eos).append_column(
                 "path", b.column("path")
             ),
             batch_format="pyarrow",

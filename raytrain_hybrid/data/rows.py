@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from raytrain_hybrid.data.corpus import Batch
+from raytrain_hybrid.data.corpus import IGNORE_INDEX, Batch
 from raytrain_hybrid.data.tokenizer import ASSETS, classifier_tokenizer, load_tokenizer
 
 BUILTIN_TRAIN = ASSETS / "shipments_train.parquet"
@@ -76,6 +76,8 @@ def feed_schema(cfg, rows: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]
 
     s = cfg.model.seq_len
     if get_arch(cfg.model.arch).task == "lm":
+        if cfg.data.format != "text":  # one example a row: which tokens the loss counts
+            return {"tokens": ((rows, s + 1), torch.int64), "label_mask": ((rows, s + 1), torch.int64)}
         return {"tokens": ((rows, s + 1), torch.int64)}
     schema = {k: ((rows, s), torch.int64) for k in ("ids_a", "mask_a", "ids_b", "mask_b")}
     schema["tabular"] = ((rows, len(cfg.data.tabular_columns)), torch.float32)
@@ -92,11 +94,15 @@ def schema_buffers(schema: dict, device, arrays: dict | None = None) -> dict[str
 
 
 def to_batch(arrays: dict) -> Batch:
-    """Broadcast tensors (or arrays) -> a Batch: LM windows shift by one token."""
+    """Broadcast tensors (or arrays) -> a Batch: LM windows shift by one token; a label the
+    loss does not count (``label_mask`` 0) is IGNORE_INDEX."""
     t = {k: torch.as_tensor(v) for k, v in arrays.items()}
     if "tokens" in t:
         w = t["tokens"]
-        return Batch(inputs=(w[:, :-1].contiguous(),), labels=w[:, 1:].contiguous())
+        labels = w[:, 1:]
+        if "label_mask" in t:
+            labels = torch.where(t["label_mask"][:, 1:] > 0, labels, IGNORE_INDEX)
+        return Batch(inputs=(w[:, :-1].contiguous(),), labels=labels.contiguous())
     return Batch(inputs=tuple(t[k] for k in INPUTS), labels=t["label"])
 
 

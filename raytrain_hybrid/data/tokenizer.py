@@ -1,12 +1,21 @@
-"""Which tokenizer.json a run uses, and the one cached loader every data path shares.
+"""Which tokenizer a run uses, and the cached loaders every data path shares.
 
-Language models tokenize text with ``data.tokenizer`` (default: the shipped BPE); classifiers
-with ``data.tokenizer``, else their checkpoint's (with random weights, the packaged MiniLM's).
+Language models tokenize text with ``data.tokenizer`` (a tokenizer.json, or a Hugging Face
+tokenizer directory), else with their checkpoint's (``model.pretrained``), else with the shipped
+BPE; classifiers with ``data.tokenizer``, else their checkpoint's (with random weights, the
+packaged MiniLM's). A directory's tokenizer is loaded with transformers (its special tokens and
+chat template come with it); raw text is tokenized with its tokenizer.json alone, each document
+ended with the tokenizer's end-of-sequence token.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"  # raytrain_hybrid/assets
@@ -19,9 +28,51 @@ def tokenizer_json(path: str | Path = "") -> str:
     return str(Path(path or DEFAULT_TOKENIZER).resolve())
 
 
+def tokenizer_source(cfg) -> str:
+    """A language model's tokenizer: data.tokenizer (a file or directory), else model.pretrained
+    (a checkpoint directory, local or a storage URI), else "" (the shipped BPE)."""
+    if cfg.data.tokenizer:
+        return _absolute(cfg.data.tokenizer)
+    pretrained = cfg.model.pretrained
+    if pretrained and pretrained.lower() != "none" and not cfg.data.text_columns:
+        return _absolute(pretrained)
+    return ""
+
+
+def _absolute(location: str) -> str:
+    return location if "://" in location else str(Path(location).expanduser().resolve())
+
+
 def resolve_tokenizer(cfg) -> str:
-    """A language model's tokenizer.json."""
-    return tokenizer_json(cfg.data.tokenizer)
+    """A language model's tokenizer.json (the one raw text goes through), on this machine."""
+    source = tokenizer_source(cfg)
+    if source and not cfg.data.tokenizer and not (Path(source) / "tokenizer.json").is_file():
+        from raytrain_hybrid.errors import ConfigError
+
+        where = "is a storage URI" if "://" in source else "has no tokenizer.json"
+        raise ConfigError(
+            "data.tokenizer",
+            "",
+            f"raw text is tokenized with model.pretrained's tokenizer, and {source} {where}; give data.tokenizer "
+            "a local tokenizer.json (or a directory with one)",
+        )
+    return tokenizer_json(Path(source) / "tokenizer.json" if source and Path(source).is_dir() else source)
+
+
+def end_of_text(cfg) -> str:
+    """The token that ends each raw-text document: a tokenizer directory's eos_token, else EOT."""
+    source = tokenizer_source(cfg)
+    return eos_token(source) if source and Path(source).is_dir() else EOT
+
+
+def eos_token(directory: str | Path) -> str:
+    """tokenizer_config.json's eos_token (a string or {"content": ...}); EOT when it has none."""
+    import json
+
+    file = Path(directory) / "tokenizer_config.json"
+    conf = json.loads(file.read_text()) if file.is_file() else {}
+    eos = conf.get("eos_token") or EOT
+    return eos["content"] if isinstance(eos, dict) else eos
 
 
 def classifier_tokenizer(cfg) -> str:
@@ -56,3 +107,68 @@ def _load(path: str, fixed_length: int):
         tok.enable_truncation(max_length=fixed_length)
         tok.enable_padding(length=fixed_length, pad_id=0 if pad is None else pad)
     return tok
+
+
+# The files a transformers tokenizer is made of; a directory's are carried where they exist.
+HF_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+@dataclass(frozen=True)
+class TokenizerFiles:
+    """A tokenizer's files as bytes, read once where the run starts (a local directory or file,
+    or a storage URI) and rebuilt wherever a Ray Data task or a worker runs: no node needs them
+    on its own disk."""
+
+    source: str
+    files: tuple[tuple[str, bytes], ...]
+    digest: str
+
+    @classmethod
+    def read(cls, source: str) -> TokenizerFiles:
+        from raytrain_hybrid.storage import open_store
+
+        store = open_store(source or str(DEFAULT_TOKENIZER), "data.tokenizer")
+        if store.is_dir():
+            files = tuple((n, store.child(n).read_bytes()) for n in HF_FILES if store.child(n).is_file())
+        elif store.is_file():
+            files = (("tokenizer.json", store.read_bytes()),)
+        else:
+            raise FileNotFoundError(f"{store.uri} does not exist")
+        if not any(n == "tokenizer.json" for n, _ in files):
+            raise FileNotFoundError(f"{store.uri} has no tokenizer.json (a slow, sentencepiece-only tokenizer)")
+        digest = hashlib.sha256(b"".join(n.encode() + b"\0" + data for n, data in files)).hexdigest()[:16]
+        return cls(store.uri, files, digest)
+
+
+_HF_LOADED: dict[str, object] = {}
+
+
+def load_hf_tokenizer(bundle: TokenizerFiles):
+    """The transformers tokenizer of ``bundle``, once per process: a directory's with its special
+    tokens and chat template (AutoTokenizer), or a lone tokenizer.json (the shipped BPE) wrapped
+    with EOT as its end-of-sequence token."""
+    if bundle.digest not in _HF_LOADED:
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+        where = Path(tempfile.gettempdir()) / "raytrain-hybrid-tokenizers" / bundle.digest
+        if not where.is_dir():
+            part = where.with_name(f"{where.name}.{os.getpid()}")
+            part.mkdir(parents=True, exist_ok=True)
+            for name, data in bundle.files:
+                (part / name).write_bytes(data)
+            part.rename(where) if not where.exists() else shutil.rmtree(part)
+        if (where / "tokenizer_config.json").is_file():
+            tok = AutoTokenizer.from_pretrained(str(where), local_files_only=True)
+        else:
+            tok = PreTrainedTokenizerFast(tokenizer_file=str(where / "tokenizer.json"))
+            if tok.convert_tokens_to_ids(EOT) is not None:
+                tok.eos_token = EOT
+        _HF_LOADED[bundle.digest] = tok
+    return _HF_LOADED[bundle.digest]

@@ -27,6 +27,7 @@ class ReplicaFeed:
     OK, END, ERROR = 1, 0, 2
 
     def __init__(self, cfg: Config, meshes, dims: ParallelDims, dp_rank: int, dataset_fn, skip_steps: int = 0) -> None:
+        from raytrain_hybrid.data.examples import example_stream
         from raytrain_hybrid.data.stream import replica_stream
 
         self.group = meshes.replica.get_group()
@@ -35,7 +36,9 @@ class ReplicaFeed:
         self.device = mesh_device(meshes.world)
         self.stream = None
         if self.leader:
-            self.stream = replica_stream(cfg, dataset_fn(), dp=dims.dp, dp_rank=dp_rank, skip_steps=skip_steps)
+            # Chat / prompt_completion: one example a row, with its label mask (data.examples).
+            make = example_stream if cfg.data.format != "text" else replica_stream
+            self.stream = make(cfg, dataset_fn(), dp=dims.dp, dp_rank=dp_rank, skip_steps=skip_steps)
         self._pending = None
         if self.leader:
             # Read in a thread from the start: Ray Data's executor spins up while the model builds.

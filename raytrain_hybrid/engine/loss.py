@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from raytrain_hybrid.config import Config
+from raytrain_hybrid.data.corpus import IGNORE_INDEX
 
 
 def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
@@ -18,9 +19,29 @@ def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of one micro-batch (labels already shifted)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+class TokenLoss:
+    """Next-token cross-entropy of one micro-batch (labels already shifted): the sum over its
+    counted labels (IGNORE_INDEX ones are not) times ``scale``, which ``start_step`` sets to
+    microbatches * dp / (counted labels of the whole global batch).
+
+    Why not each micro-batch's mean: with label masks (chat, prompt/completion data) micro-batches
+    and replicas count different numbers of tokens, and the mean of their means weighs a token
+    of a short answer more than one of a long answer, differently for every split into
+    micro-batches and replicas. The pipeline schedule divides the gradients by the micro-batch
+    count (scale_grads) and DDP/FSDP/ZeRO-1 average them over dp; with this scale what remains
+    is sum(cross-entropy of every counted token of the step) / their count, whatever the layout.
+    Without masks every micro-batch counts rows*seq_len labels and this is its mean, as before.
+    """
+
+    def __init__(self) -> None:
+        self.scale = 1.0
+
+    def start_step(self, counted: int, microbatches: int, dp: int) -> None:
+        self.scale = microbatches * dp / max(counted, 1)  # a step with nothing counted moves nothing
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = logits.flatten(0, 1).float()
+        return F.cross_entropy(logits, labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum") * self.scale
 
 
 class ClassLoss:
@@ -42,5 +63,5 @@ class ClassLoss:
 
 def make_loss(cfg: Config, task: str, device: torch.device):
     if task == "lm":
-        return lm_loss
+        return TokenLoss()
     return ClassLoss(cfg.model.class_weights, cfg.model.num_classes, device)

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from raytrain_hybrid.checkpoint.hf_load import fetch_pretrained, load_hf_weights
 from raytrain_hybrid.config import Config
-from raytrain_hybrid.data.corpus import Batch
+from raytrain_hybrid.data.corpus import IGNORE_INDEX, Batch
 from raytrain_hybrid.distributed import pipeline
 from raytrain_hybrid.distributed.data_parallel import build_optimizer
 from raytrain_hybrid.distributed.parallel_dims import ParallelDims
@@ -22,7 +22,7 @@ from raytrain_hybrid.distributed.parallelize import parallelize_stage
 from raytrain_hybrid.distributed.tensor_parallel import align_grad_placements
 from raytrain_hybrid.distributed.utils import clip_grads_, global_grad_norm
 from raytrain_hybrid.distributed.zero1 import ZeroOneOptimizer
-from raytrain_hybrid.engine.loss import lr_factor, make_loss
+from raytrain_hybrid.engine.loss import TokenLoss, lr_factor, make_loss
 from raytrain_hybrid.models import get_arch, hf_checkpoint
 from raytrain_hybrid.models.common import build_stage, full_init_state_dict
 from raytrain_hybrid.models.flops import device_peak_tflops, flops_per_token, tokens_per_row
@@ -184,6 +184,10 @@ class Trainer:
     def train_step(self, step: int, batch: Batch) -> dict:
         t0 = time.perf_counter()
         lr = self.optimizer.param_groups[0]["lr"]
+        counted = None
+        if isinstance(self.loss_fn, TokenLoss):
+            counted = self._counted_labels(batch)
+            self.loss_fn.start_step(counted, self.cfg.parallelism.microbatches, self.dims.dp)
         replica_loss = self._forward_backward(batch)
         # Exactly dp*tp ranks hold the last stage, each with its replica's loss.
         loss = replica_loss.detach().clone()
@@ -213,7 +217,19 @@ class Trainer:
             "tokens_per_s": tokens / elapsed,
             "tflops_per_device": tflops,
             "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
+            **({"loss_tokens": counted} if self.cfg.data.format != "text" else {}),  # labels the loss counted
         }
+
+    def _counted_labels(self, batch: Batch) -> int:
+        """The labels the step's loss counts, over the whole global batch. Every rank of a replica
+        holds the replica's batch, so each adds the replicas' counts over its dp group: every
+        rank, first pipeline stage to last, knows it before the step."""
+        if self.cfg.data.format == "text":  # no masks: every label of every row
+            return self.cfg.train.global_batch_size * self.cfg.model.seq_len
+        counted = (batch.labels != IGNORE_INDEX).sum().to(self.device)
+        if self.dims.dp > 1:
+            dist.all_reduce(counted, group=self.mesh.dp.get_group())
+        return int(counted.item())
 
     def _zero1_reduce_and_clip(self) -> torch.Tensor:
         """Reduce-scatter gradients, then the global norm over the DP slices, and clip them."""

@@ -119,7 +119,12 @@ def join_mesh(cfg: Config, node_id: str, use_gpu: bool, device: torch.device | N
 
 
 def in_memory_batches(cfg: Config, trainer: Trainer) -> NextBatch:
-    """Without Ray Data: the shipped corpus in token windows (LMs), or the shipped rows."""
+    """Without Ray Data: the shipped corpus in token windows (LMs), or the shipped rows; chat or
+    prompt/completion examples (data.format) from data.path, read in this process."""
+    if cfg.data.format != "text":
+        from raytrain_hybrid.data.examples import in_memory_examples
+
+        return in_memory_examples(cfg, trainer.dims.dp, trainer.dp_rank)
     if trainer.spec.task == "lm":
         data = TokenWindows(tokenize_corpus(tokenizer=cfg.data.tokenizer), cfg.model.seq_len, cfg.train.seed)
     else:

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import sys
 import threading
 import time
 import uuid
@@ -85,7 +86,7 @@ def run(cfg: Config, resume: str | None = None, stream=None, driver_log: Path | 
     cfg, resume, kept_history = prepare_run_dir(cfg, resume)
     use_gpu, resources = open_session(cfg, marks)
     open_store(cfg.run.output_dir).makedirs()  # only now: a refused run leaves nothing behind
-    cfg = prepare_input(cfg)
+    cfg = prepare_input(cfg, say=lambda line: print(line, file=stream or sys.stdout, flush=True))
     marks["input_checked"] = time.time()
     sink = Queue(actor_options=sink_options())  # rank 0's events, see the module docstring
     tracked = TrackedRun()  # run.tracking: its run is opened before any worker starts

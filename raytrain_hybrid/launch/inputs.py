@@ -58,8 +58,9 @@ def _environment(env: dict[str, str]):
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
-def prepare_input(cfg: Config) -> Config:
-    """Resolve data.path ("builtin" is prepared once) and check the files before workers start."""
+def prepare_input(cfg: Config, say=print) -> Config:
+    """Resolve data.path ("builtin" is prepared once) and check the files before workers start;
+    ``say`` gets the check's warnings (rows of chat / prompt_completion data cut or dropped)."""
     if cfg.data.text_columns and cfg.data.path in ("builtin", "memory"):  # a classifier: the shipped rows
         from raytrain_hybrid.data.rows import BUILTIN_TRAIN, BUILTIN_VAL
 
@@ -71,5 +72,5 @@ def prepare_input(cfg: Config) -> Config:
         return cfg
     if cfg.data.path == "builtin":
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=builtin_dataset(cfg)))
-    schema_check(cfg)
+    schema_check(cfg, say)
     return cfg

@@ -1,0 +1,155 @@
+"""One replica's share of each global batch of examples (data.format chat / prompt_completion).
+
+The rows come encoded (``input_ids``, ``label_mask``; data.chat) from Ray Data's tasks, or,
+for the engine without Ray, encoded here from data.path read in this process: the same stream
+either way. Each example fills one row of ``seq_len + 1`` tokens, padded at the end with id 0
+and mask 0 (padding is never counted, and under causal attention no counted position sees
+it, so any id will do); no packing. The global batch of step k is the k-th run of ``global_batch_size``
+examples of the epoch's order (the stored order through the seeded shuffle buffer, as for
+text); replica r keeps its r-th contiguous share. An epoch's last examples that do not fill a
+global batch are dropped from that epoch (as for labelled rows).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from raytrain_hybrid.data.stream import StreamPosition
+
+
+def shuffled(items: Iterator, buffer: int, seed: int) -> Iterator:
+    """``items`` through a shuffle buffer of ``buffer`` items (0: in order): once it is full, each
+    new item takes the place of one drawn at random, which is yielded; the rest at the end in a
+    random order. The result depends only on the items' order and the seed."""
+    if buffer <= 0:
+        yield from items
+        return
+    rng = np.random.default_rng(seed)
+    held: list = []
+    for item in items:
+        if len(held) < buffer:
+            held.append(item)
+            continue
+        j = int(rng.integers(buffer))
+        yield held[j]
+        held[j] = item
+    for j in rng.permutation(len(held)):
+        yield held[j]
+
+
+@dataclass
+class ExampleStream:
+    iterator: object  # anything with iter_batches(batch_size=, batch_format="pyarrow"): a DataIterator
+    seq_len: int
+    vocab_size: int
+    global_batch: int
+    dp: int
+    dp_rank: int
+    seed: int
+    epochs: int = 0
+    shuffle_buffer: int = 0
+    skip_steps: int = 0
+    position: StreamPosition = field(default_factory=StreamPosition)
+
+    def _examples(self) -> Iterator[tuple[np.ndarray, np.ndarray, str]]:
+        for batch in self.iterator.iter_batches(batch_size=64, batch_format="pyarrow"):
+            ids, masks = batch.column("input_ids").to_pylist(), batch.column("label_mask").to_pylist()
+            paths = batch.column("path").to_pylist() if "path" in batch.column_names else [""] * len(ids)
+            for row, mask, path in zip(ids, masks, paths, strict=True):
+                yield np.asarray(row, dtype=np.int64), np.asarray(mask, dtype=np.int64), path
+
+    def _padded(self, ids: np.ndarray, mask: np.ndarray, path: str) -> tuple[np.ndarray, np.ndarray]:
+        if ids.size and (ids.max() >= self.vocab_size or ids.min() < 0):
+            bad = int(ids.max() if ids.max() >= self.vocab_size else ids.min())
+            raise ValueError(
+                f"token id {bad} in {path or 'the dataset'} is outside [0, model.vocab_size={self.vocab_size}); "
+                "raise model.vocab_size to cover the tokenizer"
+            )
+        width = self.seq_len + 1
+        tokens = np.zeros(width, dtype=np.int64)  # padding: see the module docstring
+        counted = np.zeros(width, dtype=np.int64)
+        tokens[: ids.size], counted[: mask.size] = ids[:width], mask[:width]
+        return tokens, counted
+
+    def __iter__(self) -> Iterator[dict]:
+        """Yields {"tokens": [rows, seq_len+1], "label_mask": [rows, seq_len+1]} per step."""
+        share = self.global_batch // self.dp
+        lo, hi = self.dp_rank * share, (self.dp_rank + 1) * share
+        epoch = 0
+        while self.epochs == 0 or epoch < self.epochs:
+            self.position.epoch, self.position.samples_in_epoch, self.position.documents_in_epoch = epoch, 0, 0
+            held: list[tuple[np.ndarray, np.ndarray]] = []
+            count = 0
+            for ids, mask, path in shuffled(self._examples(), self.shuffle_buffer, self.seed + epoch):
+                held.append(self._padded(ids, mask, path))
+                count += 1
+                if len(held) < self.global_batch:
+                    continue
+                self.position.samples_in_epoch += self.global_batch
+                self.position.documents_in_epoch = self.position.samples_in_epoch
+                self.position.steps += 1
+                if self.position.steps > self.skip_steps:
+                    mine = held[lo:hi]
+                    yield {"tokens": np.stack([t for t, _ in mine]), "label_mask": np.stack([m for _, m in mine])}
+                held = []
+            if self.position.samples_in_epoch == 0:
+                raise ValueError(
+                    f"the dataset holds {count} examples, fewer than one global batch "
+                    f"(train.global_batch_size={self.global_batch}): no step can run (data.path)"
+                )
+            epoch += 1
+
+
+def example_stream(cfg, iterator, *, dp: int, dp_rank: int, skip_steps: int = 0) -> ExampleStream:
+    d = cfg.data
+    return ExampleStream(
+        iterator=iterator,
+        seq_len=cfg.model.seq_len,
+        vocab_size=cfg.model.vocab_size,
+        global_batch=cfg.train.global_batch_size,
+        dp=dp,
+        dp_rank=dp_rank,
+        seed=d.shuffle_seed,
+        epochs=d.epochs,
+        shuffle_buffer=d.shuffle_buffer,
+        skip_steps=skip_steps,
+    )
+
+
+class TableIterator:
+    """data.path read and encoded in this process, iterated like a Ray DataIterator (the engine
+    without Ray: gloo tests, a single GPU run)."""
+
+    def __init__(self, cfg) -> None:
+        import pyarrow.dataset as pads
+
+        from raytrain_hybrid.data.chat import ExampleSpec, encode_table
+
+        spec = ExampleSpec.of(cfg)
+        table = pads.dataset(cfg.data.path, format="parquet").to_table(columns=list(spec.columns))
+        self.table = encode_table(table, spec=spec)
+
+    def iter_batches(self, batch_size: int, batch_format: str = "pyarrow"):
+        assert batch_format == "pyarrow", batch_format
+        for start in range(0, self.table.num_rows, batch_size):
+            yield self.table.slice(start, batch_size)
+
+
+def in_memory_examples(cfg, dp: int, dp_rank: int):
+    """step -> this replica's batch (or None when data.epochs ran out), without Ray."""
+    from raytrain_hybrid.data.rows import to_batch
+
+    steps = iter(example_stream(cfg, TableIterator(cfg), dp=dp, dp_rank=dp_rank))
+    done = 0
+
+    def next_batch(step: int):
+        nonlocal done
+        arrays = None
+        while done <= step:  # a resumed run asks for its first step first
+            arrays, done = next(steps, None), done + 1
+        return None if arrays is None else to_batch(arrays)
+
+    return next_batch

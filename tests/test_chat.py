@@ -1,0 +1,248 @@
+"""Fine-tuning data (data.format=chat / prompt_completion): the loss counts assistant tokens
+only, and every layout trains the model a plain single-process loop trains.
+
+The conversations' answers differ in length, so micro-batches and replicas hold different
+numbers of counted tokens: a mean per micro-batch (or per replica) would train another model,
+and test_a_mean_per_micro_batch_would_differ shows these data tell the two apart. The reference
+(tests/reference_chat.py) renders the chat template and finds the assistant tokens itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from chat_data import VOCAB, conversations, make_tokenizer, write_chat, write_prompt_completion
+from gloo_harness import initial_state, run_gloo
+from reference_chat import (
+    batches,
+    chat_examples,
+    masked_reference_run,
+    mean_of_split_means,
+    prompt_completion_examples,
+)
+from test_oracle import RTOL, assert_oracle, layout
+
+from raytrain_hybrid.config import load_config
+from raytrain_hybrid.errors import ConfigError
+
+SEQ = 64
+STEPS = 3
+COMMON = (f"train.steps={STEPS}", "model.num_layers=4", "train.global_batch_size=8", f"model.seq_len={SEQ}")
+CASES = {
+    "1x1x1": layout(1, 1, 1, microbatches=1),
+    "2x2x2-1f1b-m4": layout(2, 2, 2, "1F1B", 4),
+    "1x2x4-1f1b-m4": layout(1, 2, 4, "1F1B", 4),
+    "4x1x2-1f1b-m2": layout(4, 1, 2, "1F1B", 2),
+}
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("chat")
+    make_tokenizer(out / "tok")
+    rows = conversations(40)
+    rows[5].append({"role": "user", "content": " ".join(["Tell me more about every river and lamp."] * 4)})
+    rows[5].append({"role": "assistant", "content": "No."})  # pushes row 5 past the window: cut
+    write_chat(out / "chat.parquet", rows)
+    return out
+
+
+def _sets(chat_dir: Path, *extra: str) -> list[str]:
+    return [
+        *COMMON,
+        "data.format=chat",
+        f"data.path={chat_dir / 'chat.parquet'}",
+        f"data.tokenizer={chat_dir / 'tok'}",
+        f"model.vocab_size={VOCAB}",
+        "data.shuffle_buffer=0",
+        *extra,
+    ]
+
+
+@functools.lru_cache(maxsize=2)
+def _reference(chat: str, sets: tuple[str, ...]):
+    """(initial state, per-step reference, per-step (tokens, mask)) for ``sets``."""
+    cfg = load_config(None, list(sets))
+    examples = chat_examples(Path(chat) / "tok", Path(chat) / "chat.parquet", SEQ)
+    steps = batches(cfg, examples, pad=make_pad(Path(chat) / "tok"))
+    initial = initial_state(cfg)
+    return initial, masked_reference_run(cfg, steps, initial), steps
+
+
+def make_pad(tok_dir: Path) -> int:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tok_dir)).pad_token_id
+
+
+def test_chat_rows_encode_as_the_reference_renders_them(chat_dir):
+    """The package's encoding (character offsets of each turn) equals the reference's (token
+    counts of the conversation rendered up to and through each assistant turn)."""
+    import pyarrow.parquet as pq
+
+    from raytrain_hybrid.data.chat import LONG_PROMPT, ExampleSpec, encode_row
+    from raytrain_hybrid.data.tokenizer import load_hf_tokenizer
+
+    cfg = load_config(None, _sets(chat_dir))
+    spec = ExampleSpec.of(cfg)
+    tok = load_hf_tokenizer(spec.tokenizer)
+    want = chat_examples(chat_dir / "tok", chat_dir / "chat.parquet", SEQ)
+    got = []
+    for msgs in pq.read_table(chat_dir / "chat.parquet").column("messages").to_pylist():
+        ids, mask, status = encode_row(tok, spec, (msgs,))
+        assert status != LONG_PROMPT
+        got.append((ids, mask))
+    assert [list(i) for i, _ in want] == [i for i, _ in got]
+    assert [list(m) for _, m in want] == [m for _, m in got]
+    ids, mask = got[0]
+    text = tok.decode([t for t, m in zip(ids, mask, strict=True) if m])
+    answer = pq.read_table(chat_dir / "chat.parquet").column("messages")[0].as_py()[-1]["content"]
+    assert text == f"{answer}<|im_end|>\n"  # the answer and its turn's end; no header, no prompt
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_masked_loss_of_every_layout_matches_single_process(chat_dir, name):
+    sets = tuple(_sets(chat_dir))
+    _, reference, _ = _reference(str(chat_dir), sets)
+    assert_oracle(run_gloo([*sets, *CASES[name]]), reference)
+
+
+def test_a_mean_per_micro_batch_would_differ(chat_dir):
+    """The layouts above split each global batch into dp x microbatches parts with different
+    numbers of assistant tokens: averaging each part's mean (what a loss normalized per
+    micro-batch reports and differentiates) is off the global masked mean, in the loss and far
+    off in the gradient, so the comparison above would fail for it."""
+    cfg = load_config(None, _sets(chat_dir))
+    initial, reference, steps = _reference(str(chat_dir), tuple(_sets(chat_dir)))
+    tokens, mask = steps[0]
+    counts = mask[:, 1:].sum(1)
+    assert len(set(counts.tolist())) > 3, counts
+    want = reference[0]
+    for dp, m in ((2, 4), (1, 4), (4, 2)):
+        loss, norm = mean_of_split_means(cfg, tokens, mask, dp, m, initial)
+        # At random init every token's loss is near log(vocab), so the loss moves little (3e-4 to
+        # 1.3e-3 here); the gradient, which weighs tokens differently, by 10 % and more.
+        assert abs(loss - want["loss"]) > RTOL * want["loss"], (dp, m, loss, want["loss"])
+        assert abs(norm - want["grad_norm"]) > 100 * RTOL * want["grad_norm"], (dp, m, norm, want["grad_norm"])
+
+
+def _refusal(chat_dir: Path, tmp_path: Path, rows=None, *extra: str) -> ConfigError:
+    from raytrain_hybrid.launch.inputs import prepare_input
+
+    path = chat_dir / "chat.parquet" if rows is None else write_chat(tmp_path / "bad.parquet", rows)
+    with pytest.raises(ConfigError) as err:
+        prepare_input(load_config(None, [*_sets(chat_dir, *extra), f"data.path={path}"]), say=print)
+    return err.value
+
+
+def test_bad_chat_input_is_refused_before_workers_start(chat_dir, tmp_path):
+    good = conversations(12)
+    bad_role = [*good[:3], [{"role": "bot", "content": "hi"}, {"role": "assistant", "content": "x"}], *good[3:]]
+    err = _refusal(chat_dir, tmp_path, bad_role)
+    assert err.key == "data.messages_column" and "row 3" in str(err) and "'bot'" in str(err)
+    err = _refusal(chat_dir, tmp_path, [*good, [{"role": "user", "content": "Hello?"}]])
+    assert err.key == "data.messages_column" and "row 12" in str(err) and "no assistant turn" in str(err)
+    long = [{"role": "user", "content": "Tell me about the river " * 20}, {"role": "assistant", "content": "Ok."}]
+    err = _refusal(chat_dir, tmp_path, [*good, long, long])
+    assert err.key == "model.seq_len" and "2 of 14 rows" in str(err) and "row 12" in str(err)
+    assert "data.drop_long_prompts=true" in str(err)
+    err = _refusal(chat_dir, tmp_path, None, "data.messages_column=conversation")
+    assert err.key == "data.messages_column" and "'id', 'messages'" in str(err)
+    err = _refusal(chat_dir, tmp_path, None, "model.vocab_size=4096")
+    assert err.key == "model.vocab_size" and "4098" in str(err)
+    make_tokenizer(tmp_path / "plain", template=None)
+    err = _refusal(chat_dir, tmp_path, None, f"data.tokenizer={tmp_path / 'plain'}")
+    assert err.key == "data.format" and "chat template" in str(err)
+
+
+def test_cut_and_dropped_rows_are_counted_once(chat_dir, tmp_path):
+    from raytrain_hybrid.launch.inputs import prepare_input
+
+    long = [{"role": "user", "content": "Tell me about the river " * 20}, {"role": "assistant", "content": "Ok."}]
+    rows = [*conversations(16), long]
+    path = write_chat(tmp_path / "long.parquet", rows)
+    said: list[str] = []
+    cfg = load_config(None, [*_sets(chat_dir), f"data.path={path}", "data.drop_long_prompts=true"])
+    prepare_input(cfg, say=said.append)
+    assert len(said) == 1 and said[0].startswith("warning: data.format=chat: "), said
+    assert "1 rows are dropped" in said[0]
+    said.clear()
+    prepare_input(load_config(None, _sets(chat_dir)), say=said.append)
+    assert said == [
+        "warning: data.format=chat: 1 of 40 rows are longer than model.seq_len+1=65 tokens and are cut "
+        "to it (the loss counts what remains)"
+    ]
+
+
+def test_prompt_completion_counts_the_completion(tmp_path):
+    """Every row encodes as TRL's prompt/completion tokenization does (the prompt's own token
+    count, then the completion and an EOS counted); the counted text is the completion."""
+    import pyarrow.parquet as pq
+
+    from raytrain_hybrid.data.chat import ExampleSpec, encode_row
+    from raytrain_hybrid.data.tokenizer import load_hf_tokenizer
+
+    tok_dir = make_tokenizer(tmp_path / "tok")
+    path = write_prompt_completion(tmp_path / "pc.parquet", 16)
+    sets = [*COMMON, "data.format=prompt_completion", f"data.path={path}", f"data.tokenizer={tok_dir}"]
+    spec = ExampleSpec.of(load_config(None, [*sets, f"model.vocab_size={VOCAB}"]))
+    tok = load_hf_tokenizer(spec.tokenizer)
+    table = pq.read_table(path)
+    got = [encode_row(tok, spec, v)[:2] for v in zip(*(table.column(c).to_pylist() for c in spec.columns), strict=True)]
+    want = prompt_completion_examples(tok_dir, path, SEQ)
+    assert [(list(i), list(m)) for i, m in want] == got
+    ids, mask, _ = encode_row(tok, spec, ("Describe the lamp:", " A bright lamp."))
+    assert tok.decode([t for t, m in zip(ids, mask, strict=True) if m]) == " A bright lamp.<|im_end|>"
+    assert tok.decode([t for t, m in zip(ids, mask, strict=True) if not m]) == "Describe the lamp:"
+
+
+# ------------------------------------------------------------------ from the CLI, through Ray
+
+
+def test_chat_parquet_from_the_cli_trains_as_the_reference(ray_local, chat_dir, tmp_path):
+    """What a user types: `train --set data.format=chat ...` on a chat Parquet file, on the
+    session's Ray (Ray Data encodes the rows), at (2,1,1) with 2 micro-batches and a shuffle
+    buffer; the one warning (a row cut) on the terminal, the loss and gradient norm of each
+    step the reference's."""
+    layout_sets = ["parallelism.dp=2", "parallelism.tp=1", "parallelism.pp=1", "parallelism.microbatches=2"]
+    sets = [*_sets(chat_dir), "data.shuffle_buffer=8", *layout_sets]
+    out = tmp_path / "run"
+    argv = [str(Path(sys.executable).parent / "raytrain-hybrid"), "train"]
+    address = ray_local.get_runtime_context().gcs_address
+    for s in [*sets, f"run.output_dir={out}", f"cluster.address={address}"]:
+        argv += ["--set", s]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    try:
+        cfg = load_config(None, sets)
+        examples = chat_examples(chat_dir / "tok", chat_dir / "chat.parquet", SEQ)
+        steps = batches(cfg, examples, pad=make_pad(chat_dir / "tok"))
+        reference = masked_reference_run(cfg, steps)
+        stdout, stderr = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
+    warnings = [ln for ln in stdout.splitlines() if ln.startswith("warning: ")]
+    assert len(warnings) == 1 and "1 of 40 rows" in warnings[0], stdout
+    history = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(history) == STEPS
+    for got, want, (_, mask) in zip(history, reference, steps, strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=RTOL)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=RTOL)
+        assert got["loss_tokens"] == int(mask[:, 1:].sum())  # the assistant tokens of the global batch
+
+
+def test_data_format_keys_are_checked():
+    with pytest.raises(ConfigError, match="must be one of"):
+        load_config(None, ["data.format=jsonl"])
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["data.format=chat", "data.path=memory"])
+    assert err.value.key == "data.format" and "data.path=memory" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["data.format=prompt_completion", "model.arch=multimodal-bert", "model.pretrained=none"])
+    assert err.value.key == "data.format" and "language models" in str(err.value)
