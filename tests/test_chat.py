@@ -246,3 +246,30 @@ def test_data_format_keys_are_checked():
     with pytest.raises(ConfigError) as err:
         load_config(None, ["data.format=prompt_completion", "model.arch=multimodal-bert", "model.pretrained=none"])
     assert err.value.key == "data.format" and "language models" in str(err.value)
+
+
+def test_the_example_checkpoint_and_chat_file_pass_the_input_check(tmp_path, monkeypatch):
+    """examples/finetune_chat: the shipped chat.parquet is what make_data.py writes, and with
+    the checkpoint make_checkpoint.py writes, its config passes the input check (the tokenizer
+    and chat template from model.pretrained, no row cut)."""
+    import importlib.util
+
+    import pyarrow.parquet as pq
+
+    from raytrain_hybrid.launch.inputs import prepare_input
+
+    root = Path(__file__).resolve().parent.parent
+    monkeypatch.chdir(root)  # the example's paths are the repository root's, as its commands run there
+    example = root / "examples" / "finetune_chat"
+    modules = {}
+    for name in ("make_data", "make_checkpoint"):
+        spec = importlib.util.spec_from_file_location(name, example / f"{name}.py")
+        modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(modules[name])
+    shipped = pq.read_table(example / "chat.parquet").column("messages").to_pylist()
+    assert shipped == modules["make_data"].conversations(400)
+    modules["make_checkpoint"].main(tmp_path / "ckpt")
+    cfg = load_config(example / "finetune.toml", [f"model.pretrained={tmp_path / 'ckpt'}"])
+    said: list[str] = []
+    cfg = prepare_input(cfg, say=said.append)
+    assert said == [] and cfg.model.vocab_size == VOCAB and cfg.data.path.endswith("chat.parquet")
