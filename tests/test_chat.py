@@ -205,27 +205,45 @@ def test_prompt_completion_counts_the_completion(tmp_path):
 # ------------------------------------------------------------------ from the CLI, through Ray
 
 
-def test_chat_parquet_from_the_cli_trains_as_the_reference(ray_local, chat_dir, tmp_path):
-    """What a user types: `train --set data.format=chat ...` on a chat Parquet file, on the
-    session's Ray (Ray Data encodes the rows), at (2,1,1) with 2 micro-batches and a shuffle
-    buffer; the one warning (a row cut) on the terminal, the loss and gradient norm of each
-    step the reference's."""
-    layout_sets = ["parallelism.dp=2", "parallelism.tp=1", "parallelism.pp=1", "parallelism.microbatches=2"]
-    sets = [*_sets(chat_dir), "data.shuffle_buffer=8", *layout_sets]
-    out = tmp_path / "run"
+CLI_SETS = (
+    "data.shuffle_buffer=8",
+    "parallelism.dp=2",
+    "parallelism.tp=1",
+    "parallelism.pp=1",
+    "parallelism.microbatches=2",
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cli_run(ray_local, chat_dir, tmp_path_factory):
+    """The CLI run of test_chat_parquet_from_the_cli_trains_as_the_reference, started before this
+    module's other tests and left to run beside them: most of a run's start-up is waiting (Ray
+    Train's workers, Ray Data's executor), which the gloo runs fill. -> (Popen, run directory)"""
+    out = tmp_path_factory.mktemp("chat_cli") / "run"
     argv = [str(Path(sys.executable).parent / "raytrain-hybrid"), "train"]
     address = ray_local.get_runtime_context().gcs_address
-    for s in [*sets, f"run.output_dir={out}", f"cluster.address={address}"]:
+    for s in [*_sets(chat_dir), *CLI_SETS, f"run.output_dir={out}", f"cluster.address={address}"]:
         argv += ["--set", s]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
     try:
-        cfg = load_config(None, sets)
-        examples = chat_examples(chat_dir / "tok", chat_dir / "chat.parquet", SEQ)
-        steps = batches(cfg, examples, pad=make_pad(chat_dir / "tok"))
-        reference = masked_reference_run(cfg, steps)
-        stdout, stderr = proc.communicate(timeout=600)
+        yield proc, out
     finally:
         proc.kill()
+        proc.communicate()
+
+
+def test_chat_parquet_from_the_cli_trains_as_the_reference(cli_run, chat_dir):
+    """What a user types: `train --set data.format=chat ...` on a chat Parquet file, on the
+    session's Ray (Ray Data encodes the rows), at (2,1,1) with 2 micro-batches and a shuffle
+    buffer; the one warning (a row cut) on the terminal, the loss, gradient norm and counted
+    tokens of each step the reference's."""
+    proc, out = cli_run
+    cfg = load_config(None, [*_sets(chat_dir), *CLI_SETS])
+    examples = chat_examples(chat_dir / "tok", chat_dir / "chat.parquet", SEQ)
+    steps = batches(cfg, examples, pad=make_pad(chat_dir / "tok"))
+    initial = _reference(str(chat_dir), tuple(_sets(chat_dir)))[0]  # the same model: the layout and data differ
+    reference = masked_reference_run(cfg, steps, initial)
+    stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
     warnings = [ln for ln in stdout.splitlines() if ln.startswith("warning: ")]
     assert len(warnings) == 1 and "1 of 40 rows" in warnings[0], stdout
