@@ -2,7 +2,7 @@
 
 Each rank reads, from the checkpoint's safetensors files, only the slices of the tensors it
 holds after TP, PP and FSDP/ZeRO are applied: torch's ``HuggingFaceStorageReader`` with
-``dcp.load``, which opens every file with safetensors' lazy slicing. No rank builds a full
+``dcp.load`` (its reads done with plain file reads, see _PreadReader). No rank builds a full
 parameter. The architecture spec's ``from_hf`` says where an engine parameter lies in the
 checkpoint (its key, transposed or not, at which offset: GPT-2's Conv1D weights and fused
 q/k/v); a small planner turns each rank's local chunks into read requests on those keys.
@@ -14,16 +14,19 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import shutil
 from pathlib import Path
 
 import pyarrow.fs as pafs
 import torch
+from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor
+from torch.futures import Future
 
 from raytrain_hybrid.errors import ConfigError
 from raytrain_hybrid.models.hf_checkpoint import KEY, check_weights, local_dir, read_config_json
@@ -52,6 +55,68 @@ def fetch_pretrained(location: str) -> Path:
             store.download(str(target))
             done.write_text(stamp)
     return target
+
+
+# safetensors dtype names -> torch dtypes (the format's own table).
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_BLOCK = 16 << 20  # bytes of the file read at once
+
+
+class _PreadReader(HuggingFaceStorageReader):
+    """torch's HuggingFaceStorageReader (its metadata, its read requests), reading the bytes
+    with plain file reads instead of safetensors' memory map: a TP column slice of a row-major
+    tensor touches every page of it, and mapped pages count in the rank's resident memory until
+    the file closes (1.6x the rank's share at (2,2,2) in the benchmark, against 1.02x this way).
+    Each request reads whole rows of its row range, 16 MB at a time, into one reused buffer."""
+
+    def read_data(self, plan: LoadPlan, planner) -> Future:
+        per_file: dict[str, list] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        buf = bytearray(_BLOCK)
+        for file_name, items in per_file.items():
+            with open(file_name, "rb", buffering=0) as f:
+                size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(size))
+                for req in items:
+                    info = header[req.storage_index.fqn]
+                    target = planner.resolve_tensor(req).detach()
+                    _read_slice(f, 8 + size + info["data_offsets"][0], info, req, target, buf)
+                    planner.commit_tensor(req, target)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+
+def _read_slice(f, start: int, info: dict, req, target: torch.Tensor, buf: bytearray) -> None:
+    dtype, shape = _DTYPES[info["dtype"]], info["shape"]
+    offsets, lengths = list(req.storage_offsets), list(req.lengths)
+    if not shape:  # a scalar
+        shape, offsets, lengths, target = [1], [0], [1], target.reshape(1)
+    row = math.prod(shape[1:]) * dtype.itemsize  # bytes of one index along the first dim
+    rest = tuple(slice(o, o + n) for o, n in zip(offsets[1:], lengths[1:], strict=True))
+    step = max(1, _BLOCK // max(row, 1))
+    view = memoryview(buf)
+    for a in range(0, lengths[0], step):
+        b = min(lengths[0], a + step)
+        nbytes = (b - a) * row
+        chunk = view[:nbytes] if nbytes <= len(buf) else memoryview(bytearray(nbytes))  # rows over 16 MB
+        f.seek(start + (offsets[0] + a) * row)
+        if f.readinto(chunk) != nbytes:
+            raise OSError(f"{f.name}: tensor {req.storage_index.fqn} ends early")
+        block = torch.frombuffer(chunk, dtype=dtype, count=nbytes // dtype.itemsize).view(b - a, *shape[1:])
+        target[a:b].copy_(block[(slice(None), *rest)])
 
 
 class _SlicePlanner(DefaultLoadPlanner):
@@ -86,10 +151,9 @@ def load_hf_weights(stage: torch.nn.Module, spec, location: str, path: Path) -> 
     """Fill every parameter of ``stage`` (after parallelize and to_empty) from the checkpoint
     at ``path`` (the node-local copy of ``location``)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     conf = read_config_json(str(path))
-    reader = HuggingFaceStorageReader(str(path))
+    reader = _PreadReader(str(path))
     available = reader.read_metadata().state_dict_metadata
     targets: dict[str, list] = {}
     for name, p in stage.named_parameters():
