@@ -80,7 +80,12 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("source", help="text files (documents split by blank lines), Parquet, a directory or a glob")
     prep.add_argument("out_dir", help="directory or URI (s3://, gs://) for the Parquet shards")
     prep.add_argument("--text-column", default="text", help="text column of Parquet input (default: text)")
-    prep.add_argument("--tokenizer", default="", help="local tokenizer.json (default: the shipped BPE)")
+    prep.add_argument(
+        "--tokenizer",
+        default="",
+        help="local tokenizer.json, or a Hugging Face tokenizer or model directory (its eos_token ends each "
+        "document; default: the shipped BPE)",
+    )
     return parser
 
 

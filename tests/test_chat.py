@@ -266,28 +266,63 @@ def test_data_format_keys_are_checked():
     assert err.value.key == "data.format" and "language models" in str(err.value)
 
 
-def test_the_example_checkpoint_and_chat_file_pass_the_input_check(tmp_path, monkeypatch):
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "finetune_chat"
+
+
+def _example_module(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, EXAMPLE / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def example_checkpoint(tmp_path_factory) -> Path:
+    """The example's checkpoint (make_checkpoint.py): a small Llama with a ChatML tokenizer."""
+    out = tmp_path_factory.mktemp("example") / "ckpt"
+    _example_module("make_checkpoint").main(out)
+    return out
+
+
+def test_the_example_checkpoint_and_chat_file_pass_the_input_check(example_checkpoint, monkeypatch):
     """examples/finetune_chat: the shipped chat.parquet is what make_data.py writes, and with
     the checkpoint make_checkpoint.py writes, its config passes the input check (the tokenizer
     and chat template from model.pretrained, no row cut)."""
-    import importlib.util
-
     import pyarrow.parquet as pq
 
     from raytrain_hybrid.launch.inputs import prepare_input
 
-    root = Path(__file__).resolve().parent.parent
-    monkeypatch.chdir(root)  # the example's paths are the repository root's, as its commands run there
-    example = root / "examples" / "finetune_chat"
-    modules = {}
-    for name in ("make_data", "make_checkpoint"):
-        spec = importlib.util.spec_from_file_location(name, example / f"{name}.py")
-        modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(modules[name])
-    shipped = pq.read_table(example / "chat.parquet").column("messages").to_pylist()
-    assert shipped == modules["make_data"].conversations(400)
-    modules["make_checkpoint"].main(tmp_path / "ckpt")
-    cfg = load_config(example / "finetune.toml", [f"model.pretrained={tmp_path / 'ckpt'}"])
+    monkeypatch.chdir(EXAMPLE.parent.parent)  # the example's paths are the repository root's
+    shipped = pq.read_table(EXAMPLE / "chat.parquet").column("messages").to_pylist()
+    assert shipped == _example_module("make_data").conversations(400)
+    cfg = load_config(EXAMPLE / "finetune.toml", [f"model.pretrained={example_checkpoint}"])
     said: list[str] = []
     cfg = prepare_input(cfg, say=said.append)
     assert said == [] and cfg.model.vocab_size == VOCAB and cfg.data.path.endswith("chat.parquet")
+
+
+def test_raw_text_is_tokenized_with_the_checkpoints_tokenizer(example_checkpoint, tmp_path):
+    """model.pretrained's tokenizer.json for raw text too, each document ended with its
+    eos_token; a checkpoint without one is refused, naming data.tokenizer."""
+    import shutil
+
+    import pyarrow as pa
+
+    from raytrain_hybrid.data.prepare import tokenize_batch
+    from raytrain_hybrid.data.tokenizer import end_of_text, resolve_tokenizer
+
+    cfg = load_config(None, [f"model.pretrained={example_checkpoint}", "data.path=x.parquet", "data.text_column=t"])
+    assert resolve_tokenizer(cfg) == str(example_checkpoint / "tokenizer.json")
+    assert end_of_text(cfg) == "<|im_end|>"
+    table = pa.table({"t": ["What is 2 plus 2?"]})
+    ids = tokenize_batch(table, text_column="t", tokenizer=resolve_tokenizer(cfg), eos=end_of_text(cfg))
+    assert ids.column("input_ids")[0].as_py()[-1] == 4096  # <|im_end|>, an added token
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(example_checkpoint / name, bare / name)
+    with pytest.raises(ConfigError) as err:
+        resolve_tokenizer(load_config(None, [f"model.pretrained={bare}", "data.text_column=t"]))
+    assert err.value.key == "data.tokenizer" and "has no tokenizer.json" in str(err.value)

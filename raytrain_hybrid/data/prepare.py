@@ -18,7 +18,14 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from raytrain_hybrid.data.tokenizer import EOT, end_of_text, load_tokenizer, resolve_tokenizer, tokenizer_json
+from raytrain_hybrid.data.tokenizer import (
+    EOT,
+    end_of_text,
+    eos_token,
+    load_tokenizer,
+    resolve_tokenizer,
+    tokenizer_json,
+)
 from raytrain_hybrid.storage import Store, as_store, cache_dir, is_uri, open_store
 
 TEXT_SUFFIXES = (".txt", ".text", ".md")
@@ -74,14 +81,17 @@ def prepare_data(
     *,
     text_column: str = "text",
     tokenizer: str = "",
-    eos: str = EOT,
+    eos: str = "",
 ) -> dict:
     """Tokenize ``source`` into Parquet shards under ``out_dir`` (a directory or URI); returns
-    the output's URI and its token count."""
+    the output's URI and its token count. ``tokenizer``: a tokenizer.json or a Hugging Face
+    tokenizer directory; ``eos`` ends each document (default: the directory's eos_token, else EOT)."""
     import ray
     import ray.data
 
     out = as_store(out_dir, "prepare-data OUT_DIR")
+    if not eos:
+        eos = eos_token(tokenizer) if tokenizer and Path(tokenizer).is_dir() else EOT
     tokenizer = tokenizer_json(tokenizer)
     load_tokenizer(tokenizer)  # fail here, not in a Ray task, on a bad path
     paths = _expand(source)

@@ -24,8 +24,10 @@ EOT = "<|endoftext|>"
 
 
 def tokenizer_json(path: str | Path = "") -> str:
-    """``path`` (default: the shipped BPE) as an absolute path: Ray Data's tasks run elsewhere."""
-    return str(Path(path or DEFAULT_TOKENIZER).resolve())
+    """``path`` (default: the shipped BPE; a directory: its tokenizer.json) as an absolute path:
+    Ray Data's tasks run elsewhere."""
+    path = Path(path or DEFAULT_TOKENIZER).expanduser()
+    return str((path / "tokenizer.json" if path.is_dir() else path).resolve())
 
 
 def tokenizer_source(cfg) -> str:
@@ -56,7 +58,7 @@ def resolve_tokenizer(cfg) -> str:
             f"raw text is tokenized with model.pretrained's tokenizer, and {source} {where}; give data.tokenizer "
             "a local tokenizer.json (or a directory with one)",
         )
-    return tokenizer_json(Path(source) / "tokenizer.json" if source and Path(source).is_dir() else source)
+    return tokenizer_json(source)
 
 
 def end_of_text(cfg) -> str:
