@@ -147,3 +147,22 @@ def test_the_driver_files_reach_the_uri_when_a_checkpoint_completes(s3, tmp_path
     finally:
         log.close()
         shutil.rmtree(run_dir.local)
+
+
+def test_a_checkpoint_rewritten_at_the_same_uri_is_downloaded_again(s3, tmp_path):
+    """Nodes keep a downloaded checkpoint in their temp dir for the ranks after the first; when
+    the URI holds another checkpoint later (a run continuing in place, a rerun into the same
+    output directory), the old copy must not be loaded (it passes its own digests)."""
+    from raytrain_hybrid.checkpoint.state import local_copy
+
+    step = open_store(f"s3://bucket/{tmp_path.name}/checkpoints/step_2")
+    for version in (b"first", b"second"):
+        shards = tmp_path / version.decode()
+        shards.mkdir()
+        (shards / "__0_0.distcp").write_bytes(version * 100)
+        (shards / "manifest.json").write_text(f'{{"step": 2, "files": {{"__0_0.distcp": "{version.decode()}"}}}}')
+        step.delete()
+        step.upload(str(shards))
+        copy = local_copy(step.uri)
+        assert (copy / "__0_0.distcp").read_bytes() == version * 100, version
+    assert local_copy(step.uri) == copy  # unchanged on storage: the copy is reused

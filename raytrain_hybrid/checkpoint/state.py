@@ -96,7 +96,12 @@ def training_state(trainer, rank: int, with_rng: bool) -> tuple[dict, list[dict]
 
 def local_copy(path: str | Path | Store) -> Path:
     """A checkpoint directory on this node's disk: itself when local, else downloaded once per
-    node (ranks on one node take turns on a lock; the first downloads, the rest reuse it)."""
+    node (ranks on one node take turns on a lock; the first downloads, the rest reuse it).
+
+    A copy is reused only if its manifest (which holds every file's digest) is the one on storage
+    now: the same URI may hold another checkpoint than when this node copied it (a run
+    continuing in place after a failure writes its step_N again, a rerun into the same output
+    directory), and a stale copy would load silently (it passes its own digests)."""
     import fcntl
     import hashlib
 
@@ -106,9 +111,11 @@ def local_copy(path: str | Path | Store) -> Path:
     key = hashlib.sha256(store.uri.encode()).hexdigest()[:16]
     target = Path(tempfile.gettempdir()) / "raytrain-hybrid-ckpt" / "downloads" / f"{store.name}-{key}"
     target.parent.mkdir(parents=True, exist_ok=True)
+    current = store.child(MANIFEST).read_bytes()
     with open(f"{target}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (target / MANIFEST).exists():
+        cached = target / MANIFEST
+        if not cached.exists() or cached.read_bytes() != current:
             shutil.rmtree(target, ignore_errors=True)
             store.download(str(target))
     return target
