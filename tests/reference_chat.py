@@ -13,6 +13,8 @@ tests/reference.py's.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pyarrow.parquet as pq
 import torch
@@ -24,6 +26,7 @@ def _ids(tok, messages, **kw) -> list[int]:
     return list(out["input_ids"])
 
 
+@functools.lru_cache(maxsize=4)
 def chat_examples(tokenizer_dir, path, seq_len: int, column: str = "messages") -> list[tuple[np.ndarray, np.ndarray]]:
     from transformers import AutoTokenizer
 

@@ -175,9 +175,38 @@ def encode_table(batch: pa.Table, *, spec: ExampleSpec) -> pa.Table:
     return pa.table(out)
 
 
+def row_outcomes(batch: pa.Table, *, spec: ExampleSpec) -> pa.Table:
+    """What each row of ``batch`` becomes, for the input check (in this process, or in Ray
+    Data's tasks for a large data set): ``status`` (OK, CUT, LONG_PROMPT or "error"),
+    ``prompt`` (a LONG_PROMPT row's tokens before its first counted one), and for an error the
+    config ``key`` and ``message``."""
+    tok = load_hf_tokenizer(spec.tokenizer)
+    out: dict[str, list] = {"status": [], "prompt": [], "key": [], "message": []}
+    for values in zip(*(batch.column(c).to_pylist() for c in spec.columns), strict=True):
+        prompt, key, message = 0, "", ""
+        try:
+            _, _, status = encode_row(tok, spec, values)
+            if status == LONG_PROMPT:
+                prompt = _prompt_length(tok, spec, values)
+        except RowError as exc:
+            status, key, message = "error", exc.key, str(exc)
+        for name, value in zip(out, (status, prompt, key, message), strict=True):
+            out[name].append(value)
+    return pa.table(out)
+
+
+def _prompt_length(tok, spec: ExampleSpec, values: tuple) -> int:
+    """The tokens before the first counted one (to say how long the longest prompt is)."""
+    if spec.format == "chat":
+        _, mask = chat_tokens(tok, values[0], spec.keys[0])
+    else:
+        _, mask = prompt_completion_tokens(tok, values, spec.keys)
+    return mask.index(1) if 1 in mask else len(mask)
+
+
 @dataclass
 class ExampleReport:
-    """What the input check found over all rows of data.path."""
+    """What the input check found over all rows of data.path, in their order."""
 
     rows: int = 0
     cut: int = 0
@@ -185,37 +214,19 @@ class ExampleReport:
     first_long: int = -1  # row index of the first LONG_PROMPT row
     longest_prompt: int = 0  # tokens before the first counted token, over LONG_PROMPT rows
 
-    def add(self, index: int, mask: list[int], status: str) -> None:
-        self.rows += 1
-        if status == CUT:
-            self.cut += 1
-        if status == LONG_PROMPT:
-            self.long_prompts += 1
-            self.first_long = index if self.first_long < 0 else self.first_long
-            self.longest_prompt = max(self.longest_prompt, len(mask))
+    def add(self, outcomes: pa.Table) -> None:
+        """The next rows' outcomes (row_outcomes); the first bad row raises RowError, naming it."""
+        columns = [outcomes.column(c).to_pylist() for c in ("status", "prompt", "key", "message")]
+        for status, prompt, key, message in zip(*columns, strict=True):
+            index, self.rows = self.rows, self.rows + 1
+            if status == "error":
+                raise RowError(key, f"row {index}: {message}")
+            self.cut += status == CUT
+            if status == LONG_PROMPT:
+                self.long_prompts += 1
+                self.first_long = index if self.first_long < 0 else self.first_long
+                self.longest_prompt = max(self.longest_prompt, prompt)
 
     @property
     def trained(self) -> int:
         return self.rows - self.long_prompts
-
-
-def scan_rows(tok, spec: ExampleSpec, columns: dict[str, list], first: int = 0, report: ExampleReport | None = None):
-    """Encode every row (as the Ray Data tasks will) to count cut and long-prompt rows; a bad
-    row raises RowError naming its index (``first``: the index of these rows' first)."""
-    report = report or ExampleReport()
-    for i, values in enumerate(zip(*(columns[c] for c in spec.columns), strict=True)):
-        try:
-            _, mask, status = encode_row(tok, spec, values)
-        except RowError as exc:
-            raise RowError(exc.key, f"row {first + i}: {exc}") from exc
-        report.add(first + i, _uncut_prompt(tok, spec, values) if status == LONG_PROMPT else mask, status)
-    return report
-
-
-def _uncut_prompt(tok, spec: ExampleSpec, values: tuple) -> list[int]:
-    """The tokens before the first counted one (to say how long the longest prompt is)."""
-    if spec.format == "chat":
-        ids, mask = chat_tokens(tok, values[0], spec.keys[0])
-    else:
-        ids, mask = prompt_completion_tokens(tok, values, spec.keys)
-    return ids[: mask.index(1)] if 1 in mask else ids

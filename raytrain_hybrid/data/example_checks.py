@@ -10,20 +10,26 @@ fine-tuning's usual size (tens of thousands of conversations) this is seconds of
 
 from __future__ import annotations
 
+import os
+
 import pyarrow as pa
 
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.errors import ConfigError
+
+# Data sets up to this many rows are checked in the driver's process, larger ones by Ray Data's
+# tasks; RAYTRAIN_HYBRID_CHECK_ROWS sets another bound (0: always Ray Data, when Ray is up).
+IN_PROCESS_ROWS = 5000
 
 
 def check_examples(cfg: Config, say=print) -> int:
     """Returns the number of rows that train (``say`` gets a warning if rows are cut or dropped)."""
     import pyarrow.dataset as pads
 
-    from raytrain_hybrid.data.chat import ExampleSpec, RowError, scan_rows
+    from raytrain_hybrid.data.chat import ExampleReport, ExampleSpec, RowError
 
     d = cfg.data
-    tok, files = check_hf_tokenizer(cfg)
+    _, files = check_hf_tokenizer(cfg)
     spec = ExampleSpec.of(cfg, files)
     try:
         dataset = pads.dataset(d.path, format="parquet")
@@ -33,16 +39,14 @@ def check_examples(cfg: Config, say=print) -> int:
     if not files:
         raise ConfigError("data.path", d.path, "holds no Parquet files")
     _check_columns(spec, dataset.schema, d.path)
-    report, first = None, 0
+    report = ExampleReport()
     try:
-        for batch in dataset.to_batches(columns=list(spec.columns), batch_size=1024):
-            columns = {c: batch.column(c).to_pylist() for c in spec.columns}
-            report = scan_rows(tok, spec, columns, first, report)
-            first += batch.num_rows
+        for outcomes in _outcomes(dataset, spec, d.path):
+            report.add(outcomes)
     except RowError as exc:
         column = dict(zip(spec.keys, spec.columns, strict=True)).get(exc.key, d.format)
         raise ConfigError(exc.key, column, f"{exc} (data.path={d.path})") from exc
-    if report is None or report.rows == 0:
+    if report.rows == 0:
         raise ConfigError("data.path", d.path, "has no rows")
     window = cfg.model.seq_len
     if report.long_prompts and not d.drop_long_prompts:
@@ -75,6 +79,27 @@ def check_examples(cfg: Config, say=print) -> int:
     if notes:
         say(f"warning: data.format={d.format}: " + "; ".join(notes))
     return report.trained
+
+
+def _outcomes(dataset, spec, path: str):
+    """Every row's outcome (data.chat.row_outcomes), batch by batch in the stored order: in this
+    process for a small data set, else in Ray Data's tasks on the cluster (the driver's one core
+    takes about 2 ms a conversation; Ray Data's executor starts in seconds)."""
+    import ray
+
+    from raytrain_hybrid.data.chat import row_outcomes
+
+    bound = int(os.environ.get("RAYTRAIN_HYBRID_CHECK_ROWS", IN_PROCESS_ROWS))
+    if dataset.count_rows() <= bound or not ray.is_initialized():
+        for batch in dataset.to_batches(columns=list(spec.columns), batch_size=1024):
+            yield row_outcomes(pa.Table.from_batches([batch]), spec=spec)
+        return
+    import ray.data
+
+    ds = ray.data.read_parquet(path).select_columns(list(spec.columns))
+    ds = ds.map_batches(row_outcomes, fn_kwargs={"spec": spec}, batch_format="pyarrow", batch_size=256)
+    ds.context.execution_options.preserve_order = True  # the row numbers in the messages
+    yield from ds.iter_batches(batch_size=4096, batch_format="pyarrow")
 
 
 def _check_columns(spec, schema: pa.Schema, path: str) -> None:
