@@ -287,6 +287,39 @@ def test_finetune_matches_reference_and_export_generates(checkpoints, tmp_path):
     assert text.startswith("The ship") and len(text) > len("The ship")
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "qwen2"])
+def test_export_after_finetuning_gives_the_trained_logits(checkpoints, tmp_path, arch):
+    """GPT-2 (tied in the checkpoint: exported untied, as trained) and Qwen2 (biases, RoPE
+    scaling): two steps at (1,1,2), export, and from_pretrained's logits are those of the
+    checkpoint's own transformers config (untied) holding the engine's trained parameters."""
+    from gloo_harness import run_gloo
+    from reference import gpt2_from_engine
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    src, out = checkpoints[arch], tmp_path / "run"
+    result = run_gloo(
+        [f"model.pretrained={src}", "data.path=memory", f"model.seq_len={SEQ}", "train.steps=2", "train.lr=1e-3",
+         "train.global_batch_size=4", "parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=2",
+         "parallelism.microbatches=2", "checkpoint.interval=2", f"run.output_dir={out}"]
+    )  # fmt: skip
+    exported = tmp_path / "hf"
+    cli = str(Path(sys.executable).parent / "raytrain-hybrid")
+    done = subprocess.run([cli, "export", str(out), str(exported)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    final = {n: torch.as_tensor(v) for n, v in result["probe"]["final"].items()}
+    config = AutoConfig.from_pretrained(src, tie_word_embeddings=False)
+    trained = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    missing, unexpected = trained.load_state_dict(gpt2_from_engine(final) if arch == "gpt2" else final, strict=False)
+    assert not unexpected and not set(missing) & set(dict(trained.named_parameters())), (missing, unexpected)
+    ids = _batch()
+    with torch.no_grad():
+        want = trained(input_ids=ids).logits
+    got = _hf_logits(exported, ids)
+    assert _close(got, want) <= 1e-5
+    assert _close(got, _hf_logits(src, ids)) > 1e-3  # training moved them
+    assert json.loads((exported / "config.json").read_text())["tie_word_embeddings"] is False
+
+
 # ------------------------------------------------------------------ refusals, resolution
 
 
