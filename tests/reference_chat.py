@@ -101,15 +101,17 @@ def masked_mean(model, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
     return (ce * counted).sum() / counted.sum()
 
 
-def masked_reference_run(cfg, steps: list, initial=None) -> list[dict]:
-    """tests/reference.py's loop with the masked mean as its loss."""
+def masked_reference_run(cfg, steps: list, initial=None, model=None) -> list[dict]:
+    """tests/reference.py's loop with the masked mean as its loss; ``model``: a transformers model
+    already holding ``initial`` (one loaded with from_pretrained), else reference.py's for cfg."""
     from reference import _engine_initial, _train, gpt2_from_engine, gpt2_to_engine, lm_model
 
     torch.manual_seed(0)
-    model = lm_model(cfg)
     gpt2 = cfg.model.arch == "gpt2"
     start = _engine_initial(cfg, initial)
-    model.load_state_dict(gpt2_from_engine(start) if gpt2 else start, strict=True)
+    if model is None:
+        model = lm_model(cfg)
+        model.load_state_dict(gpt2_from_engine(start) if gpt2 else start, strict=True)
     out = _train(cfg, model, gpt2_to_engine if gpt2 else dict, lambda model, step: masked_mean(model, *steps[step]))
     out[0]["initial"] = start
     return out

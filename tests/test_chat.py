@@ -65,7 +65,7 @@ def _sets(chat_dir: Path, *extra: str) -> list[str]:
     ]
 
 
-@functools.lru_cache(maxsize=2)
+@functools.lru_cache(maxsize=4)
 def _reference(chat: str, sets: tuple[str, ...]):
     """(initial state, per-step reference, per-step (tokens, mask)) for ``sets``."""
     cfg = load_config(None, list(sets))
@@ -111,6 +111,48 @@ def test_masked_loss_of_every_layout_matches_single_process(chat_dir, name):
     sets = tuple(_sets(chat_dir))
     _, reference, _ = _reference(str(chat_dir), sets)
     assert_oracle(run_gloo([*sets, *CASES[name]]), reference)
+
+
+def test_gpt2_masked_loss_matches_single_process(chat_dir):
+    """GPT-2 (learned positions, fused attention in the reference) at 1x2x2 1F1B m2."""
+    sets = tuple(_sets(chat_dir, "model.arch=gpt2"))
+    _, reference, _ = _reference(str(chat_dir), sets)
+    assert_oracle(run_gloo([*sets, *layout(1, 2, 2, "1F1B", 2)]), reference)
+
+
+def test_qwen2_checkpoint_masked_loss_matches_transformers_loop(chat_dir, tmp_path):
+    """A Qwen2 checkpoint (q/k/v biases) made with save_pretrained, its tokenizer and chat
+    template in the directory: model.pretrained alone gives the architecture, the sizes and the
+    tokenizer. At 2x1x2 1F1B m2 the engine trains what a plain loop trains on transformers'
+    from_pretrained model."""
+    import shutil
+
+    import torch
+    import transformers as tf
+
+    ckpt = tmp_path / "qwen2"
+    torch.manual_seed(3)
+    sizes = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4}
+    config = tf.Qwen2Config(
+        vocab_size=VOCAB, num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False, **sizes
+    )
+    model = tf.Qwen2ForCausalLM(config)
+    with torch.no_grad():  # non-zero q/k/v biases, as a trained checkpoint has (transformers inits zeros)
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(ckpt)
+    for f in (chat_dir / "tok").iterdir():
+        shutil.copy(f, ckpt / f.name)
+    sets = [s for s in _sets(chat_dir) if not s.startswith(("data.tokenizer=", "model.vocab_size="))]
+    sets += [f"model.pretrained={ckpt}", "train.lr=1e-3"]  # not fine-tuning's 2e-5: steps that move it
+    cfg = load_config(None, sets)
+    assert (cfg.model.arch, cfg.model.vocab_size, cfg.model.hidden_size) == ("qwen2", VOCAB, 64)
+    hf = tf.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager")
+    start = {n: v.detach().clone() for n, v in hf.state_dict().items()}
+    examples = chat_examples(chat_dir / "tok", chat_dir / "chat.parquet", SEQ)
+    reference = masked_reference_run(cfg, batches(cfg, examples, pad=make_pad(chat_dir / "tok")), start, model=hf)
+    assert_oracle(run_gloo([*sets, *layout(2, 1, 2, "1F1B", 2)]), reference)
 
 
 def test_a_mean_per_micro_batch_would_differ(chat_dir):
