@@ -370,3 +370,24 @@ def test_raw_text_is_tokenized_with_the_checkpoints_tokenizer(example_checkpoint
     with pytest.raises(ConfigError) as err:
         resolve_tokenizer(load_config(None, [f"model.pretrained={bare}", "data.text_column=t"]))
     assert err.value.key == "data.tokenizer" and "has no tokenizer.json" in str(err.value)
+
+
+def test_the_tokenizer_comes_from_a_checkpoint_on_object_storage(example_checkpoint):
+    """model.pretrained=s3://...: the input check and the encoding read the tokenizer files from
+    the bucket (TokenizerFiles, the bytes that travel with Ray Data's tasks); no local copy."""
+    import pyarrow.parquet as pq
+    from s3_server import s3_server
+
+    from raytrain_hybrid.data.chat import ExampleSpec, encode_table
+    from raytrain_hybrid.launch.inputs import prepare_input
+    from raytrain_hybrid.storage import open_store
+
+    with s3_server():
+        open_store("s3://bucket/models/tiny").upload(str(example_checkpoint))
+        sets = ["model.pretrained=s3://bucket/models/tiny", "data.format=chat", f"data.path={EXAMPLE / 'chat.parquet'}"]
+        cfg = prepare_input(load_config(None, [*sets, "model.seq_len=128"]), say=print)
+        spec = ExampleSpec.of(cfg)
+    assert spec.tokenizer.source == "s3://bucket/models/tiny"
+    assert {n for n, _ in spec.tokenizer.files} >= {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}
+    encoded = encode_table(pq.read_table(EXAMPLE / "chat.parquet").slice(0, 4), spec=spec)
+    assert encoded.num_rows == 4 and all(sum(m) > 0 for m in encoded.column("label_mask").to_pylist())
