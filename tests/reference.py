@@ -9,8 +9,9 @@ the learning-rate schedule are stock PyTorch or written again. Its one input fro
 engine is the initial state: the engine's parameters before its first step, gathered to
 full tensors under the engine's names (tests/gloo_harness.initial_state; the init rule
 itself is tested on its own in tests/test_oracle.py). On Ray Data input the documents (or
-labelled rows) are read through the launcher's own Ray Dataset, since Ray's local shuffle
-order cannot be redone outside Ray; joining, windowing, batching and the shift are done here.
+labelled rows) are read in their stored order through the launcher's own Ray Dataset (the
+same files, tokenized by the same tasks); the shuffle, joining, windowing, batching and the
+shift are done here.
 
 What it returns, per step: the loss, the global gradient norm, the learning rate and every
 parameter's gradient norm under the engine's names, all taken where the engine's optimizer
@@ -137,19 +138,28 @@ def memory_windows(cfg, steps: int) -> list[torch.Tensor]:
     return out
 
 
-def _ray_documents(cfg, epoch: int, batch_size: int, batch_format: str):
-    """The run's Ray Dataset in its defined order, locally shuffled per epoch as the workers
-    read it. Ray's local shuffle cannot be redone outside Ray, so the rows come from the
-    same Ray Dataset the launcher builds; everything after the read is derived here."""
+def _ray_documents(cfg, batch_size: int, batch_format: str):
+    """The run's Ray Dataset in its stored order (the rows come from the same Ray Dataset the
+    launcher builds); everything after the read, the shuffle included, is derived here."""
     from raytrain_hybrid.data.ray_data import build_dataset, ordered_iterator
     from raytrain_hybrid.launch.inputs import prepare_input
 
     cfg = prepare_input(cfg)
-    d = cfg.data
-    kwargs = {}
-    if d.shuffle_buffer:
-        kwargs = {"local_shuffle_buffer_size": d.shuffle_buffer, "local_shuffle_seed": d.shuffle_seed + epoch}
-    return ordered_iterator(build_dataset(cfg)).iter_batches(batch_size=batch_size, batch_format=batch_format, **kwargs)
+    return ordered_iterator(build_dataset(cfg)).iter_batches(batch_size=batch_size, batch_format=batch_format)
+
+
+def _buffer_shuffle(items: list, size: int, seed: int) -> list:
+    """A shuffle buffer of ``size`` (written again here): when full, each new item replaces a
+    random one, which goes out; what is left goes out last, permuted."""
+    if size <= 0:
+        return list(items)
+    rng = np.random.default_rng(seed)
+    buf, out = list(items[:size]), []
+    for item in items[size:]:
+        j = int(rng.integers(size))
+        out.append(buf[j])
+        buf[j] = item
+    return out + [buf[j] for j in rng.permutation(len(buf))]
 
 
 def ray_data_batches(cfg, steps: int) -> list[torch.Tensor]:
@@ -160,11 +170,12 @@ def ray_data_batches(cfg, steps: int) -> list[torch.Tensor]:
     windows: list[np.ndarray] = []
     epoch = 0
     while len(windows) < steps * gb:
-        parts = [
+        stored = [
             np.asarray(ids, dtype=np.int64)
-            for batch in _ray_documents(cfg, epoch, 64, "pyarrow")
+            for batch in _ray_documents(cfg, 64, "pyarrow")
             for ids in batch.column(column).to_pylist()
         ]
+        parts = _buffer_shuffle(stored, cfg.data.shuffle_buffer, cfg.data.shuffle_seed + epoch)
         flat = np.concatenate(parts)
         windows += list(flat[: flat.size // width * width].reshape(-1, width))
         epoch += 1
@@ -350,10 +361,12 @@ def ray_data_rows(cfg, steps: int) -> list[dict]:
     """Classifiers on Ray Data: the rows in the order the dataset yields them, B a batch."""
     gb = cfg.train.global_batch_size
     parts: dict[str, list] = {}
-    for batch in _ray_documents(cfg, 0, gb, "numpy"):
+    for batch in _ray_documents(cfg, gb, "numpy"):
         for k, v in batch.items():
             parts.setdefault(k, []).append(np.asarray(v))
-    rows = {k: np.concatenate(v) for k, v in parts.items()}
+    stored = {k: np.concatenate(v) for k, v in parts.items()}
+    order = _buffer_shuffle(list(range(len(stored["label"]))), cfg.data.shuffle_buffer, cfg.data.shuffle_seed)
+    rows = {k: v[order] for k, v in stored.items()}
     assert len(rows["label"]) >= steps * gb, "the reference reads one epoch"
     return [{k: v[i * gb : (i + 1) * gb] for k, v in rows.items()} for i in range(steps)]
 

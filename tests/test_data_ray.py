@@ -69,6 +69,60 @@ def test_replicas_cover_an_epoch_once_and_agree_with_dp1(ray_local, tmp_path):
     assert [int(w[0]) for w in whole[0]] != list(range(8))  # and shuffled
 
 
+class _Blocks:
+    """A stand-in for Ray Data's iterator that hands out the same rows cut into given blocks
+    (how Ray cuts a read depends on the CPUs of the placement group reading it)."""
+
+    def __init__(self, table: pa.Table, sizes: list[int]):
+        self.table, self.sizes = table, sizes
+
+    def iter_batches(self, batch_size, batch_format, **kwargs):
+        assert not kwargs, "no Ray Data shuffle: its order depends on the blocks"
+        start = 0
+        for size in self.sizes:
+            block = self.table.slice(start, size)
+            start += size
+            yield block if batch_format == "pyarrow" else {k: np.asarray(v) for k, v in block.to_pydict().items()}
+
+
+def test_the_shuffle_does_not_depend_on_how_the_read_is_cut_into_blocks():
+    """Ray Data's own local shuffle gives another order when the same rows come in other
+    blocks, so a layout with another worker count would train on other documents; the
+    stream's shuffle depends on the rows' order and the seed only (and still shuffles)."""
+    from raytrain_hybrid.data.stream import ReplicaStream, RowStream
+
+    rows = 600
+    rng = np.random.default_rng(1)
+    ids = [[r] + rng.integers(100, 4000, SEQ).tolist() for r in range(rows)]
+    table = pa.table({"input_ids": pa.array(ids, type=pa.list_(pa.int32()))})
+    cuts = ([rows], [300, 300], [37] * 16 + [8], [1] * 50 + [550])
+    common = {"global_batch": 8, "dp": 2, "seed": 4, "epochs": 2, "shuffle_buffer": 256}
+
+    def windows(sizes, dp_rank):
+        stream = ReplicaStream(_Blocks(table, sizes), "input_ids", SEQ, 4096, dp_rank=dp_rank, **common)
+        return np.concatenate(list(stream))
+
+    first = {r: windows(cuts[0], r) for r in range(2)}
+    for sizes in cuts[1:]:
+        for r in range(2):
+            np.testing.assert_array_equal(windows(sizes, r), first[r])
+    order = [int(w[0]) for w in first[0][: 4 * 10]]
+    assert order != sorted(order)  # shuffled
+    epochs = np.concatenate([first[0], first[1]])
+    assert sorted(int(w[0]) for w in epochs) == sorted(list(range(rows)) * 2)  # each row once per epoch
+
+    labelled = pa.table({"x": np.arange(rows, dtype=np.float32), "label": np.arange(rows) % 2})
+
+    def labelled_rows(sizes):
+        stream = RowStream(_Blocks(labelled, sizes), num_classes=2, dp_rank=0, **common)
+        return np.concatenate([b["x"] for b in stream])
+
+    want = labelled_rows(cuts[0])
+    assert list(want[:20]) != sorted(want[:20])
+    for sizes in cuts[1:]:
+        np.testing.assert_array_equal(labelled_rows(sizes), want)
+
+
 def test_short_documents_are_packed(ray_local, tmp_path):
     docs = [[7] * 5 for _ in range(40)]  # 200 tokens, each document shorter than a window
     path = _write(tmp_path / "short", pa.table({"input_ids": pa.array(docs, type=pa.list_(pa.int32()))}), files=1)

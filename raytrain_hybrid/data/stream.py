@@ -6,8 +6,8 @@ streaming split hands blocks to whichever consumer asks first, so the rows a
 replica gets would depend on timing and on dp, and the single-process oracle
 would no longer hold.
 
-What we do instead: the dataset is read in a fixed order (``preserve_order``,
-a local shuffle of documents seeded per epoch; blocks keep their stored order). One leader per replica (its
+What we do instead: the dataset is read in a fixed order (``preserve_order``), then
+shuffled here through a buffer seeded per epoch (``shuffled``). One leader per replica (its
 rank at pp=0, tp=0) iterates that stream, packs documents into windows of
 ``seq_len + 1`` tokens (short documents are packed, never dropped), cuts the
 windows into global batches of ``global_batch_size`` and keeps its contiguous
@@ -15,6 +15,11 @@ share; it broadcasts the share to the other ranks of its replica. So the global
 batch of step k is the same for every layout, each window is used once per epoch
 across replicas, and only one rank per replica reads. The price: every replica
 leader streams the whole dataset and drops the (dp-1)/dp it does not keep.
+
+Why not Ray Data's ``local_shuffle_buffer_size``: its output depends on where the blocks
+begin and end (it shuffles whatever whole blocks its buffer holds), and how a read is cut
+into blocks depends on the CPUs of the placement group doing the read, so on the layout:
+a resumed run at another layout would have trained on other documents.
 """
 
 from __future__ import annotations
@@ -25,6 +30,26 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from raytrain_hybrid.config import Config
+
+
+def shuffled(items: Iterator, buffer: int, seed: int) -> Iterator:
+    """``items`` through a shuffle buffer of ``buffer`` items (0: in order): once it is full, each
+    new item takes the place of one drawn at random, which is yielded; the rest at the end in a
+    random order. The result depends only on the items' order and the seed."""
+    if buffer <= 0:
+        yield from items
+        return
+    rng = np.random.default_rng(seed)
+    held: list = []
+    for item in items:
+        if len(held) < buffer:
+            held.append(item)
+            continue
+        j = int(rng.integers(buffer))
+        yield held[j]
+        held[j] = item
+    for j in rng.permutation(len(held)):
+        yield held[j]
 
 
 @dataclass
@@ -73,14 +98,14 @@ class ReplicaStream:
     position: StreamPosition = field(default_factory=StreamPosition)
 
     def _documents(self, epoch: int) -> Iterator[tuple[np.ndarray, str]]:
-        kwargs = {}
-        if self.shuffle_buffer:
-            kwargs = {"local_shuffle_buffer_size": self.shuffle_buffer, "local_shuffle_seed": self.seed + epoch}
-        for batch in self.iterator.iter_batches(batch_size=64, batch_format="pyarrow", **kwargs):
-            column = batch.column(self.token_column)
-            paths = batch.column("path").to_pylist() if "path" in batch.column_names else [""] * len(batch)
-            for i, ids in enumerate(column.to_pylist()):
-                yield np.asarray(ids, dtype=np.int64), paths[i]
+        def stored() -> Iterator[tuple[np.ndarray, str]]:
+            for batch in self.iterator.iter_batches(batch_size=64, batch_format="pyarrow"):
+                column = batch.column(self.token_column)
+                paths = batch.column("path").to_pylist() if "path" in batch.column_names else [""] * len(batch)
+                for i, ids in enumerate(column.to_pylist()):
+                    yield np.asarray(ids, dtype=np.int64), paths[i]
+
+        return shuffled(stored(), self.shuffle_buffer, self.seed + epoch)
 
     def _windows(self) -> Iterator[np.ndarray]:
         width = self.seq_len + 1
@@ -144,31 +169,30 @@ class RowStream:
     skip_steps: int = 0
     position: StreamPosition = field(default_factory=StreamPosition)
 
-    def __iter__(self) -> Iterator[dict]:
+    def _rows(self) -> Iterator[dict]:
+        """The rows one by one in the stored order, their labels checked."""
         from raytrain_hybrid.data.rows import check_labels
 
+        for batch in self.iterator.iter_batches(batch_size=256, batch_format="numpy"):
+            check_labels(np.asarray(batch["label"]), self.num_classes, "data.path")
+            columns = {k: np.asarray(v) for k, v in batch.items()}
+            for i in range(len(columns["label"])):
+                yield {k: v[i] for k, v in columns.items()}
+
+    def __iter__(self) -> Iterator[dict]:
         share = self.global_batch // self.dp
         lo, hi = self.dp_rank * share, (self.dp_rank + 1) * share
         epoch = 0
         while self.epochs == 0 or epoch < self.epochs:
             self.position.epoch, self.position.samples_in_epoch, self.position.documents_in_epoch = epoch, 0, 0
-            kwargs = {}
-            if self.shuffle_buffer:
-                kwargs = {"local_shuffle_buffer_size": self.shuffle_buffer, "local_shuffle_seed": self.seed + epoch}
-            held: dict[str, list] = {}
+            held: list[dict] = []
             count = 0
-            for batch in self.iterator.iter_batches(
-                batch_size=self.global_batch, batch_format="numpy", drop_last=False, **kwargs
-            ):
-                check_labels(np.asarray(batch["label"]), self.num_classes, "data.path")
-                for k, v in batch.items():
-                    held.setdefault(k, []).append(np.asarray(v))
-                count += len(batch["label"])
-                while count >= self.global_batch:
-                    rows = {k: np.concatenate(v) for k, v in held.items()}
-                    step_rows = {k: v[: self.global_batch] for k, v in rows.items()}
-                    held = {k: [v[self.global_batch :]] for k, v in rows.items()}
-                    count -= self.global_batch
+            for row in shuffled(self._rows(), self.shuffle_buffer, self.seed + epoch):
+                held.append(row)
+                count += 1
+                if len(held) == self.global_batch:
+                    step_rows = {k: np.stack([r[k] for r in held]) for k in held[0]}
+                    held = []
                     self.position.samples_in_epoch += self.global_batch
                     self.position.documents_in_epoch = self.position.samples_in_epoch
                     self.position.steps += 1
