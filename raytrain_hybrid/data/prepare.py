@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
@@ -129,5 +130,10 @@ def builtin_dataset(cfg) -> str:
         tmp = cache / f"builtin-{digest}.tmp{os.getpid()}"
         prepare_data(str(DEFAULT_CORPUS), str(tmp), tokenizer=tokenizer, eos=eos)
         (tmp / "_DONE").write_text("ok\n")
-        tmp.rename(out) if not out.exists() else None
+        try:
+            tmp.rename(out)
+        except OSError:  # another process (a run, a test beside it) put its copy there first
+            if not (out / "_DONE").exists():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
     return str(out)
