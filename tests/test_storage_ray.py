@@ -26,7 +26,7 @@ from raytrain_hybrid.data.corpus import DEFAULT_CORPUS
 
 CLI = [sys.executable, "-m", "raytrain_hybrid.cli"]
 COMMON = [
-    "data.path=memory",
+    "data.path=s3://bucket/prep",  # what prepare-data wrote (the `prepared` fixture)
     "model.num_layers=4",
     "model.seq_len=32",
     "train.global_batch_size=8",
@@ -112,22 +112,11 @@ def test_prepare_data_writes_its_shards_into_the_bucket(s3, prepared):
     assert list(cwd.iterdir()) == [], "prepare-data wrote into the working directory"
 
 
-def test_train_reads_prepared_data_from_the_bucket(s3, prepared, tmp_path):
-    """data.path=s3://...: the input check before workers start, Ray Data's reads and the replica
-    leaders' streams all read the bucket."""
-    _, fs = s3
-    tiny = ["model.num_layers=2", "model.seq_len=32", "train.global_batch_size=8", "train.steps=2"]
-    run = ["parallelism.dp=2", "run.progress=false", "data.path=s3://bucket/prep", "run.output_dir=s3://bucket/fed"]
-    done = _cli(["train", *_sets([*tiny, *run])], tmp_path)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    objects = _objects(fs, "bucket/fed")
-    assert sorted(_losses(objects["metrics.jsonl"])) == [0, 1]
-    assert json.loads(objects["config.json"])["data"]["path"] == "s3://bucket/prep"
-    assert list(tmp_path.iterdir()) == [], "the run wrote into the working directory"
-
-
 @pytest.fixture(scope="module")
-def first_run(s3, tmp_path_factory):
+def first_run(s3, prepared, tmp_path_factory):
+    """A run on the prepared data in the bucket (data.path=s3://...: the input check before workers
+    start, Ray Data's reads and the replica leaders' streams all read the bucket), its output
+    there too."""
     _, fs = s3
     cwd = tmp_path_factory.mktemp("cwd")
     done = _cli(["train", *_sets([*COMMON, *FIRST, "run.output_dir=s3://bucket/run"])], cwd)
@@ -147,6 +136,7 @@ def test_everything_the_run_keeps_is_in_the_bucket(first_run):
         for name, digest in manifest["files"].items():  # every rank's shards, whole
             assert len(objects[f"checkpoints/step_{step}/{name}"]) == digest["size"]
     assert sorted(_losses(objects["metrics.jsonl"])) == [0, 1, 2, 3]
+    assert json.loads(objects["config.json"])["data"]["path"] == "s3://bucket/prep"
     assert list(cwd.iterdir()) == [], "the run wrote into the working directory"
 
 
@@ -169,6 +159,8 @@ def test_no_credential_reaches_the_bucket(s3, first_run):
 
 
 def test_resume_from_the_bucket_under_another_layout_continues_the_losses(s3, first_run, tmp_path):
+    """Half the workers (another placement group, so Ray Data cuts the read into other blocks):
+    the same documents, the same losses."""
     _, fs = s3
     _, _, objects = first_run
     done = _cli(
