@@ -25,7 +25,7 @@ os.environ.setdefault("RAY_DATA_PARQUET_FOOTER_NUM_ACTORS", "1")
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 
-RAY_CPUS = 8
+RAY_CPUS = 12
 
 
 def _serve_stand_in_checkpoints() -> None:
@@ -50,7 +50,7 @@ def ray_local():
     if not ray.is_initialized():
         ray.init(
             address="local",
-            num_cpus=RAY_CPUS + 4,  # 8 workers, plus room for Ray Data read tasks and a Tune trial
+            num_cpus=RAY_CPUS + 4,  # 9 + 5 workers of the CLI tests side by side, Ray Data read tasks, a Tune trial
             include_dashboard=False,
             log_to_driver=False,
             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},

@@ -71,9 +71,10 @@ TRACKED = ["run.tracking=mlflow", "checkpoint.interval=3"]
 
 
 @pytest.fixture(scope="module")
-def raw_text_runs(ray_local, raw_text_dir, tmp_path_factory):
-    """Both runs at once (9 of the session's 12 CPUs), and the reference meanwhile: much of a
-    run's start-up is waiting, which the others fill. -> (directory, reference, {name: (proc, out, err)})"""
+def raw_text_runs(ray_local, raw_text_dir, multimodal_run, tmp_path_factory):
+    """Both runs at once (9 of the session's 16 CPUs; the multimodal run of the last test, started
+    first, takes 5 more), and the reference meanwhile: much of a run's start-up is waiting,
+    which the others fill. -> (directory, reference, {name: (proc, out, err)})"""
     tmp_path = tmp_path_factory.mktemp("raw_text_runs")
     mlflow_env = {
         "MLFLOW_TRACKING_URI": (tmp_path / "mlruns").as_uri(),
@@ -198,30 +199,39 @@ MULTIMODAL = (
 )
 
 
-def test_multimodal_classifier_from_the_cli_matches_single_process_and_evaluates(ray_local, labelled_rows, tmp_path):
+@pytest.fixture(scope="module")
+def multimodal_run(ray_local, labelled_rows, tmp_path_factory):
+    """The classifier's CLI run, started at once: it runs beside the raw-text runs."""
+    train, val = labelled_rows
+    out = tmp_path_factory.mktemp("multimodal") / "run"
+    sets = [*MULTIMODAL, f"data.path={train}", f"data.val_path={val}", f"run.output_dir={out}"]
+    sets += ["parallelism.dp=2", "parallelism.tp=1", "parallelism.pp=2", "parallelism.microbatches=2"]
+    sets.append(f"cluster.address={ray_local.get_runtime_context().gcs_address}")
+    exe = Path(sys.executable).parent / "raytrain-hybrid"
+    argv = [str(exe), "train", *[a for s in sets for a in ("--set", s)]]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        yield proc, out
+    finally:
+        proc.kill()
+
+
+def test_multimodal_classifier_from_the_cli_matches_single_process_and_evaluates(labelled_rows, multimodal_run):
     from reference import classifier_reference_run, ray_data_rows
 
     from raytrain_hybrid.config import load_config
     from raytrain_hybrid.data.rows import read_parquet_rows
 
     train, val = labelled_rows
-    sets = [*MULTIMODAL, f"data.path={train}", f"data.val_path={val}", f"run.output_dir={tmp_path / 'run'}"]
-    sets += ["parallelism.dp=2", "parallelism.tp=1", "parallelism.pp=2", "parallelism.microbatches=2"]
-    sets.append(f"cluster.address={ray_local.get_runtime_context().gcs_address}")
-    exe = Path(sys.executable).parent / "raytrain-hybrid"
-    argv = [str(exe), "train", *[a for s in sets for a in ("--set", s)]]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:  # the reference while the run starts
-        cfg = load_config(None, [*MULTIMODAL, f"data.path={train}", f"data.val_path={val}"])
-        reference = classifier_reference_run(cfg, ray_data_rows(cfg, 3), val_rows=read_parquet_rows(val, cfg))
-        stdout, stderr = proc.communicate(timeout=600)
-    finally:
-        proc.kill()
+    proc, out = multimodal_run
+    cfg = load_config(None, [*MULTIMODAL, f"data.path={train}", f"data.val_path={val}"])
+    reference = classifier_reference_run(cfg, ray_data_rows(cfg, 3), val_rows=read_parquet_rows(val, cfg))
+    stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
     steps = [ln for ln in stdout.splitlines() if ln.startswith("step ")]
     assert ["val acc" in ln for ln in steps] == [False, True, True], steps  # every 2 steps and after the last
-    history = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    history = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((out / "summary.json").read_text())
     assert [e["step"] for e in summary["evals"]] == [1, 2]
     assert summary["final_eval"] == {k: v for k, v in history[-1].items() if k == "step" or k.startswith("val_")}
     for got, want in zip(history, reference, strict=True):

@@ -23,12 +23,12 @@ from conftest import reference_history
 from gloo_harness import run_gloo
 
 STEPS = 5
-COMMON = (f"train.steps={STEPS}", "model.num_layers=4", "train.global_batch_size=16")  # test_recovery_ray's too
+COMMON = (f"train.steps={STEPS}", "model.num_layers=4", "train.global_batch_size=16")
 # The gloo cases at seq_len 32 (divisible by tp=4, sequence parallelism): a quarter of the tokens.
 SHORT = (*COMMON, "model.seq_len=32")
 # Here the engine runs as plain gloo processes on the corpus in memory. Through Ray Train on
 # Ray Data input the same oracle holds in tests/test_cli_ray.py ((1,1,1) and (2,2,2) from the
-# CLI, raw text) and tests/test_recovery_ray.py ((2,2,2), losing a worker on the way).
+# CLI, raw text) and tests/test_recovery_ray.py ((2,1,2), losing a worker on the way).
 MEMORY = ("data.path=memory",)
 RTOL = 1e-4
 # A gradient norm below this fraction of the global one is rounding noise (in fp32 the smallest
