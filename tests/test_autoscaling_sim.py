@@ -36,10 +36,10 @@ CONFIGS = ROOT / "cluster_configs"
 EC2_GPUS = {"p5.48xlarge": ("H100", 8), "p4de.24xlarge": ("A100", 8)}
 
 # Small enough for two cores: the job file's per-worker demand (GPU, CPUs, accelerator type) and
-# ZeRO stage, a tiny model, and 2 of its 8 data-parallel workers: what the autoscaler must find
+# ZeRO stage, a tiny model, and 1 of its 8 data-parallel workers: what the autoscaler must find
 # is a node type that holds a worker; 3 heads x 8 workers on 2 cores took minutes to start.
 TINY = [
-    "parallelism.dp=2",
+    "parallelism.dp=1",
     "model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=2",
     "model.ffn_hidden_size=128", "model.vocab_size=4096", "model.seq_len=32", "train.steps=1",
     "train.warmup_steps=0", "train.dtype=float32", "parallelism.activation_checkpointing=false",
@@ -125,6 +125,8 @@ class FakeCluster:
             "RAY_USAGE_STATS_ENABLED": "0",
             "RAY_FAKE_CLUSTER": "1",
             "AUTOSCALER_UPDATE_INTERVAL_S": "1",
+            # On SIGTERM the head would ask the GCS to drain it and wait for that (15 s a head).
+            "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
         }
         self.env.pop("RAY_ADDRESS", None)
         self.gcs_port, self.dash = _free_port(), _free_port()
