@@ -106,31 +106,94 @@ def test_chat_rows_encode_as_the_reference_renders_them(chat_dir):
     assert text == f"{answer}<|im_end|>\n"  # the answer and its turn's end; no header, no prompt
 
 
+def _jobs_worker(rank: int, world: int, port: int, jobs: dict, queue) -> None:
+    """One gloo rank running several jobs in turn (run_worker each, with gloo_harness's probe):
+    one launch of ``world`` processes instead of one per job (their start-up, the group's, and
+    the first import of the data path's modules are most of a small run's time)."""
+    import torch
+    import torch.distributed as dist
+    from gloo_harness import Probe
+
+    from raytrain_hybrid.engine.trainer import Trainer
+    from raytrain_hybrid.engine.worker import run_worker
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    out: dict = {}
+    try:
+        init = Trainer.__init__
+        for name, overrides in jobs.items():
+            probe = Probe()
+            probe.install()
+            try:
+                result = run_worker(load_config(None, overrides), node_id="node0")
+            finally:
+                Trainer.__init__ = init  # the next job's probe, not this one's too
+            out[name] = {**result, "probe": probe.report()}
+        status = ("ok", out)
+        dist.barrier()
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        import traceback
+
+        status = ("error", f"rank {rank}: {exc!r}\n{traceback.format_exc()}")
+    if rank == 0 or status[0] == "error":
+        queue.put(status)
+    queue.close()
+    queue.join_thread()
+    os._exit(0 if status[0] == "ok" else 1)  # as gloo_harness: no teardown beside gloo's threads
+
+
+def run_gloo_jobs(world: int, jobs: dict[str, list[str]]) -> dict[str, dict]:
+    """{job: what run_gloo returns for its overrides}, all jobs in one launch of ``world`` ranks."""
+    from gloo_harness import _first_report, context, free_port
+
+    ctx = context()
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_jobs_worker, args=(r, world, port, jobs, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    status, payload = _first_report(queue, procs)
+    for p in procs:
+        p.join(timeout=120)
+    assert status == "ok", payload
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return payload
+
+
+@pytest.fixture(scope="module")
+def eight_rank_runs(chat_dir) -> dict[str, dict]:
+    """The three 8-rank layouts, one after another in one launch of 8 gloo processes."""
+    sets = _sets(chat_dir)
+    return run_gloo_jobs(8, {name: [*sets, *overrides] for name, overrides in CASES.items() if name != "1x1x1"})
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_masked_loss_of_every_layout_matches_single_process(chat_dir, name):
+def test_masked_loss_of_every_layout_matches_single_process(chat_dir, name, request):
     sets = tuple(_sets(chat_dir))
     _, reference, _ = _reference(str(chat_dir), sets)
-    assert_oracle(run_gloo([*sets, *CASES[name]]), reference)
+    if name == "1x1x1":
+        result = run_gloo([*sets, *CASES[name]])
+    else:
+        result = request.getfixturevalue("eight_rank_runs")[name]
+    assert_oracle(result, reference)
 
 
-def test_gpt2_masked_loss_matches_single_process(chat_dir):
-    """GPT-2 (learned positions, fused attention in the reference) at 1x2x2 1F1B m2."""
-    sets = tuple(_sets(chat_dir, "model.arch=gpt2"))
-    _, reference, _ = _reference(str(chat_dir), sets)
-    assert_oracle(run_gloo([*sets, *layout(1, 2, 2, "1F1B", 2)]), reference)
+GPT2_LAYOUT = layout(1, 2, 2, "1F1B", 2)
+QWEN2_LAYOUT = layout(2, 1, 2, "1F1B", 2)
 
 
-def test_qwen2_checkpoint_masked_loss_matches_transformers_loop(chat_dir, tmp_path):
-    """A Qwen2 checkpoint (q/k/v biases) made with save_pretrained, its tokenizer and chat
-    template in the directory: model.pretrained alone gives the architecture, the sizes and the
-    tokenizer. At 2x1x2 1F1B m2 the engine trains what a plain loop trains on transformers'
-    from_pretrained model."""
+@pytest.fixture(scope="module")
+def qwen2_checkpoint(chat_dir, tmp_path_factory) -> Path:
+    """A Qwen2 checkpoint (q/k/v biases, non-zero) written by save_pretrained, with the chat
+    tokenizer and its template in the directory."""
     import shutil
 
     import torch
     import transformers as tf
 
-    ckpt = tmp_path / "qwen2"
+    ckpt = tmp_path_factory.mktemp("qwen2") / "qwen2"
     torch.manual_seed(3)
     sizes = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4}
     config = tf.Qwen2Config(
@@ -144,15 +207,49 @@ def test_qwen2_checkpoint_masked_loss_matches_transformers_loop(chat_dir, tmp_pa
     model.save_pretrained(ckpt)
     for f in (chat_dir / "tok").iterdir():
         shutil.copy(f, ckpt / f.name)
+    return ckpt
+
+
+def _qwen2_sets(chat_dir: Path, ckpt: Path) -> list[str]:
     sets = [s for s in _sets(chat_dir) if not s.startswith(("data.tokenizer=", "model.vocab_size="))]
-    sets += [f"model.pretrained={ckpt}", "train.lr=1e-3"]  # not fine-tuning's 2e-5: steps that move it
-    cfg = load_config(None, sets)
+    return [*sets, f"model.pretrained={ckpt}", "train.lr=1e-3"]  # not fine-tuning's 2e-5: steps that move it
+
+
+@pytest.fixture(scope="module")
+def four_rank_runs(chat_dir, qwen2_checkpoint) -> dict[str, dict]:
+    """GPT-2 at 1x2x2 and the Qwen2 checkpoint at 2x1x2, in one launch of 4 gloo processes."""
+    return run_gloo_jobs(
+        4,
+        {
+            "gpt2": [*_sets(chat_dir, "model.arch=gpt2"), *GPT2_LAYOUT],
+            "qwen2": [*_qwen2_sets(chat_dir, qwen2_checkpoint), *QWEN2_LAYOUT],
+        },
+    )
+
+
+def test_gpt2_masked_loss_matches_single_process(chat_dir, four_rank_runs):
+    """GPT-2 (learned positions, fused attention in the reference) at 1x2x2 1F1B m2."""
+    sets = tuple(_sets(chat_dir, "model.arch=gpt2"))
+    _, reference, _ = _reference(str(chat_dir), sets)
+    assert_oracle(four_rank_runs["gpt2"], reference)
+
+
+def test_qwen2_checkpoint_masked_loss_matches_transformers_loop(chat_dir, qwen2_checkpoint, four_rank_runs):
+    """A Qwen2 checkpoint (q/k/v biases) made with save_pretrained, its tokenizer and chat
+    template in the directory: model.pretrained alone gives the architecture, the sizes and the
+    tokenizer. At 2x1x2 1F1B m2 the engine trains what a plain loop trains on transformers'
+    from_pretrained model."""
+    import torch
+    import transformers as tf
+
+    ckpt = qwen2_checkpoint
+    cfg = load_config(None, _qwen2_sets(chat_dir, ckpt))
     assert (cfg.model.arch, cfg.model.vocab_size, cfg.model.hidden_size) == ("qwen2", VOCAB, 64)
     hf = tf.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager")
     start = {n: v.detach().clone() for n, v in hf.state_dict().items()}
     examples = chat_examples(chat_dir / "tok", chat_dir / "chat.parquet", SEQ)
     reference = masked_reference_run(cfg, batches(cfg, examples, pad=make_pad(chat_dir / "tok")), start, model=hf)
-    assert_oracle(run_gloo([*sets, *layout(2, 1, 2, "1F1B", 2)]), reference)
+    assert_oracle(four_rank_runs["qwen2"], reference)
 
 
 def test_a_mean_per_micro_batch_would_differ(chat_dir):
