@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from chat_data import VOCAB, conversations, make_tokenizer, write_chat, write_prompt_completion
-from gloo_harness import initial_state, run_gloo
+from gloo_harness import initial_state, run_gloo, run_gloo_jobs
 from reference_chat import (
     batches,
     chat_examples,
@@ -104,62 +104,6 @@ def test_chat_rows_encode_as_the_reference_renders_them(chat_dir):
     text = tok.decode([t for t, m in zip(ids, mask, strict=True) if m])
     answer = pq.read_table(chat_dir / "chat.parquet").column("messages")[0].as_py()[-1]["content"]
     assert text == f"{answer}<|im_end|>\n"  # the answer and its turn's end; no header, no prompt
-
-
-def _jobs_worker(rank: int, world: int, port: int, jobs: dict, queue) -> None:
-    """One gloo rank running several jobs in turn (run_worker each, with gloo_harness's probe):
-    one launch of ``world`` processes instead of one per job (their start-up, the group's, and
-    the first import of the data path's modules are most of a small run's time)."""
-    import torch
-    import torch.distributed as dist
-    from gloo_harness import Probe
-
-    from raytrain_hybrid.engine.trainer import Trainer
-    from raytrain_hybrid.engine.worker import run_worker
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    out: dict = {}
-    try:
-        init = Trainer.__init__
-        for name, overrides in jobs.items():
-            probe = Probe()
-            probe.install()
-            try:
-                result = run_worker(load_config(None, overrides), node_id="node0")
-            finally:
-                Trainer.__init__ = init  # the next job's probe, not this one's too
-            out[name] = {**result, "probe": probe.report()}
-        status = ("ok", out)
-        dist.barrier()
-    except BaseException as exc:  # noqa: BLE001 - reported to the test
-        import traceback
-
-        status = ("error", f"rank {rank}: {exc!r}\n{traceback.format_exc()}")
-    if rank == 0 or status[0] == "error":
-        queue.put(status)
-    queue.close()
-    queue.join_thread()
-    os._exit(0 if status[0] == "ok" else 1)  # as gloo_harness: no teardown beside gloo's threads
-
-
-def run_gloo_jobs(world: int, jobs: dict[str, list[str]]) -> dict[str, dict]:
-    """{job: what run_gloo returns for its overrides}, all jobs in one launch of ``world`` ranks."""
-    from gloo_harness import _first_report, context, free_port
-
-    ctx = context()
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_jobs_worker, args=(r, world, port, jobs, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    status, payload = _first_report(queue, procs)
-    for p in procs:
-        p.join(timeout=120)
-    assert status == "ok", payload
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    return payload
 
 
 @pytest.fixture(scope="module")
