@@ -29,8 +29,11 @@ def test_stage_ids_looped_and_v():
     assert stage_ids("1F1B", 3, 4, 1) == [3]
 
 
-def test_tp_groups_stay_on_a_node_with_interleaved_ranks():
-    dims = ParallelDims(dp=2, tp=2, pp=2)
+@pytest.mark.parametrize("dp,tp,pp", [(2, 2, 2), (1, 4, 2)])
+def test_tp_groups_stay_on_a_node_with_interleaved_ranks(dp, tp, pp):
+    """(1,4,2): a TP group fills a 4-worker node (on two simulated nodes through Ray Train:
+    tests/test_topology_ray.py, at (2,2,2))."""
+    dims = ParallelDims(dp=dp, tp=tp, pp=pp)
     # Ray handed out ranks alternating between two nodes.
     nodes = ["a", "b"] * 4
     arrangement = arrange_ranks(dims, nodes)

@@ -1,10 +1,11 @@
 """Placement on a simulated 2-node cluster (4 fake GPUs each): TP inside a node, PP across.
 
-The layouts run through the real launcher (Ray Train places the workers), the
-mesh is laid over the nodes Ray chose, and the oracle still holds. Last, a run with its
+The layouts run through the real launcher (Ray Train places the workers) and the
+mesh is laid over the nodes Ray chose. Last, a run with its
 output on S3 (a real S3 endpoint on loopback) loses a node mid-run: Ray Train restarts the
 worker group on the nodes left and a spare, from the newest checkpoint in the bucket, and
-the losses are the uninterrupted run's; each node has its own temp dir ("local disk").
+the losses are the uninterrupted single-process run's (the oracle on two nodes); each node
+has its own temp dir ("local disk").
 """
 
 from __future__ import annotations
@@ -36,12 +37,11 @@ def _layout(dp, tp, pp, m):
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory):
     cases = {
-        "1x4x2": [*COMMON, *_layout(1, 4, 2, 2), "train.steps=1"],
-        "2x2x2": [*COMMON, *_layout(2, 2, 2, 4)],
         "tp8": [*COMMON, *_layout(1, 8, 1, 1), "model.num_heads=8", "model.ffn_hidden_size=512"],
         # A directory on the driver's disk, not declared shared: each node would keep its own part.
         "local_out": [*COMMON, *_layout(2, 2, 2, 4), "run.shared_fs=false"],
         # Last (it changes the cluster): output on S3 only, a node lost after the first checkpoint.
+        # Also the oracle on two nodes at (2,2,2): every step's loss, before and after the loss.
         "node_loss": {
             "overrides": [*NODE_LOSS, *_layout(2, 2, 2, 4), "checkpoint.interval=2", "run.max_failures=1",
                           "run.output_dir=s3://bucket/node-loss", "run.shared_fs=false"],
@@ -56,7 +56,6 @@ def two_nodes(tmp_path_factory):
         try:
             # The oracle tests' references, cached while the cluster starts (a failure shows there).
             with contextlib.suppress(Exception):
-                reference_history(COMMON)
                 reference_history(NODE_LOSS)
             stdout, stderr = proc.communicate(timeout=1500)  # 891 s seen with the machine loaded
         finally:
@@ -75,21 +74,14 @@ def _groups(per_rank, key_axes):
     return groups
 
 
-@pytest.mark.parametrize("name", ["1x4x2", "2x2x2"])
-def test_tp_inside_node_pp_across_nodes(two_nodes, name):
-    result = two_nodes[name]
+def test_tp_inside_node_pp_across_nodes(two_nodes):
+    """The node-loss run's (2,2,2) group after its restart (more layouts: tests/test_layout.py)."""
+    result = two_nodes["node_loss"]
     assert "error" not in result, result
     per_rank = result["per_rank"]
     assert len(per_rank) == 8 and len({r["node"] for r in per_rank}) == 2
     assert all(len(nodes) == 1 for nodes in _groups(per_rank, ("pp", "dp")).values())  # TP groups
     assert all(len(nodes) == 2 for nodes in _groups(per_rank, ("dp", "tp")).values())  # PP groups
-
-
-def test_oracle_holds_on_two_nodes(two_nodes):
-    history = two_nodes["2x2x2"]["history"]
-    for got, want in zip(history, reference_history(COMMON), strict=True):
-        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
-        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
 
 
 def test_tp_larger_than_a_node_fails_with_workers_per_node(two_nodes):
