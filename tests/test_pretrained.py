@@ -340,6 +340,7 @@ def test_architecture_and_sizes_come_from_the_checkpoint(checkpoints):
         (["model.num_layers=3"], "model.num_layers", ["3", "whose value is 4"]),
         (["model.arch=gpt2"], "model.arch", ["gpt2", "whose value is 'llama'"]),
         (["model.hidden_size=96"], "model.hidden_size", ["96", "whose value is 64"]),
+        (["model.hidden_size=128"], "model.hidden_size", ["128", "whose value is 64"]),  # 128: the default
         (["model.seq_len=256"], "model.seq_len", ["256", "(128)"]),
     ],
 )

@@ -17,10 +17,11 @@ from raytrain_hybrid.models import get_arch, hf_checkpoint
 from raytrain_hybrid.models.spec import ArchSpec
 
 
-def resolve_defaults(cfg: Config) -> Config:
-    """A new config with every default that depends on other keys filled in."""
+def resolve_defaults(cfg: Config, given: set[str] | None = None) -> Config:
+    """A new config with every default that depends on other keys filled in. ``given``: the
+    ``model.*`` keys the user named (None: those that differ from their defaults)."""
     # A language model's checkpoint fixes the architecture and sizes first (model.pretrained).
-    cfg = dataclasses.replace(cfg, model=hf_checkpoint.resolve(cfg.model))
+    cfg = dataclasses.replace(cfg, model=hf_checkpoint.resolve(cfg.model, given))
     spec = get_arch(cfg.model.arch)
     # Fine-tuning a pretrained language model takes TRL's learning rate, not pretraining's.
     finetune = hf_checkpoint.is_set(cfg.model.pretrained) and spec.from_hf is not None

@@ -57,6 +57,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError("config file", str(path), f"is not valid TOML: {exc}") from exc
     data = _merge(data, parse_overrides(overrides or []))
-    cfg = resolve_defaults(Config.from_dict(data))
+    # The model keys the file or --set name: each must agree with a pretrained checkpoint's.
+    cfg = resolve_defaults(Config.from_dict(data), given=set(data.get("model") or {}))
     validate(cfg)
     return cfg

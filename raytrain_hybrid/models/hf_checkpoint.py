@@ -109,9 +109,11 @@ def arch_of(model_type: str, location: str) -> str:
     return supported[model_type]
 
 
-def resolve(model):
+def resolve(model, given: set[str] | None = None):
     """``model`` (a ModelConfig) with the architecture and sizes of its checkpoint; a key the
-    user set to something else than its default must agree with the checkpoint's value."""
+    user named (``given``; None: a key set to something else than its default) must agree with
+    the checkpoint's value: `model.num_layers=4` is refused for a 32-layer checkpoint although
+    4 is the default."""
     from raytrain_hybrid.models import get_arch
 
     if not is_set(model.pretrained) or get_arch(model.arch).task != "lm":
@@ -124,11 +126,12 @@ def resolve(model):
     want = {"arch": arch, **spec.sizes_from_hf(conf)}
     defaults = type(model)()
     for key, value in want.items():
-        given = getattr(model, key)
-        if given != getattr(defaults, key) and given != value:
+        mine = getattr(model, key)
+        named = key in given if given is not None else mine != getattr(defaults, key)
+        if named and mine != value:
             raise ConfigError(
                 f"model.{key}",
-                given,
+                mine,
                 f"disagrees with the checkpoint {model.pretrained}, whose value is {value!r}; "
                 f"drop model.{key} (the checkpoint's config.json sets it) or set it to {value!r}",
             )
