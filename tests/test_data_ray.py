@@ -231,6 +231,9 @@ def test_pipelined_run_covers_one_epoch_with_identical_batches_per_replica(ray_l
     ]
     history, summary = run_layout(layout, "epoch-2x1x2")
     assert summary["steps"] == len(history) == 64 // 16  # the run stops at the end of the epoch
+    # The position each step reports is where the stream stood after that step's rows, not
+    # where the leader's reader thread has read ahead to (what a checkpoint records).
+    assert [(h["data_epoch"], h["data_windows_in_epoch"]) for h in history] == [(0, 16), (0, 32), (0, 48), (0, 64)]
     cfg = load_config(None, layout)
     expected, rows_seen = {}, []
     for r in range(2):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 
@@ -11,6 +12,7 @@ import torch.distributed as dist
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.data.corpus import Batch
 from raytrain_hybrid.data.rows import feed_schema, schema_buffers, to_batch
+from raytrain_hybrid.data.stream import StreamPosition
 from raytrain_hybrid.distributed.parallel_dims import ParallelDims
 from raytrain_hybrid.distributed.utils import mesh_device
 
@@ -35,6 +37,9 @@ class ReplicaFeed:
         self.schema = feed_schema(cfg, cfg.train.global_batch_size // dims.dp)
         self.device = mesh_device(meshes.world)
         self.stream = None
+        # Where the stream stands after the rows of the step last handed out (replica leaders):
+        # the stream itself is read ahead by the reader thread, up to three steps.
+        self.position: StreamPosition | None = None
         if self.leader:
             # Chat / prompt_completion: one example a row, with its label mask (data.examples).
             make = example_stream if cfg.data.format != "text" else replica_stream
@@ -48,14 +53,14 @@ class ReplicaFeed:
     def _read(self) -> None:
         try:
             for rows in self.stream:
-                self._queue.put(rows)
+                self._queue.put((rows, dataclasses.replace(self.stream.position)))
             self._queue.put(StopIteration())
         except Exception as exc:  # handed to the training thread, which broadcasts it
             self._queue.put(exc)
 
     def _post(self):
         status = torch.zeros(1, dtype=torch.int64, device=self.device)
-        arrays = error = None
+        arrays = error = position = None
         if self.leader:
             item = self._queue.get()
             if isinstance(item, StopIteration):
@@ -64,15 +69,18 @@ class ReplicaFeed:
                 status.fill_(self.ERROR)
                 error = item
             else:
-                arrays = item if isinstance(item, dict) else {"tokens": item}
+                rows, position = item
+                arrays = rows if isinstance(rows, dict) else {"tokens": rows}
                 status.fill_(self.OK)
         bufs = schema_buffers(self.schema, self.device, arrays)
         works = [dist.broadcast(t, group=self.group, group_src=0, async_op=True) for t in (status, *bufs.values())]
-        return status, bufs, works, error
+        return status, bufs, works, error, position
 
     def next(self) -> Batch | None:
-        status, bufs, works, error = self._pending or self._post()
+        status, bufs, works, error, position = self._pending or self._post()
         self._pending = None
+        if position is not None:
+            self.position = position
         for work in works:
             work.wait()
         code = int(status.item())

@@ -90,7 +90,7 @@ def run_worker(
         cfg,
         trainer,
         next_batch,
-        position=feed.stream.position if feed is not None and feed.stream is not None else None,
+        position=(lambda: feed.position) if feed is not None else (lambda: None),
         validation=validation,
         on_step=on_step if dist.get_rank() == 0 else None,
         on_checkpoint=on_checkpoint,
@@ -139,7 +139,8 @@ class StepLoop:
     cfg: Config
     trainer: Trainer
     next_batch: NextBatch
-    position: StreamPosition | None  # replica leaders reading Ray Data only
+    # Where the stream stood after the step just trained (replica leaders reading Ray Data; else None).
+    position: Callable[[], StreamPosition | None]
     validation: ValidationSet | None
     on_step: Callable[[dict], None] | None  # rank 0 only
     on_checkpoint: Callable[[int, Store, dict], None] | None
@@ -167,8 +168,8 @@ class StepLoop:
             metrics["data_wait_s"] = wait
             if step > start:  # the first batch waits for the pipeline to start: not steady state
                 self.waited, self.busy = self.waited + wait, self.busy + wait + metrics["step_time_s"]
-            if self.position is not None:
-                metrics.update(self.position.metrics())
+            if (position := self.position()) is not None:
+                metrics.update(position.metrics())
             if self.validation is not None and self.evaluates(step):
                 metrics.update(evaluate(self.trainer, self.validation))
             self.history.append(metrics)
@@ -189,9 +190,10 @@ class StepLoop:
         interval = self.cfg.checkpoint.interval
         if done % interval and done != self.cfg.train.steps:
             return
-        position = self.position.manifest_entry() if self.position is not None else {}
+        position = self.position()
         self.saving[done] = metrics
-        self.completed(self.writer.save(self.trainer, done, data_position=position))
+        entry = position.manifest_entry() if position is not None else {}
+        self.completed(self.writer.save(self.trainer, done, data_position=entry))
 
     def completed(self, saved: list[Saved]) -> None:
         """Complete checkpoints: their timings go into their step's metrics (this rank's
