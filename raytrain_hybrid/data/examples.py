@@ -17,27 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from raytrain_hybrid.data.stream import StreamPosition
-
-
-def shuffled(items: Iterator, buffer: int, seed: int) -> Iterator:
-    """``items`` through a shuffle buffer of ``buffer`` items (0: in order): once it is full, each
-    new item takes the place of one drawn at random, which is yielded; the rest at the end in a
-    random order. The result depends only on the items' order and the seed."""
-    if buffer <= 0:
-        yield from items
-        return
-    rng = np.random.default_rng(seed)
-    held: list = []
-    for item in items:
-        if len(held) < buffer:
-            held.append(item)
-            continue
-        j = int(rng.integers(buffer))
-        yield held[j]
-        held[j] = item
-    for j in rng.permutation(len(held)):
-        yield held[j]
+from raytrain_hybrid.data.stream import StreamPosition, shuffled
 
 
 @dataclass
