@@ -147,10 +147,14 @@ def _check(args, cfg) -> int:
         counts = _live_topology(cfg, dims.world_size)
     report = placement_report(dims, counts)
     ranks, groups = report["ranks"], report["groups"]
+    from raytrain_hybrid.config.elastic import describe, is_elastic, usable_dps
+
     if args.json:
-        print(json.dumps({"ranks": ranks, "groups": groups}))
+        print(json.dumps({"ranks": ranks, "groups": groups, "dp_values": usable_dps(par)}))
         return 0
     print(f"layout ok: dp={par.dp} tp={par.tp} pp={par.pp} on {len(counts)} node(s) {counts}")
+    if is_elastic(par):  # parallelism.min_dp: the dp values a start may take
+        print(describe(cfg))
     print(f"{'rank':>4} {'node':>8} {'pp':>3} {'dp':>3} {'tp':>3}")
     for r in ranks:
         print(f"{r['rank']:>4} {r['node']:>8} {r['pp']:>3} {r['dp']:>3} {r['tp']:>3}")

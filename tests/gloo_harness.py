@@ -307,11 +307,13 @@ def _jobs_worker(rank: int, world: int, port: int, jobs: dict, queue) -> None:
     out: dict = {}
     try:
         init = Trainer.__init__
-        for name, overrides in jobs.items():
+        for name, job in jobs.items():
+            # A list of overrides, or {"overrides": [...], "resume": checkpoint} (a resumed run).
+            job = job if isinstance(job, dict) else {"overrides": job}
             probe = Probe()
             probe.install()
             try:
-                result = run_worker(load_config(None, overrides), node_id="node0")
+                result = run_worker(load_config(None, job["overrides"]), node_id="node0", resume=job.get("resume"))
             finally:
                 Trainer.__init__ = init  # the next job's probe, not this one's too
             out[name] = {**result, "probe": probe.report()}
@@ -328,8 +330,10 @@ def _jobs_worker(rank: int, world: int, port: int, jobs: dict, queue) -> None:
     os._exit(0 if status[0] == "ok" else 1)  # as _worker: no teardown beside gloo's threads
 
 
-def run_gloo_jobs(world: int, jobs: dict[str, list[str]]) -> dict[str, dict]:
-    """{job: what run_gloo returns for its overrides}, all jobs in one launch of ``world`` ranks."""
+def run_gloo_jobs(world: int, jobs: dict[str, list[str] | dict]) -> dict[str, dict]:
+    """{job: what run_gloo returns for its overrides}, all jobs in one launch of ``world`` ranks,
+    in order (a job {"overrides": [...], "resume": path} resumes from a checkpoint; ``world`` may
+    differ from the layout's own for an elastic run, parallelism.min_dp)."""
     ctx = context()
     queue = ctx.Queue()
     port = free_port()

@@ -18,14 +18,8 @@ from raytrain_hybrid.models import ARCH_NAMES
 
 # Pipeline schedules from torch.distributed.pipelining that this project drives.
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
-
-
 MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
-
-
 V_SCHEDULES = ("ZBVZeroBubble",)
-
-
 SCHEDULES = SINGLE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES + V_SCHEDULES
 
 
@@ -40,6 +34,9 @@ ARCHS = ARCH_NAMES
 class ParallelismConfig:
     # Data-parallel degree (replicas); the outermost split of the global batch.
     dp: int = 2
+    # Elastic dp: with 0 < min_dp < dp the run goes on at any dp in [min_dp, dp] that keeps the
+    # micro-batch (`check` lists them), as nodes come and go; 0: dp is fixed.
+    min_dp: int = 0
     # Tensor-parallel degree; every TP group stays inside one node.
     tp: int = 2
     # Pipeline-parallel degree (number of ranks along the pipeline).
@@ -66,6 +63,8 @@ class ParallelismConfig:
             value = getattr(self, key)
             if value < 1:
                 raise ConfigError(f"parallelism.{key}", value, "must be >= 1")
+        if self.min_dp < 0:
+            raise ConfigError("parallelism.min_dp", self.min_dp, "must be >= 0 (0: a fixed dp)")
         if self.schedule not in SCHEDULES:
             raise ConfigError("parallelism.schedule", self.schedule, f"must be one of {choices(SCHEDULES)}")
         if self.zero not in ZERO_STAGES:

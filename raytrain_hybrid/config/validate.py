@@ -4,6 +4,7 @@ model's task). ``validate`` reads no file and changes nothing; ``resolve_default
 from __future__ import annotations
 
 from raytrain_hybrid.config.coerce import choices, divisors
+from raytrain_hybrid.config.elastic import check_elastic
 from raytrain_hybrid.config.schema import (
     MULTI_STAGE_SCHEDULES,
     SINGLE_STAGE_SCHEDULES,
@@ -22,6 +23,7 @@ def validate(cfg: Config) -> None:
     _require_resolved(cfg)
     _validate_model(cfg, spec)
     _validate_layout(cfg, spec)
+    check_elastic(cfg)  # parallelism.min_dp: the dp values below dp the layout allows
     _validate_task(cfg, spec)
     _validate_run(cfg)
 

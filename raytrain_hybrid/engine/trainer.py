@@ -217,6 +217,7 @@ class Trainer:
             "tokens_per_s": tokens / elapsed,
             "tflops_per_device": tflops,
             "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
+            "dp": self.dims.dp,  # replicas of this step (an elastic run's changes with the nodes)
             **({"loss_tokens": counted} if self.cfg.data.format != "text" else {}),  # labels the loss counted
         }
 

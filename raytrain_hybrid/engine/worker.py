@@ -22,6 +22,7 @@ from raytrain_hybrid.checkpoint.manifest import read_manifest
 from raytrain_hybrid.checkpoint.save import CheckpointWriter, Saved
 from raytrain_hybrid.checkpoint.state import load_checkpoint
 from raytrain_hybrid.config import Config
+from raytrain_hybrid.config.elastic import at_world
 from raytrain_hybrid.data.corpus import Batch, TokenWindows, tokenize_corpus
 from raytrain_hybrid.data.rows import BUILTIN_TRAIN, RowBatches, read_parquet_rows
 from raytrain_hybrid.data.stream import StreamPosition
@@ -71,6 +72,9 @@ def run_worker(
     ``marks`` collects wall-clock times of the start-up phases (rank 0's are reported).
     """
     marks = marks if marks is not None else {}
+    # An elastic run (parallelism.min_dp) starts at the dp its workers make: the same steps,
+    # each replica accumulating more or fewer micro-batches (config.elastic).
+    cfg = at_world(cfg, dist.get_world_size())
     dims, mesh, device = join_mesh(cfg, node_id, use_gpu, device, marks)
     start = read_manifest(resume)["step"] if resume else 0
     feed = None

@@ -1,0 +1,120 @@
+"""Elastic data parallelism (parallelism.min_dp): the dp values a run may take, and the layout
+of one start of its worker group at one of them.
+
+Every start computes the same steps: the global batch, its rows (the data cuts each global
+batch by position in the stream, not by dp), the micro-batch's rows and the LR schedule stay;
+only how many micro-batches a replica accumulates changes, ``microbatches' = dp * microbatches
+/ dp'``. So a dp' is usable when it divides the step's micro-batches over all replicas
+(``dp * microbatches`` at parallelism.dp) and the pipeline schedule takes the count it leaves
+each replica. The global batch itself never decides: dp * microbatches already divides it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from raytrain_hybrid.config.coerce import choices
+from raytrain_hybrid.config.schema import MULTI_STAGE_SCHEDULES, V_SCHEDULES, Config, ParallelismConfig
+from raytrain_hybrid.errors import ConfigError
+
+
+def is_elastic(par: ParallelismConfig) -> bool:
+    return 0 < par.min_dp < par.dp
+
+
+def _schedule_takes(par: ParallelismConfig, microbatches: int) -> bool:
+    """The pipeline schedule runs ``microbatches`` per replica (the checks of config.validate)."""
+    if par.pp > 1 and microbatches < par.pp and par.schedule != "GPipe":
+        return False
+    return not (par.schedule in MULTI_STAGE_SCHEDULES + V_SCHEDULES and microbatches % par.pp)
+
+
+def _usable(par: ParallelismConfig, low: int, total: int) -> list[int]:
+    return [d for d in range(low, par.dp + 1) if total % d == 0 and _schedule_takes(par, total // d)]
+
+
+def _shrinks(par: ParallelismConfig, microbatches: int) -> bool:
+    """With ``microbatches`` at parallelism.dp, some dp in [min_dp, dp) is usable.
+    (microbatches * min_dp always is one: min_dp then divides the step's micro-batches.)"""
+    usable = _usable(par, par.min_dp, par.dp * microbatches)
+    return _schedule_takes(par, microbatches) and any(d < par.dp for d in usable)
+
+
+def usable_dps(par: ParallelismConfig) -> list[int]:
+    """The dp values a run may take, ascending: [parallelism.dp] alone for a fixed run."""
+    if not is_elastic(par):
+        return [par.dp]
+    return _usable(par, par.min_dp, par.dp * par.microbatches)
+
+
+def micro_batch_rows(cfg: Config) -> int:
+    par = cfg.parallelism
+    return cfg.train.global_batch_size // (par.dp * par.microbatches)
+
+
+def check_elastic(cfg: Config) -> None:
+    """parallelism.min_dp against dp, the batch and the schedule (config.validate calls it)."""
+    par = cfg.parallelism
+    if not par.min_dp:
+        return
+    if par.min_dp > par.dp:
+        raise ConfigError(
+            "parallelism.min_dp",
+            par.min_dp,
+            f"must be <= parallelism.dp={par.dp} (the most replicas the run takes); use min_dp in "
+            f"[1, {par.dp}], or 0 for a fixed dp",
+        )
+    if not is_elastic(par) or len(usable_dps(par)) > 1:
+        return
+    total, rows = par.dp * par.microbatches, micro_batch_rows(cfg)
+    batch = cfg.train.global_batch_size
+    lower = [d for d in _usable(par, 1, total) if d < par.min_dp][-1]  # 1 always is: one replica runs all
+    # More micro-batches a replica: the global batch kept if some count divides it, else grown.
+    more = [m for m in range(par.microbatches + 1, batch // par.dp + 1) if not batch % (par.dp * m)]
+    more = [m for m in more if _shrinks(par, m)]
+    if more:
+        other = f"parallelism.microbatches={more[0]} (micro-batches of {batch // (par.dp * more[0])} rows)"
+    else:  # min_dp times the micro-batches always lets dp=min_dp split them
+        m = par.microbatches * par.min_dp
+        other = f"parallelism.microbatches={m} with train.global_batch_size={par.dp * m * rows}"
+    raise ConfigError(
+        "parallelism.min_dp",
+        par.min_dp,
+        f"no dp in [{par.min_dp}, {par.dp - 1}] splits the step's {total} micro-batches of {rows} rows "
+        f"(train.global_batch_size={batch} at dp={par.dp}, microbatches={par.microbatches}) into whole "
+        "micro-batches per replica"
+        + ("" if par.pp == 1 else f" that {par.schedule} at pp={par.pp} takes")
+        + f", so the run could never shrink; use parallelism.min_dp={lower}, or {other}",
+    )
+
+
+def describe(cfg: Config) -> str:
+    """One line for `check`: the dp values and what each start runs."""
+    par = cfg.parallelism
+    dps = usable_dps(par)
+    total, rows = par.dp * par.microbatches, micro_batch_rows(cfg)
+    each = ", ".join(f"dp={d}: {total // d}" for d in dps)
+    return (
+        f"elastic: dp in {choices(dps)} ({par.tp * par.pp} workers a replica); micro-batches a replica, of "
+        f"{rows} rows each: {each}; global batch {cfg.train.global_batch_size} at every dp"
+    )
+
+
+def at_world(cfg: Config, world: int) -> Config:
+    """The config of a start with ``world`` workers: ``cfg`` at its own world size; for an
+    elastic run, the layout at dp = world // (tp*pp) with the micro-batches that keep the
+    micro-batch's rows. A world that is no usable layout raises ValueError (the launcher asks
+    Ray only for usable counts: this is a check)."""
+    par = cfg.parallelism
+    if world == par.world_size:
+        return cfg
+    replica = par.tp * par.pp
+    dp, extra = divmod(world, replica)
+    dps = usable_dps(par)
+    if extra or dp not in dps:
+        raise ValueError(
+            f"{world} workers started for a layout of dp={par.dp} tp={par.tp} pp={par.pp}"
+            + (f"; elastic between dp in {choices(dps)}: a multiple of tp*pp={replica} workers" if len(dps) > 1 else "")
+        )
+    microbatches = par.dp * par.microbatches // dp
+    return dataclasses.replace(cfg, parallelism=dataclasses.replace(par, dp=dp, microbatches=microbatches))

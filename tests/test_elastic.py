@@ -1,0 +1,153 @@
+"""Elastic data parallelism (parallelism.min_dp): the dp values a run may take, refused input,
+and the engine's side of a resize.
+
+A resize restarts the worker group from the newest checkpoint at another dp; the engine then
+runs the same steps with each replica accumulating more (or fewer) micro-batches of the same
+rows. Here, as plain gloo processes (no Ray): runs at dp=3 save a checkpoint and are resumed
+with the same config on 2 workers (dp=2), plain, under ZeRO-1 and at pp=2 (on 6 and 4
+workers); every step of both halves equals the single-process oracle (losses, every
+parameter's gradient norm, the final parameters). Through Ray Train, with nodes lost and
+added on a simulated cluster: tests/test_topology_ray.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import reference_history
+from gloo_harness import run_gloo_jobs
+from test_oracle import assert_oracle
+
+from raytrain_hybrid import cli
+from raytrain_hybrid.checkpoint.manifest import read_manifest
+from raytrain_hybrid.config import load_config
+from raytrain_hybrid.config.elastic import at_world, usable_dps
+from raytrain_hybrid.errors import ConfigError
+from raytrain_hybrid.launch.elastic import scaling_workers, worker_counts, workers_that_fit
+
+MODEL = ("train.steps=4", "model.num_layers=2", "model.seq_len=32", "train.global_batch_size=12", "data.path=memory")
+
+
+def elastic(dp=3, pp=1, microbatches=2, min_dp=1, *extra):
+    return [
+        f"parallelism.dp={dp}",
+        f"parallelism.min_dp={min_dp}",
+        "parallelism.tp=1",
+        f"parallelism.pp={pp}",
+        f"parallelism.microbatches={microbatches}",
+        *extra,
+    ]
+
+
+# The single-process oracle of every case (it reads the model, batch and steps only).
+REFERENCE = (*MODEL, *elastic())
+
+
+# ------------------------------------------------------------------ config, no process group
+
+
+def test_dp_values_keep_the_micro_batch():
+    """12 rows a step in 3*2 micro-batches of 2 rows: dp 1, 2 or 3 (6, 3, 2 micro-batches a
+    replica). At dp=4 with one micro-batch of 4 rows, 3 replicas cannot split 4 micro-batches."""
+    cfg = load_config(None, [*MODEL, *elastic()])
+    assert usable_dps(cfg.parallelism) == [1, 2, 3]
+    two = at_world(cfg, 2).parallelism
+    assert (two.dp, two.microbatches, two.min_dp) == (2, 3, 1)
+    assert at_world(cfg, 3) is cfg
+    four = load_config(None, [*MODEL, "train.global_batch_size=16", *elastic(dp=4, microbatches=1)])
+    assert usable_dps(four.parallelism) == [1, 2, 4]
+    with pytest.raises(ValueError, match=r"3 workers started .* dp in \{1, 2, 4\}"):
+        at_world(four, 3)
+    # pp=2 with 1F1B: a replica is 2 workers; 5 workers are no layout.
+    pp2 = load_config(None, [*MODEL, *elastic(pp=2)])
+    assert worker_counts(pp2) == [2, 4, 6] and scaling_workers(pp2) == {"num_workers": (2, 6)}
+    assert at_world(pp2, 4).parallelism.microbatches == 3
+    with pytest.raises(ValueError, match="multiple of tp\\*pp=2"):
+        at_world(pp2, 5)
+    assert scaling_workers(load_config(None, [*MODEL, *elastic(min_dp=0)])) == {"num_workers": 3}
+
+
+def test_ray_is_asked_only_for_whole_replicas_with_tp_inside_a_node():
+    """What the scaling policy hands Ray Train (launch.elastic_ray): the largest usable count
+    the nodes hold with every TP group on one node, else what they hold (below the minimum: Ray
+    waits)."""
+    gpu = {"CPU": 1, "GPU": 1}
+    counts = [2, 4, 8]  # tp=2, pp=1 at dp 1, 2, 4 (3 replicas would not split the batch)
+    nodes = [{"CPU": 8, "GPU": 3}, {"CPU": 8, "GPU": 3}]  # 6 GPUs, 4 of them in whole TP pairs
+    assert workers_that_fit(nodes, gpu, 2, counts) == 4
+    assert workers_that_fit([*nodes, {"CPU": 4, "GPU": 4}], gpu, 2, counts) == 8
+    assert workers_that_fit([{"CPU": 8, "GPU": 1}], gpu, 2, counts) == 0
+    assert workers_that_fit([{"CPU": 1, "GPU": 1}, {"CPU": 1, "GPU": 1}], gpu, 1, [1, 2, 3]) == 2
+
+
+BAD = {
+    "negative": (["parallelism.min_dp=-1"], "must be >= 0"),
+    "above-dp": (elastic(min_dp=4), "must be <= parallelism.dp=3"),
+    # 3 micro-batches a step (one per replica at dp=3): 2 replicas cannot split them.
+    "no-smaller-dp": (
+        elastic(min_dp=2, microbatches=1),
+        "no dp in [2, 2] splits the step's 3 micro-batches of 4 rows",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_min_dp_is_refused_naming_key_value_and_fix(name):
+    overrides, message = BAD[name]
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [*MODEL, *elastic(), *overrides])
+    assert err.value.key == "parallelism.min_dp" and message in err.value.fix, err.value.fix
+    assert str(err.value.value) in str(err.value)
+    if name == "no-smaller-dp":  # both fixes are layouts the check accepts
+        assert "parallelism.min_dp=1" in err.value.fix and "parallelism.microbatches=2 " in err.value.fix
+        for fix in (["parallelism.min_dp=1"], ["parallelism.microbatches=2"]):
+            assert len(usable_dps(load_config(None, [*MODEL, *elastic(), *overrides, *fix]).parallelism)) > 1
+
+
+def test_check_lists_the_dp_values(capsys):
+    sets = [a for s in (*MODEL, *elastic(pp=2)) for a in ("--set", s)]
+    assert cli.main(["check", *sets, "--topology", "2,2,2"]) == 0
+    out = capsys.readouterr().out
+    assert "elastic: dp in {1, 2, 3} (2 workers a replica)" in out, out
+    assert "dp=1: 6, dp=2: 3, dp=3: 2" in out, out
+    assert cli.main(["check", *sets, "--topology", "2,2,2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["dp_values"] == [1, 2, 3]
+
+
+# ------------------------------------------------------------------ the engine across a resize
+
+
+@pytest.fixture(scope="module")
+def resized(tmp_path_factory):
+    """Each case saved at dp=3 (checkpoints after steps 2 and 4) and resumed from step 2 on the
+    workers of dp=2 with the same config: one launch of gloo processes per world size."""
+    cases = {"plain": elastic(), "zero1": elastic(3, 1, 2, 1, "parallelism.zero=1"), "pp2": elastic(pp=2)}
+    root = tmp_path_factory.mktemp("elastic")
+    saved, resumed = {}, {}
+    for worlds, names in (((3, 2), ("plain", "zero1")), ((6, 4), ("pp2",))):
+        jobs = {n: [*MODEL, *cases[n], "checkpoint.interval=2", f"run.output_dir={root / n}"] for n in names}
+        saved.update(run_gloo_jobs(worlds[0], jobs))
+        again = {
+            n: {
+                "overrides": [*o[:-1], f"run.output_dir={root / n}-dp2"],
+                "resume": str(root / n / "checkpoints" / "step_2"),
+            }
+            for n, o in jobs.items()
+        }
+        resumed.update(run_gloo_jobs(worlds[1], again))
+    return root, saved, resumed
+
+
+@pytest.mark.parametrize("name", ["plain", "zero1", "pp2"])
+def test_a_run_resized_from_dp3_to_dp2_trains_the_oracle_model(resized, name):
+    root, saved, resumed = resized
+    reference = reference_history(REFERENCE)
+    assert_oracle(saved[name], reference)
+    assert_oracle(resumed[name], reference, first=2)
+    assert [h["dp"] for h in saved[name]["history"]] == [3] * 4
+    assert [h["dp"] for h in resumed[name]["history"]] == [2] * 2
+    manifest = read_manifest(root / f"{name}-dp2" / "checkpoints" / "step_4")
+    pp = 2 if name == "pp2" else 1
+    assert manifest["world_size"] == 2 * pp
+    assert (manifest["layout"]["dp"], manifest["layout"]["microbatches"]) == (2, 3)
