@@ -234,6 +234,19 @@ def job_record(cluster: FakeCluster, job_id: str, wait_s: float = 120) -> dict:
     return job
 
 
+def status_settled(cluster, wait_s: float = 30.0) -> str:
+    """`ray status` once the ended job's placement group is gone from its pending demands: the
+    GCS removes a finished job's groups, and the autoscaler's report shows it, a round or two
+    after the job's end (seen still pending right at the end on a loaded machine)."""
+    deadline = time.time() + wait_s
+    while True:
+        status = cluster.status()
+        pending = [s for s in status.splitlines() if f"accelerator_type:{NOWHERE}" in s and "placement group" in s]
+        if not pending or time.time() > deadline:
+            return status
+        time.sleep(2)
+
+
 def node_type_of(node: dict, types: dict[str, dict]) -> str | None:
     """A fake node has exactly the resources its type declares (plus memory and the node's IP)."""
     total = {k: v for k, v in node["resources_total"].items() if "memory" not in k and not k.startswith("node:")}
@@ -285,7 +298,7 @@ def simulated(tmp_path_factory):
             list(pool.map(run, clusters))
         job = job_record(gcp, "infeasible")  # first: it must have ended before the status is read
         monitor = next((gcp.tmp / "ray").glob("session_*/logs/monitor.log")).read_text()
-        runs["infeasible"] = {"submitted": stuck, "nodes": cluster_nodes(gcp), "status": gcp.status(),
+        runs["infeasible"] = {"submitted": stuck, "nodes": cluster_nodes(gcp), "status": status_settled(gcp),
                               "monitor": monitor, "job": job}  # fmt: skip
         yield runs
     finally:
