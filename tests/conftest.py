@@ -24,6 +24,17 @@ os.environ.setdefault("RAY_DATA_PARQUET_FOOTER_NUM_ACTORS", "1")
 # the suite starts (the session's, CLI runs', `ray start` heads') through this environment.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+# Every Ray the suite starts (~25: the session's, `ray start` heads, simulated nodes, CLI runs)
+# would cost CPU this 2-core machine lacks, for nothing a test looks at:
+# - the raylet starts a worker process per CPU when the first driver connects, for that job's
+#   runtime env; Ray Train's controller and workers carry their own env vars (another runtime
+#   env), so they cannot use them, and 51 such processes idled through a suite run (~140 s
+#   of CPU, ~2.8 s each to import Ray twice). Workers start when a task or actor needs them.
+# - the log monitor lists the session's log directory every 0.1 s while it holds fewer than
+#   1,000 files (55 s of CPU over a suite run); at most every 5 s here.
+os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
+os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
+os.environ.setdefault("LOG_NAME_UPDATE_INTERVAL_S", "5")
 
 RAY_CPUS = 12
 
@@ -48,6 +59,12 @@ def ray_local():
     import ray
 
     if not ray.is_initialized():
+        # The session's S3 endpoint and keys in the environment every node and worker of this
+        # cluster starts with, as a cloud cluster's nodes have theirs (instance roles): the CLI
+        # runs writing to the bucket join this cluster instead of starting a Ray of their own.
+        from s3_server import session_env
+
+        os.environ.update(session_env())
         ray.init(
             address="local",
             num_cpus=RAY_CPUS + 4,  # 9 + 5 workers of the CLI tests side by side, Ray Data read tasks, a Tune trial

@@ -195,8 +195,8 @@ def _bucket(fs, prefix: str) -> dict[str, bytes]:
 @pytest.mark.slow
 def test_a_failed_job_resubmitted_with_resume_continues_under_another_layout(refused_jobs, s3):
     """The job at (1,1,2) loses a worker after its first checkpoint with no restart allowed and
-    fails; the same job resubmitted with --resume <its output URI> at the job file's own (2,2,2)
-    (the main 3D job, 8 workers) continues in place to the full step count and reports: every
+    fails; the same job resubmitted with --resume <its output URI> at (1,2,2) (the job file's
+    tp and pp, dp=1: 4 workers) continues in place to the full step count and reports: every
     step's loss and gradient norm is the uninterrupted single-process run's, each step once in
     the bucket's metrics.jsonl. (The jobs that must fail run meanwhile.)"""
     ray_head = refused_jobs
@@ -220,7 +220,7 @@ def test_a_failed_job_resubmitted_with_resume_continues_under_another_layout(ref
         cut = _bucket(s3, "bucket/cut")
         assert "checkpoints/step_6/manifest.json" not in cut and "metrics.jsonl" in cut, sorted(cut)
 
-        done = _submit(ray_head, "rh-resume", *args, "--resume", "s3://bucket/cut")
+        done = _submit(ray_head, "rh-resume", *args, "--set", "parallelism.dp=1", "--resume", "s3://bucket/cut")
         logs = _logs(ray_head, "rh-resume")
         assert done.returncode == 0 and "succeeded" in done.stdout, logs[-3000:]
         assert "step 6/6" in logs and "done: 6 steps" in logs, logs[-3000:]
@@ -237,8 +237,8 @@ def test_a_failed_job_resubmitted_with_resume_continues_under_another_layout(ref
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4), f"loss at step {ref['step']}"
         assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), f"grad_norm at step {ref['step']}"
     summary = json.loads(objects["summary.json"])
-    assert summary["steps"] == 6 and summary["world_size"] == 8
-    assert summary["layout"] | {"dp": 2, "tp": 2, "pp": 2} == summary["layout"]
+    assert summary["steps"] == 6 and summary["world_size"] == 4
+    assert summary["layout"] | {"dp": 1, "tp": 2, "pp": 2} == summary["layout"]
     assert any(name.startswith("tensorboard/events.out.tfevents.") for name in objects), sorted(objects)
     for name, data in objects.items():
         assert KEY_ID.encode() not in data and SECRET.encode() not in data, name
