@@ -20,8 +20,10 @@ from typing import Any
 
 from raytrain_hybrid.checkpoint.manifest import MANIFEST, check_compatible, resolve, step_dirs, step_number
 from raytrain_hybrid.config import Config
+from raytrain_hybrid.config.elastic import is_elastic
 from raytrain_hybrid.errors import ConfigError
 from raytrain_hybrid.launch.autoscale import POLL_S, ScalerProbe, StartupTimeout, StartupWatchdog
+from raytrain_hybrid.launch.elastic import make_torch_trainer, scaling_workers, start_line, worker_counts
 from raytrain_hybrid.launch.entry import train_loop_per_worker
 from raytrain_hybrid.launch.inputs import build_datasets, prepare_input, reader_env
 from raytrain_hybrid.launch.placement import worker_resources
@@ -86,7 +88,10 @@ def run(cfg: Config, resume: str | None = None, stream=None, driver_log: Path | 
     cfg, resume, kept_history = prepare_run_dir(cfg, resume)
     use_gpu, resources = open_session(cfg, marks)
     open_store(cfg.run.output_dir).makedirs()  # only now: a refused run leaves nothing behind
-    cfg = prepare_input(cfg, say=lambda line: print(line, file=stream or sys.stdout, flush=True))
+    say = functools.partial(print, file=stream or sys.stdout, flush=True)
+    cfg = prepare_input(cfg, say=say)
+    if is_elastic(cfg.parallelism):
+        say(start_line(cfg))
     marks["input_checked"] = time.time()
     sink = Queue(actor_options=sink_options())  # rank 0's events, see the module docstring
     tracked = TrackedRun()  # run.tracking: its run is opened before any worker starts
@@ -137,7 +142,7 @@ def open_session(cfg: Config, marks: dict) -> tuple[bool, dict[str, float]]:
     world = cfg.parallelism.world_size
     ensure_ray(cfg, world)
     marks["ray_ready"] = time.time()
-    use_gpu = resolve_use_gpu(cfg, world)
+    use_gpu = resolve_use_gpu(cfg, worker_counts(cfg)[0])  # an elastic run starts on fewer
     resources = worker_resources(cfg, use_gpu)
     check_placement(cfg, resources)
     return use_gpu, resources
@@ -147,12 +152,13 @@ def make_trainer(cfg: Config, *, sink, use_gpu: bool, resources: dict[str, float
     """The run's TorchTrainer, with its Ray Datasets (unless data.path is "memory")."""
     use_train_v2()  # before the driver first imports ray.train (below, and data.ray_data in build_datasets)
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
     data_env = reader_env(cfg)
     backend = cfg.cluster.backend if cfg.cluster.backend != "auto" else ("nccl" if use_gpu else "gloo")
-    return TorchTrainer(
-        train_loop_per_worker,
+    return make_torch_trainer(
+        cfg,
+        train_loop_per_worker=train_loop_per_worker,
         train_loop_config={
             "config": cfg.to_dict(),
             "sink": sink,
@@ -165,7 +171,7 @@ def make_trainer(cfg: Config, *, sink, use_gpu: bool, resources: dict[str, float
         torch_config=TorchConfig(backend=backend),
         **build_datasets(cfg, data_env),
         scaling_config=ScalingConfig(
-            num_workers=cfg.parallelism.world_size,
+            **scaling_workers(cfg),  # a range of whole replicas for an elastic run (launch.elastic)
             use_gpu=use_gpu,
             resources_per_worker=resources,
             placement_strategy=cfg.cluster.placement_strategy,
@@ -226,6 +232,12 @@ def write_results(cfg: Config, run_log: RunLog, marks: dict, run_dir: RunDir, dr
     summary = summarize(cfg, run_log.history, run_log.memory, run_log.restarts, run_log.restarted_from)
     summary["startup_s"] = startup_breakdown({**marks, **run_log.marks})
     summary["checkpoints"] = run_log.checkpoints
+    if is_elastic(cfg.parallelism):  # each start of the worker group: its step and dp
+        summary["elastic"] = {
+            "min_dp": cfg.parallelism.min_dp,
+            "max_dp": cfg.parallelism.dp,
+            "starts": run_log.dp_starts,
+        }
     (run_dir.local / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     run_dir.sync(driver_log)
     return summary

@@ -54,7 +54,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     if unheard:  # every rank alike: Ray Train learns of it (retention; the restart after this one)
         _register(resume if rank == 0 else None, {"step": start})
     if rank == 0 and sink is not None:  # every start of a worker group: the driver counts restarts
-        sink.put(("start", {"step": start}))
+        world = ray.train.get_context().get_world_size()  # an elastic run's dp follows it (config.elastic)
+        sink.put(("start", {"step": start, "dp": world // (cfg.parallelism.tp * cfg.parallelism.pp)}))
     with tracker:  # rank 0's tracking ends with the loop, also when it raises
         result = run_worker(
             cfg,

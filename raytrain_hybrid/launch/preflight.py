@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from raytrain_hybrid.config import Config
+from raytrain_hybrid.config.elastic import at_world
 from raytrain_hybrid.distributed.parallel_dims import ParallelDims, arrange_ranks
 from raytrain_hybrid.errors import ConfigError
+from raytrain_hybrid.launch.elastic import worker_counts
 from raytrain_hybrid.launch.placement import live_node_totals, predict_workers_per_node
 from raytrain_hybrid.models import get_arch, hf_checkpoint
 from raytrain_hybrid.storage import open_store
@@ -16,10 +18,13 @@ def check_placement(cfg: Config, resources: dict[str, float]) -> list[int] | Non
     Returns the predicted workers per node (None when the cluster cannot hold the group
     yet, e.g. while an autoscaler adds nodes; the workers then check what they got).
     """
-    par = cfg.parallelism
-    dims = ParallelDims.from_config(par)
     nodes = live_node_totals()
-    counts = predict_workers_per_node(nodes, dims.world_size, resources, cfg.cluster.placement_strategy)
+    # An elastic run starts with the most workers of a usable layout the nodes hold now.
+    for world in reversed(worker_counts(cfg)):
+        counts = predict_workers_per_node(nodes, world, resources, cfg.cluster.placement_strategy)
+        if counts is not None:
+            break
+    dims = ParallelDims.from_config(at_world(cfg, world).parallelism)
     _check_output_dir(cfg, nodes, resources)
     if hf_checkpoint.is_set(cfg.model.pretrained) and get_arch(cfg.model.arch).from_hf is not None:
         hf_checkpoint.check_weights(cfg.model.pretrained)  # resolving the config read its config.json only

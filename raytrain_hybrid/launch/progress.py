@@ -104,6 +104,7 @@ class RunLog:
         self.restarts = 0
         self.restarted_from: list[int] = []  # the step each restart continued from
         self.starts = 0  # worker groups started (the first, then one per restart)
+        self.dp_starts: list[dict] = []  # per start: its step and dp (an elastic run's resizes)
         self.live_steps = 0  # steps reported by this launch's workers
         self.checkpoints: list[dict] = []  # step, path, write_s, save_s, blocked_s
         self.marks: dict = {}  # rank 0's start-up phases (wall clock)
@@ -148,6 +149,10 @@ class RunLog:
             self.starts += 1
             if self.starts > 1:
                 self._restarted(payload["step"])
+            dp, before = payload.get("dp"), self.dp_starts[-1]["dp"] if self.dp_starts else None
+            if before is not None and dp != before:  # an elastic run (parallelism.min_dp) resized
+                self._say(f"resize: dp {before} -> {dp}, continuing from step {payload['step']}")
+            self.dp_starts.append({"step": payload["step"], "dp": dp})
         elif kind == "step":
             self.live_steps += 1
             self._step(payload)
