@@ -8,16 +8,19 @@ ray.cluster_utils.Cluster share one IP, so ranks are grouped by node id.
 
 A CASE is a list of "key=value" overrides, or {"overrides": [...], "lose_node_after": "checkpoints/step_2"}:
 then a spare node joins first, and once that checkpoint of run.output_dir is complete (its
-manifest is there) one node holding training workers is removed, and its disk with it. With
+manifest is there) one node holding training workers is removed, and its disk with it. A CASE
+with "add_gpus" is an elastic run through the CLI on nodes of its own (run_elastic). With
 "tmp_root", every worker node gets its own TMPDIR under it (its "local disk"), and the result
 lists what each one holds after the cases.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -27,6 +30,7 @@ from pathlib import Path
 import ray
 from ray.cluster_utils import Cluster
 
+from raytrain_hybrid.checkpoint.manifest import read_manifest, step_dirs
 from raytrain_hybrid.config import load_config
 from raytrain_hybrid.launch.driver import run
 from raytrain_hybrid.storage import open_store
@@ -60,10 +64,13 @@ class Nodes:
         if not busy:
             return {"removed": None, "busy_before": busy}
         name = busy[-1]
+        self.remove(name)
+        return {"removed": name, "busy_before": busy, "removed_at": time.time()}
+
+    def remove(self, name: str) -> None:
         self.cluster.remove_node(self.alive.pop(name))
         if self.tmp_root is not None:
             shutil.rmtree(self.tmp_root / name)
-        return {"removed": name, "busy_before": busy, "removed_at": time.time()}
 
     def disks(self) -> dict[str, list[str]]:
         """Per live node, the files under its TMPDIR (relative paths)."""
@@ -120,6 +127,63 @@ def run_case(nodes: Nodes, spec: dict, name: str, case, tmp: str) -> dict:
     return result
 
 
+def run_elastic(nodes: Nodes, name: str, case: dict, tmp: str) -> dict:
+    """As a user: the CLI joins this cluster through RAY_ADDRESS, on fresh nodes of
+    case["nodes"] GPUs each (the earlier cases' nodes removed, so the run's workers land only
+    there). Once case["lose_node_after"] is complete in run.output_dir a node with workers is
+    removed; once a checkpoint of the smaller group is complete, a node of case["add_gpus"] joins."""
+    for old in list(nodes.alive):
+        nodes.remove(old)
+    for gpus in case["nodes"]:
+        nodes.add(gpus, wait=False)
+    nodes.cluster.wait_for_nodes()
+    sets = ["cluster.use_gpu=true", "cluster.backend=gloo", "run.progress=true", *case["overrides"]]
+    out = open_store(next(s.split("=", 1)[1] for s in sets if s.startswith("run.output_dir=")))
+    env = {**os.environ, "RAY_ADDRESS": nodes.cluster.address, **case.get("env", {})}
+    argv = [str(Path(sys.executable).parent / "raytrain-hybrid"), "train", *[a for s in sets for a in ("--set", s)]]
+    err = Path(tmp) / f"{name}.stderr"  # a file: a pipe nobody reads could fill and stall the CLI
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err.open("w"), text=True, env=env, cwd=tmp)
+    events: dict = {}
+
+    def smaller_group_saved() -> str | None:
+        """A complete checkpoint of a group below max_dp (older ones are pruned as we look)."""
+        for path in step_dirs(out.child("checkpoints")):
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                if read_manifest(path)["layout"]["dp"] < case["max_dp"]:
+                    return path.name
+        return None
+
+    lines: list = []  # (seconds since the start, line) of what the CLI prints
+
+    def read_stdout() -> None:
+        for line in proc.stdout:
+            lines.append((round(time.time() - started, 1), line.rstrip("\n")))
+
+    started = time.time()
+    reader = threading.Thread(target=read_stdout, daemon=True)
+    reader.start()
+    lost = out.child(*case["lose_node_after"].split("/"), "manifest.json")
+    try:  # here, not in a thread: Cluster.add_node installs a signal handler (main thread only)
+        while proc.poll() is None and time.time() - started < 900:
+            if "removed" not in events and lost.exists():
+                events.update(nodes.remove_one_with_workers())
+            elif "removed" in events and "added" not in events and (saved := smaller_group_saved()):
+                nodes.add(case["add_gpus"])
+                events.update(added=list(nodes.alive)[-1], added_at=time.time(), added_after=saved)
+            time.sleep(0.2)
+    finally:
+        proc.kill()
+        proc.wait()
+    reader.join(timeout=60)
+    stdout = "\n".join(line for _, line in lines)
+    result = {"returncode": proc.returncode, "stdout": stdout, "lines": lines, "stderr": err.read_text()[-4000:]}
+    result.update(events, started=started)
+    if proc.returncode == 0:
+        result["history"] = [json.loads(line) for line in out.child("metrics.jsonl").read_text().splitlines()]
+        result["summary"] = json.loads(out.child("summary.json").read_text())
+    return result
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     # The head holds no worker slots (Ray Train's controller needs no CPU), nor a dashboard
@@ -135,8 +199,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name, case in spec["cases"].items():
             t0 = time.time()
-            results[name] = {**run_case(nodes, spec, name, case, tmp), "seconds": round(time.time() - t0, 1)}
-    results["disks"] = nodes.disks()
+            if "add_gpus" in case:  # it replaces the nodes: what the earlier cases left on their disks first
+                results.setdefault("disks", nodes.disks())
+            outcome = (
+                run_elastic(nodes, name, case, tmp) if "add_gpus" in case else run_case(nodes, spec, name, case, tmp)
+            )
+            results[name] = {**outcome, "seconds": round(time.time() - t0, 1)}
+    results.setdefault("disks", nodes.disks())
     results["cwd"] = sorted(os.listdir("."))
     ray.shutdown()
     cluster.shutdown()
