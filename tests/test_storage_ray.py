@@ -38,8 +38,11 @@ FIRST = ["parallelism.dp=2", "parallelism.tp=1", "parallelism.pp=2", "parallelis
 OTHER = ["parallelism.dp=1", "parallelism.tp=2", "parallelism.pp=1", "parallelism.microbatches=2"]
 
 
-def _cli(args: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local Ray
+def _cli(args: list[str], cwd: Path, s3, timeout: int = 600) -> subprocess.CompletedProcess:
+    # The session's cluster, through RAY_ADDRESS as a user with a running cluster: it started
+    # with the bucket's endpoint and keys in its environment (tests/conftest.py), as a cloud
+    # cluster's nodes have theirs. A Ray of its own per command cost the suite a start each.
+    env = {**os.environ, "RAY_ADDRESS": s3[0]["RAY_ADDRESS"]}
     return subprocess.run([*CLI, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -78,8 +81,9 @@ def _versions(s3, key: str) -> list[bytes]:
 
 
 @pytest.fixture(scope="module")
-def s3():
+def s3(ray_local):
     with s3_server() as env:
+        env = {**env, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
         import boto3
 
         # Every upload kept: what reached the bucket mid-run stays visible after the run.
@@ -95,7 +99,7 @@ def prepared(s3, tmp_path_factory):
     source = tmp_path_factory.mktemp("source") / "docs.txt"
     source.write_text(DEFAULT_CORPUS.read_text()[:20000])  # a few thousand tokens: 4 steps need ~1000
     cwd = tmp_path_factory.mktemp("prepare_cwd")
-    done = _cli(["prepare-data", str(source), "s3://bucket/prep"], cwd)
+    done = _cli(["prepare-data", str(source), "s3://bucket/prep"], cwd, s3)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done, cwd
 
@@ -119,7 +123,7 @@ def first_run(s3, prepared, tmp_path_factory):
     there too."""
     _, fs = s3
     cwd = tmp_path_factory.mktemp("cwd")
-    done = _cli(["train", *_sets([*COMMON, *FIRST, "run.output_dir=s3://bucket/run"])], cwd)
+    done = _cli(["train", *_sets([*COMMON, *FIRST, "run.output_dir=s3://bucket/run"])], cwd, s3)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done, cwd, _objects(fs, "bucket/run")
 
@@ -171,6 +175,7 @@ def test_resume_from_the_bucket_under_another_layout_continues_the_losses(s3, fi
             *_sets([*COMMON, *OTHER, "run.output_dir=s3://bucket/resumed"]),
         ],
         tmp_path,
+        s3,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     before, after = _losses(objects["metrics.jsonl"]), _losses(_objects(fs, "bucket/resumed")["metrics.jsonl"])
@@ -179,10 +184,10 @@ def test_resume_from_the_bucket_under_another_layout_continues_the_losses(s3, fi
         assert after[step] == pytest.approx(before[step], rel=1e-4), (step, before, after)
 
 
-def test_export_reads_the_bucket(first_run, tmp_path):
+def test_export_reads_the_bucket(s3, first_run, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    done = _cli(["export", "s3://bucket/run", str(tmp_path / "hf")], tmp_path)
+    done = _cli(["export", "s3://bucket/run", str(tmp_path / "hf")], tmp_path, s3)
     assert done.returncode == 0, done.stderr[-3000:]
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert model.config.num_hidden_layers == 4
@@ -197,7 +202,7 @@ def test_a_damaged_checkpoint_on_s3_is_refused(s3, first_run, tmp_path):
     with fs.open_output_stream(shard) as f:
         f.write(bytes(data))
     done = _cli(
-        ["train", "--resume", "s3://bucket/run/checkpoints/step_4", *_sets([*COMMON, "train.steps=6"])], tmp_path
+        ["train", "--resume", "s3://bucket/run/checkpoints/step_4", *_sets([*COMMON, "train.steps=6"])], tmp_path, s3
     )
     assert done.returncode == 2
     assert "has a corrupted __1_0.distcp" in done.stderr, done.stderr[-2000:]

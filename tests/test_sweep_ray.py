@@ -1,6 +1,6 @@
 """Layout sweeps with Ray Tune: 3 layouts end to end from the CLI into an S3 bucket (a real S3
-endpoint, moto's server, found through AWS_ENDPOINT_URL alone); a failing trial on the session's
-local Ray."""
+endpoint, moto's server, found through AWS_ENDPOINT_URL alone), on the session's cluster; a
+failing trial on the session's local Ray."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from raytrain_hybrid.planner.hardware import PROFILES
 from raytrain_hybrid.tools.sweep import sweep
 
 
-def test_sweep_three_layouts_into_a_bucket(tmp_path):
+def test_sweep_three_layouts_into_a_bucket(ray_local, tmp_path):
     sets = ["model.num_layers=2", "model.seq_len=64", "train.global_batch_size=8", "data.path=memory"]
     args = ["sweep", "--world-size", "2", "--top", "3", "--steps", "3", "--hardware", "h100"]
     with s3_server() as env:
@@ -26,7 +26,9 @@ def test_sweep_three_layouts_into_a_bucket(tmp_path):
             [sys.executable, "-m", "raytrain_hybrid.cli", *args, "--out", "s3://bucket/sweep"]
             + [a for o in sets for a in ("--set", o)],
             cwd=tmp_path,
-            env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},  # its own local Ray
+            # The session's cluster (started with the bucket's endpoint and keys in its environment)
+            # through RAY_ADDRESS, as a user with a running cluster: no Ray start of its own.
+            env={**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address},
             capture_output=True,
             text=True,
             timeout=600,
