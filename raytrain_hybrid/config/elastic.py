@@ -96,7 +96,7 @@ def describe(cfg: Config) -> str:
     each = ", ".join(f"dp={d}: {total // d}" for d in dps)
     return (
         f"elastic: dp in {choices(dps)} ({par.tp * par.pp} workers a replica); micro-batches a replica, of "
-        f"{rows} rows each: {each}; global batch {cfg.train.global_batch_size} at every dp"
+        f"{rows} row{'s' if rows != 1 else ''} each: {each}; global batch {cfg.train.global_batch_size} at every dp"
     )
 
 
