@@ -87,14 +87,14 @@ class CheckpointWriter:
         rank, world = dist.get_rank(), dist.get_world_size()
         final = self.root.child(f"step_{step}")
         staging = _staging_dir(self.root, self.launch_id, step, rank)
-        if rank == 0:
-            (self.root.child(f"step_{step}.partial") if self.root.local else final).delete()  # an attempt that died
-            if self.root.local:
+        if self.root.local:  # one staging directory beside the final one, made by rank 0
+            if rank == 0:
+                self.root.child(f"step_{step}.partial").delete()  # an attempt that died
                 os.makedirs(staging)
-        if not self.root.local:
+            dist.barrier()
+        else:  # this rank's own directory on its node; an earlier attempt's objects go in the background
             shutil.rmtree(staging, ignore_errors=True)
             os.makedirs(staging)
-        dist.barrier()
         state, _ = training_state(trainer, rank, with_rng=True)
         manifest = {
             "format": FORMAT,
@@ -213,6 +213,8 @@ class _Finish:
     def __call__(self, state: dict) -> dict:
         import torch.distributed.checkpoint as dcp
 
+        if not self.root.local:
+            self._clear_earlier_attempt()
         error, mine, write_s = None, {}, 0.0
         try:  # any rank's failure goes to every rank through the gather: none waits for a peer forever
             dcp.save(state, checkpoint_id=str(self.staging), process_group=self.group)  # DCP shares its errors
@@ -240,6 +242,20 @@ class _Finish:
         if outcome[0]:
             raise CheckpointSaveError(outcome[0])
         return {"write_s": write_s, "save_s": time.perf_counter() - self.t0}
+
+    def _clear_earlier_attempt(self) -> None:
+        """On object storage: rank 0 deletes what an earlier attempt of this run left at this
+        step (a restart that saves the same step again) before any rank uploads; here, off the
+        step's path (an HTTP listing, and deletes, per save). Every rank learns the outcome."""
+        outcome = [None]
+        if self.rank == 0:
+            try:
+                self.final.delete()
+            except Exception as exc:
+                outcome = [f"rank 0: {exc!r}"]
+        dist.broadcast_object_list(outcome, src=0, group=self.group)
+        if outcome[0]:
+            raise CheckpointSaveError(outcome[0])
 
     def _complete(self, files: dict) -> None:
         text = json.dumps({**self.manifest, "files": files}, indent=1) + "\n"
