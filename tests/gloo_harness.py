@@ -258,14 +258,13 @@ def _first_report(queue, procs, limit: float = 600.0):
     return "error", f"no report within {limit:.0f} s"
 
 
-def _launch(job: dict) -> dict:
-    from raytrain_hybrid.config import load_config
-
-    world = (job["cfg"] if "cfg" in job else load_config(None, job["overrides"])).parallelism.world_size
+def launch_ranks(target, world: int, *args):
+    """``target(rank, world, port, *args, queue)`` in ``world`` forked processes; returns what
+    rank 0 put on the queue as ("ok", payload), or fails the test with the first error."""
     ctx = context()
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, job, queue)) for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, queue)) for r in range(world)]
     for p in procs:
         p.start()
     status, payload = _first_report(queue, procs)
@@ -274,6 +273,13 @@ def _launch(job: dict) -> dict:
     assert status == "ok", payload
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     return payload
+
+
+def _launch(job: dict) -> dict:
+    from raytrain_hybrid.config import load_config
+
+    world = (job["cfg"] if "cfg" in job else load_config(None, job["overrides"])).parallelism.world_size
+    return launch_ranks(_worker, world, job)
 
 
 def run_gloo(overrides: list[str], nodes: int = 1, resume: str | None = None, **probe) -> dict:
@@ -335,15 +341,4 @@ def run_gloo_jobs(world: int, jobs: dict[str, list[str] | dict]) -> dict[str, di
     """{job: what run_gloo returns for its overrides}, all jobs in one launch of ``world`` ranks,
     in order (a job {"overrides": [...], "resume": path} resumes from a checkpoint; ``world`` may
     differ from the layout's own for an elastic run, parallelism.min_dp)."""
-    ctx = context()
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_jobs_worker, args=(r, world, port, jobs, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    status, payload = _first_report(queue, procs)
-    for p in procs:
-        p.join(timeout=120)
-    assert status == "ok", payload
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    return payload
+    return launch_ranks(_jobs_worker, world, jobs)

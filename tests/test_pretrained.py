@@ -160,19 +160,9 @@ def _logits_worker(rank: int, world: int, port: int, jobs: dict, env: dict, queu
 
 
 def _launch_logits(world: int, jobs: dict, env: dict | None = None) -> dict:
-    from gloo_harness import _first_report, context, free_port
+    from gloo_harness import launch_ranks
 
-    ctx = context()
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_logits_worker, args=(r, world, port, jobs, env or {}, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    status, payload = _first_report(queue, procs)
-    for p in procs:
-        p.join(timeout=60)
-    assert status == "ok", payload
-    return payload
+    return launch_ranks(_logits_worker, world, jobs, env or {})
 
 
 @pytest.fixture(scope="module")
