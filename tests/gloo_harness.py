@@ -171,37 +171,20 @@ class Probe:
         }
 
 
-def _worker(rank: int, world: int, port: int, job: dict, queue) -> None:
+def _rank(rank: int, world: int, port: int, body, args: tuple, env: dict, queue) -> None:
+    """A forked gloo rank: join the group, run ``body(rank, world, *args)``, and hand rank 0's
+    result (or this rank's error) to the test."""
     import torch
     import torch.distributed as dist
 
-    from raytrain_hybrid.config import load_config
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **env)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    status = ("error", f"rank {rank}: did not finish")
     try:
-        cfg = job["cfg"] if "cfg" in job else load_config(None, job["overrides"])
-        probe = Probe(job.get("scale"), job.get("watch_dtypes", False))
-        probe.install()
-        if job.get("fail_save"):
-            _fail_save(*job["fail_save"])
-        if job.get("init_only"):
-            _build_only(cfg)
-            result = {}
-        else:
-            from raytrain_hybrid.engine.worker import run_worker
-
-            # Fake node ids: with nodes > 1, ranks alternate between nodes (an order Ray never
-            # hands out), so the mesh must be rearranged to keep TP groups on one node.
-            nodes = job.get("nodes", 1)
-            result = run_worker(cfg, node_id=f"node{rank % nodes}", resume=job.get("resume"))
-        result["probe"] = probe.report(final=not job.get("init_only"))
-        status = ("ok", result)
+        status = ("ok", body(rank, world, *args))
         dist.barrier()
         dist.destroy_process_group()
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
         import traceback
 
         status = ("error", f"rank {rank}: {exc!r}\n{traceback.format_exc()}")
@@ -212,6 +195,28 @@ def _worker(rank: int, world: int, port: int, job: dict, queue) -> None:
     # Skip interpreter teardown: gloo's background threads can abort the process there
     # ("terminate called without an active exception") after all work is done.
     os._exit(0 if status[0] == "ok" else 1)
+
+
+def _run_job(rank: int, world: int, job: dict) -> dict:
+    from raytrain_hybrid.config import load_config
+
+    cfg = job["cfg"] if "cfg" in job else load_config(None, job["overrides"])
+    probe = Probe(job.get("scale"), job.get("watch_dtypes", False))
+    probe.install()
+    if job.get("fail_save"):
+        _fail_save(*job["fail_save"])
+    if job.get("init_only"):
+        _build_only(cfg)
+        result = {}
+    else:
+        from raytrain_hybrid.engine.worker import run_worker
+
+        # Fake node ids: with nodes > 1, ranks alternate between nodes (an order Ray never
+        # hands out), so the mesh must be rearranged to keep TP groups on one node.
+        nodes = job.get("nodes", 1)
+        result = run_worker(cfg, node_id=f"node{rank % nodes}", resume=job.get("resume"))
+    result["probe"] = probe.report(final=not job.get("init_only"))
+    return result
 
 
 def _fail_save(step: int, rank: int) -> None:
@@ -258,13 +263,13 @@ def _first_report(queue, procs, limit: float = 600.0):
     return "error", f"no report within {limit:.0f} s"
 
 
-def launch_ranks(target, world: int, *args):
-    """``target(rank, world, port, *args, queue)`` in ``world`` forked processes; returns what
-    rank 0 put on the queue as ("ok", payload), or fails the test with the first error."""
+def launch_ranks(body, world: int, *args, env: dict | None = None):
+    """``body(rank, world, *args)`` in ``world`` forked gloo ranks (``env`` added to each one's
+    environment); returns rank 0's result, or fails the test with the first error."""
     ctx = context()
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=target, args=(r, world, port, *args, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, body, args, env or {}, queue)) for r in range(world)]
     for p in procs:
         p.start()
     status, payload = _first_report(queue, procs)
@@ -279,7 +284,7 @@ def _launch(job: dict) -> dict:
     from raytrain_hybrid.config import load_config
 
     world = (job["cfg"] if "cfg" in job else load_config(None, job["overrides"])).parallelism.world_size
-    return launch_ranks(_worker, world, job)
+    return launch_ranks(_run_job, world, job)
 
 
 def run_gloo(overrides: list[str], nodes: int = 1, resume: str | None = None, **probe) -> dict:
@@ -297,48 +302,31 @@ def initial_state(cfg) -> dict[str, np.ndarray]:
     return _launch(job)["probe"]["initial"]
 
 
-def _jobs_worker(rank: int, world: int, port: int, jobs: dict, queue) -> None:
+def _run_jobs(rank: int, world: int, jobs: dict) -> dict:
     """One gloo rank running several jobs in turn (run_worker each, with its own Probe):
     one launch of ``world`` processes instead of one per job (their start-up, the group's, and
     the first import of the data path's modules are most of a small run's time)."""
-    import torch
-    import torch.distributed as dist
-
     from raytrain_hybrid.config import load_config
     from raytrain_hybrid.engine.trainer import Trainer
     from raytrain_hybrid.engine.worker import run_worker
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     out: dict = {}
-    try:
-        init = Trainer.__init__
-        for name, job in jobs.items():
-            # A list of overrides, or {"overrides": [...], "resume": checkpoint} (a resumed run).
-            job = job if isinstance(job, dict) else {"overrides": job}
-            probe = Probe()
-            probe.install()
-            try:
-                result = run_worker(load_config(None, job["overrides"]), node_id="node0", resume=job.get("resume"))
-            finally:
-                Trainer.__init__ = init  # the next job's probe, not this one's too
-            out[name] = {**result, "probe": probe.report()}
-        status = ("ok", out)
-        dist.barrier()
-    except BaseException as exc:  # noqa: BLE001 - reported to the test
-        import traceback
-
-        status = ("error", f"rank {rank}: {exc!r}\n{traceback.format_exc()}")
-    if rank == 0 or status[0] == "error":
-        queue.put(status)
-    queue.close()
-    queue.join_thread()
-    os._exit(0 if status[0] == "ok" else 1)  # as _worker: no teardown beside gloo's threads
+    init = Trainer.__init__
+    for name, job in jobs.items():
+        # A list of overrides, or {"overrides": [...], "resume": checkpoint} (a resumed run).
+        job = job if isinstance(job, dict) else {"overrides": job}
+        probe = Probe()
+        probe.install()
+        try:
+            result = run_worker(load_config(None, job["overrides"]), node_id="node0", resume=job.get("resume"))
+        finally:
+            Trainer.__init__ = init  # the next job's probe, not this one's too
+        out[name] = {**result, "probe": probe.report()}
+    return out
 
 
 def run_gloo_jobs(world: int, jobs: dict[str, list[str] | dict]) -> dict[str, dict]:
     """{job: what run_gloo returns for its overrides}, all jobs in one launch of ``world`` ranks,
     in order (a job {"overrides": [...], "resume": path} resumes from a checkpoint; ``world`` may
     differ from the layout's own for an elastic run, parallelism.min_dp)."""
-    return launch_ranks(_jobs_worker, world, jobs)
+    return launch_ranks(_run_jobs, world, jobs)

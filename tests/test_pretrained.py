@@ -113,56 +113,39 @@ def _close(got, want, rtol: float = 1e-5) -> float:
 # ------------------------------------------------------------------ logits under every layout
 
 
-def _logits_worker(rank: int, world: int, port: int, jobs: dict, env: dict, queue) -> None:
-    """One gloo rank: build each job's model from its checkpoint, run the replica's rows
-    forward, gather the last stage's logits (one TP rank per replica) to rank 0."""
-    import os
-
+def _logits(rank: int, world: int, jobs: dict) -> dict:
+    """One gloo rank (gloo_harness.launch_ranks): build each job's model from its checkpoint,
+    run the replica's rows forward, gather the last stage's logits (one TP rank per replica)
+    to rank 0."""
     import torch.distributed as dist
 
     from raytrain_hybrid.data.corpus import Batch
     from raytrain_hybrid.distributed.parallel_dims import ParallelDims, arrange_ranks
     from raytrain_hybrid.engine.trainer import Trainer
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **env)  # env: the S3 endpoint
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     out: dict = {}
-    try:
-        ids = _batch()
-        for name, overrides in jobs.items():
-            cfg = load_config(None, overrides)
-            dims = ParallelDims.from_config(cfg.parallelism)
-            trainer = Trainer(
-                cfg, dims, dims.build_mesh("cpu", arrange_ranks(dims, ["n"] * world)), torch.device("cpu")
-            )
-            rows = ids.chunk(dims.dp)[trainer.dp_rank]
-            logits = trainer.predict(Batch(inputs=(rows,), labels=rows))
-            mine = None
-            if logits is not None and trainer.mesh.tp.get_local_rank() == 0:
-                mine = (trainer.dp_rank, logits.numpy())
-            parts = [None] * world if rank == 0 else None
-            dist.gather_object(mine, parts, dst=0)
-            if rank == 0:
-                got = dict(p for p in parts if p is not None)
-                out[name] = np.concatenate([got[r] for r in range(dims.dp)])
-        status = ("ok", out)
-        dist.barrier()
-    except BaseException as exc:  # noqa: BLE001 - reported to the test
-        import traceback
-
-        status = ("error", f"rank {rank}: {exc!r}\n{traceback.format_exc()}")
-    if rank == 0 or status[0] == "error":
-        queue.put(status)
-    queue.close()
-    queue.join_thread()
-    os._exit(0 if status[0] == "ok" else 1)
+    ids = _batch()
+    for name, overrides in jobs.items():
+        cfg = load_config(None, overrides)
+        dims = ParallelDims.from_config(cfg.parallelism)
+        trainer = Trainer(cfg, dims, dims.build_mesh("cpu", arrange_ranks(dims, ["n"] * world)), torch.device("cpu"))
+        rows = ids.chunk(dims.dp)[trainer.dp_rank]
+        logits = trainer.predict(Batch(inputs=(rows,), labels=rows))
+        mine = None
+        if logits is not None and trainer.mesh.tp.get_local_rank() == 0:
+            mine = (trainer.dp_rank, logits.numpy())
+        parts = [None] * world if rank == 0 else None
+        dist.gather_object(mine, parts, dst=0)
+        if rank == 0:
+            got = dict(p for p in parts if p is not None)
+            out[name] = np.concatenate([got[r] for r in range(dims.dp)])
+    return out
 
 
 def _launch_logits(world: int, jobs: dict, env: dict | None = None) -> dict:
     from gloo_harness import launch_ranks
 
-    return launch_ranks(_logits_worker, world, jobs, env or {})
+    return launch_ranks(_logits, world, jobs, env=env)  # env: the S3 endpoint, in each rank
 
 
 @pytest.fixture(scope="module")
