@@ -14,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 
 from raytrain_hybrid.config.coerce import choices
-from raytrain_hybrid.config.schema import MULTI_STAGE_SCHEDULES, V_SCHEDULES, Config, ParallelismConfig
+from raytrain_hybrid.config.schedule_rules import too_few_microbatches, uneven_microbatches
+from raytrain_hybrid.config.schema import Config, ParallelismConfig
 from raytrain_hybrid.errors import ConfigError
 
 
@@ -23,10 +24,11 @@ def is_elastic(par: ParallelismConfig) -> bool:
 
 
 def _schedule_takes(par: ParallelismConfig, microbatches: int) -> bool:
-    """The pipeline schedule runs ``microbatches`` per replica (the checks of config.validate)."""
-    if par.pp > 1 and microbatches < par.pp and par.schedule != "GPipe":
-        return False
-    return not (par.schedule in MULTI_STAGE_SCHEDULES + V_SCHEDULES and microbatches % par.pp)
+    """The pipeline schedule runs ``microbatches`` per replica (config.validate's rules)."""
+    return not (
+        too_few_microbatches(par.schedule, par.pp, microbatches)
+        or uneven_microbatches(par.schedule, par.pp, microbatches)
+    )
 
 
 def _usable(par: ParallelismConfig, low: int, total: int) -> list[int]:

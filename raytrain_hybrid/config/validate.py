@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from raytrain_hybrid.config.coerce import choices, divisors
 from raytrain_hybrid.config.elastic import check_elastic
+from raytrain_hybrid.config.schedule_rules import too_few_microbatches, uneven_microbatches
 from raytrain_hybrid.config.schema import (
-    MULTI_STAGE_SCHEDULES,
     SINGLE_STAGE_SCHEDULES,
-    V_SCHEDULES,
     Config,
 )
 from raytrain_hybrid.errors import ConfigError
@@ -86,13 +85,13 @@ def _validate_layout(cfg: Config, spec: ArchSpec) -> None:
             par.schedule,
             f"needs pp >= 2; with pp=1 use one of {choices(SINGLE_STAGE_SCHEDULES)}",
         )
-    if par.pp > 1 and par.microbatches < par.pp and par.schedule != "GPipe":
+    if too_few_microbatches(par.schedule, par.pp, par.microbatches):
         raise ConfigError(
             "parallelism.microbatches",
             par.microbatches,
             f"{par.schedule} with pp={par.pp} needs at least pp micro-batches; use microbatches >= {par.pp}",
         )
-    if par.schedule in MULTI_STAGE_SCHEDULES + V_SCHEDULES and par.microbatches % par.pp:
+    if uneven_microbatches(par.schedule, par.pp, par.microbatches):
         raise ConfigError(
             "parallelism.microbatches",
             par.microbatches,
