@@ -313,16 +313,25 @@ def _run_jobs(rank: int, world: int, jobs: dict) -> dict:
     out: dict = {}
     init = Trainer.__init__
     for name, job in jobs.items():
-        # A list of overrides, or {"overrides": [...], "resume": checkpoint} (a resumed run).
+        # A list of overrides, or {"overrides": [...], "resume": checkpoint} (a resumed run),
+        # with "notice": (rank, step) a preemption notice that rank alone hears before that step.
         job = job if isinstance(job, dict) else {"overrides": job}
         probe = Probe()
         probe.install()
+        notice = _notice(rank, *job["notice"]) if "notice" in job else None
         try:
-            result = run_worker(load_config(None, job["overrides"]), node_id="node0", resume=job.get("resume"))
+            cfg = load_config(None, job["overrides"])
+            result = run_worker(cfg, node_id="node0", resume=job.get("resume"), notice=notice)
         finally:
             Trainer.__init__ = init  # the next job's probe, not this one's too
         out[name] = {**result, "probe": probe.report()}
     return out
+
+
+def _notice(rank: int, heard_by: int, step: int):
+    """run_worker's ``notice``: true on rank ``heard_by`` from its look before ``step`` on."""
+    looks = iter(range(10**9))
+    return lambda: rank == heard_by and next(looks) >= step
 
 
 def run_gloo_jobs(world: int, jobs: dict[str, list[str] | dict]) -> dict[str, dict]:

@@ -118,16 +118,24 @@ def test_check_lists_the_dp_values(capsys):
 # ------------------------------------------------------------------ the engine across a resize
 
 
+# Preemption notices heard by one rank alone before a step (rank, step): "plain" at step 2
+# (index; its end is step_3, between the interval's saves), "zero1" at step 1 (step_2, which
+# the interval saves anyway: one save).
+NOTICES = {"plain": (2, 2), "zero1": (1, 1)}
+
+
 @pytest.fixture(scope="module")
 def resized(tmp_path_factory):
-    """Each case saved at dp=3 (checkpoints after steps 2 and 4) and resumed from step 2 on the
-    workers of dp=2 with the same config: one launch of gloo processes per world size."""
+    """Each case saved at dp=3 (checkpoints after steps 2 and 4, and at a preemption notice)
+    and resumed from step 2 on the workers of dp=2 with the same config: one launch of gloo
+    processes per world size."""
     cases = {"plain": elastic(), "zero1": elastic(3, 1, 2, 1, "parallelism.zero=1"), "pp2": elastic(pp=2)}
     root = tmp_path_factory.mktemp("elastic")
     saved, resumed = {}, {}
     for worlds, names in (((3, 2), ("plain", "zero1")), ((6, 4), ("pp2",))):
         jobs = {n: [*MODEL, *cases[n], "checkpoint.interval=2", f"run.output_dir={root / n}"] for n in names}
-        saved.update(run_gloo_jobs(worlds[0], jobs))
+        first = {n: {"overrides": o, **({"notice": NOTICES[n]} if n in NOTICES else {})} for n, o in jobs.items()}
+        saved.update(run_gloo_jobs(worlds[0], first))
         again = {
             n: {
                 "overrides": [*o[:-1], f"run.output_dir={root / n}-dp2"],
@@ -151,3 +159,16 @@ def test_a_run_resized_from_dp3_to_dp2_trains_the_oracle_model(resized, name):
     pp = 2 if name == "pp2" else 1
     assert manifest["world_size"] == 2 * pp
     assert (manifest["layout"]["dp"], manifest["layout"]["microbatches"]) == (2, 3)
+
+
+@pytest.mark.parametrize("name", sorted(NOTICES))
+def test_a_preemption_notice_heard_by_one_rank_is_saved_by_all_at_the_same_step(resized, name):
+    """The vote rides on the step's loss all-reduce: every rank saves at the end of the step it
+    was cast in (rank 0 says so too, though it heard nothing), once; the steps are unchanged."""
+    root, saved, _ = resized
+    done = NOTICES[name][1] + 1
+    assert saved[name]["noticed_at"] == done
+    steps = sorted(int(p.name.split("_")[1]) for p in (root / name / "checkpoints").glob("step_*"))
+    assert steps == sorted({2, done, 4}), steps
+    assert read_manifest(root / name / "checkpoints" / f"step_{done}")["step"] == done
+    assert_oracle(saved[name], reference_history(REFERENCE))

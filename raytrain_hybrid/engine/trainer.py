@@ -78,6 +78,7 @@ class Trainer:
             ]
             self.schedule = pipeline.build_schedule(par.schedule, stages, par.microbatches, self.loss_fn)
         self.grad_bytes = 0
+        self.flagged = False  # any rank's flag at the last train_step
         self.flops_per_token = flops_per_token(cfg.model)
         self.peak_tflops = device_peak_tflops(device)
 
@@ -181,7 +182,10 @@ class Trainer:
         if isinstance(module, FSDPModule):
             module.set_requires_gradient_sync(reduce)
 
-    def train_step(self, step: int, batch: Batch) -> dict:
+    def train_step(self, step: int, batch: Batch, flag: bool = False) -> dict:
+        """One optimizer step. ``flag``: this rank's vote (e.g. it heard of a preemption); after
+        the step ``self.flagged`` says whether any rank voted. The vote rides on the step's loss
+        all-reduce, so the ranks agree on it at the same step without a collective of its own."""
         t0 = time.perf_counter()
         lr = self.optimizer.param_groups[0]["lr"]
         counted = None
@@ -190,9 +194,9 @@ class Trainer:
             self.loss_fn.start_step(counted, self.cfg.parallelism.microbatches, self.dims.dp)
         replica_loss = self._forward_backward(batch)
         # Exactly dp*tp ranks hold the last stage, each with its replica's loss.
-        loss = replica_loss.detach().clone()
-        dist.all_reduce(loss)
-        loss /= self.dims.dp * self.dims.tp
+        summed = torch.stack([replica_loss.detach().reshape(()), replica_loss.new_tensor(float(flag))])
+        dist.all_reduce(summed)
+        loss, self.flagged = summed[0] / (self.dims.dp * self.dims.tp), bool(summed[1] > 0)
         self.grad_bytes = sum(_local_bytes(p.grad) for p in self.params if p.grad is not None)
         if isinstance(self.optimizer, ZeroOneOptimizer):
             norm = self._zero1_reduce_and_clip()

@@ -57,6 +57,8 @@ def run_worker(
     launch_id: str = "",
     on_checkpoint: Callable[[int, Store, dict], None] | None = None,
     marks: dict | None = None,
+    notice: Callable[[], bool] | None = None,
+    on_notice: Callable[[int, bool], None] | None = None,
 ) -> dict:
     """Train up to ``cfg.train.steps`` steps; returns per-step metrics and this rank's memory stats.
 
@@ -70,6 +72,10 @@ def run_worker(
     boundary, once a save is complete (a background save: a step or more after it started;
     ``metrics`` are those of the step it saved, with the save's timings).
     ``marks`` collects wall-clock times of the start-up phases (rank 0's are reported).
+    ``notice()``: whether this rank has heard that a node of the group is about to go (a
+    preemption); read before every step. At the first step any rank heard of one, every rank
+    saves a checkpoint at its end and waits for it (the last chance), then calls
+    ``on_notice(steps_done, saved)`` and trains on until the group is stopped.
     """
     marks = marks if marks is not None else {}
     # An elastic run (parallelism.min_dp) starts at the dp its workers make: the same steps,
@@ -100,12 +106,15 @@ def run_worker(
         on_checkpoint=on_checkpoint,
         writer=CheckpointWriter(cfg, launch_id) if cfg.checkpoint.interval else None,
         marks=marks,
+        notice=notice,
+        on_notice=on_notice,
     )
     loop.run(start)
     if feed is not None:
         feed.close()
     coords, per_rank = gather_reports(trainer, node_id, loop.inputs_report())
-    return {"history": loop.history, "memory": per_rank, "coords": coords, "marks": marks}
+    out = {"history": loop.history, "memory": per_rank, "coords": coords, "marks": marks}
+    return {**out, "noticed_at": loop.noticed_at}
 
 
 def join_mesh(cfg: Config, node_id: str, use_gpu: bool, device: torch.device | None, marks: dict):
@@ -156,6 +165,10 @@ class StepLoop:
     waited: float = 0.0  # seconds waiting for data, after the first step
     busy: float = 0.0  # seconds waiting or stepping, after the first step
     saving: dict = field(default_factory=dict)  # step -> the metrics of a save not yet complete
+    notice: Callable[[], bool] | None = None  # this rank heard of a preemption (see run_worker)
+    on_notice: Callable[[int, bool], None] | None = None
+    noticed_at: int | None = None  # the step boundary where the ranks agreed on a notice
+    last_started: int = -1  # the step of the newest save started
 
     def run(self, start: int) -> None:
         for step in range(start, self.cfg.train.steps):
@@ -167,7 +180,8 @@ class StepLoop:
             self.marks.setdefault("first_batch", time.time())
             self.digest.update(batch.input_ids.numpy().tobytes())
             self.rows += batch.input_ids.shape[0]
-            metrics = self.trainer.train_step(step, batch)
+            heard = self.notice is not None and self.noticed_at is None and self.notice()
+            metrics = self.trainer.train_step(step, batch, flag=heard)
             self.marks.setdefault("first_step_done", time.time())
             metrics["data_wait_s"] = wait
             if step > start:  # the first batch waits for the pipeline to start: not steady state
@@ -180,6 +194,8 @@ class StepLoop:
             if self.on_step is not None:
                 self.on_step(metrics)
             self.checkpoint_if_due(step + 1, metrics)
+            if self.trainer.flagged and self.noticed_at is None:
+                self.save_before_preemption(step + 1, metrics)
         if self.writer is not None:  # the run does not end with a save in flight
             self.completed(self.writer.close())
 
@@ -194,10 +210,25 @@ class StepLoop:
         interval = self.cfg.checkpoint.interval
         if done % interval and done != self.cfg.train.steps:
             return
+        self.start_save(done, metrics)
+
+    def start_save(self, done: int, metrics: dict) -> None:
         position = self.position()
-        self.saving[done] = metrics
+        self.saving[done], self.last_started = metrics, done
         entry = position.manifest_entry() if position is not None else {}
         self.completed(self.writer.save(self.trainer, done, data_position=entry))
+
+    def save_before_preemption(self, done: int, metrics: dict) -> None:
+        """Every rank, at the step where the ranks agreed that a node is about to go: the
+        checkpoint of this step (unless the interval started it already) completed now, in the
+        foreground: the node may be gone before a background save would end."""
+        self.noticed_at = done
+        if self.writer is not None:
+            if self.last_started != done:
+                self.start_save(done, metrics)
+            self.completed(self.writer.wait())
+        if self.on_notice is not None:
+            self.on_notice(done, self.writer is not None)
 
     def completed(self, saved: list[Saved]) -> None:
         """Complete checkpoints: their timings go into their step's metrics (this rank's
