@@ -182,7 +182,9 @@ def make_trainer(cfg: Config, *, sink, use_gpu: bool, resources: dict[str, float
             # there in place and registered with Ray (restarts, retention).
             name="checkpoints",
             storage_path=cfg.run.output_dir,
-            failure_config=FailureConfig(max_failures=cfg.run.max_failures),
+            # A node drained for preemption (a spot reclaim) restarts the group too, counted apart
+            # from run.max_failures and without limit (Ray Train's default, said here).
+            failure_config=FailureConfig(max_failures=cfg.run.max_failures, max_preemption_failures=-1),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep or None),
         ),
     )
@@ -232,6 +234,7 @@ def write_results(cfg: Config, run_log: RunLog, marks: dict, run_dir: RunDir, dr
     summary = summarize(cfg, run_log.history, run_log.memory, run_log.restarts, run_log.restarted_from)
     summary["startup_s"] = startup_breakdown({**marks, **run_log.marks})
     summary["checkpoints"] = run_log.checkpoints
+    summary["preemptions"] = run_log.preemptions  # notices and the saves made for them
     if is_elastic(cfg.parallelism):  # each start of the worker group: its step and dp
         summary["elastic"] = {
             "min_dp": cfg.parallelism.min_dp,

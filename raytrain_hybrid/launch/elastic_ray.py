@@ -42,8 +42,12 @@ class ReplicaScalingPolicy(ElasticScalingPolicy):
         return super().make_decision_for_non_running_worker_group()
 
     def _count_possible_workers(self, reserved_resources) -> int:
+        """Nodes being drained (a preemption notice) are leaving: Ray's view still counts them,
+        and a group restarted at the deadline would wait for them, then time out."""
         per_worker = self.scaling_config._resources_per_worker_not_none
-        return workers_that_fit(reserved_resources.values(), per_worker, self.tp, self.counts)
+        leaving = _draining_nodes()
+        staying = [r for node, r in reserved_resources.items() if node not in leaving]
+        return workers_that_fit(staying, per_worker, self.tp, self.counts)
 
     def _get_reserved_resources(self):
         """As Ray's, with the coordinator's view of the nodes recomputed: it refreshes its node
@@ -63,6 +67,14 @@ class ReplicaScalingPolicy(ElasticScalingPolicy):
         self._latest_reserved_resources_query_time = time_monotonic()
         self._latest_reserved_resources = reserved
         return reserved
+
+
+def _draining_nodes() -> set[str]:
+    """Ids of the nodes Ray Core is draining (what Ray Train's preemption watcher reads)."""
+    try:
+        return set(ray._private.state.state.get_draining_nodes() or {})
+    except Exception:  # as a failed look at the cluster: count every node, the next look tries again
+        return set()
 
 
 class ReplicaTorchTrainer(TorchTrainer):

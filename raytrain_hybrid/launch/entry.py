@@ -49,6 +49,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         _register(path.uri if rank == 0 else None, {"loss": metrics["loss"], "step": steps_done})
         tracker.checkpoint(steps_done, str(path), metrics)  # registered with Ray now
 
+    def on_notice(steps_done: int, saved: bool) -> None:  # every rank, once its preemption save is complete
+        if rank == 0 and sink is not None:
+            sink.put(("preemption", notice_event(steps_done, saved)))
+
     resume, unheard = _restart_point(cfg, loop_config)
     start = read_manifest(resume)["step"] if resume else 0
     if unheard:  # every rank alike: Ray Train learns of it (retention; the restart after this one)
@@ -70,11 +74,41 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             launch_id=loop_config["launch_id"],
             on_checkpoint=on_checkpoint,
             marks=marks,
+            notice=preemption_notice(),
+            on_notice=on_notice,
         )
     if rank == 0 and sink is not None:
         sink.put(("done", {"memory": result["memory"], "marks": result["marks"]}))
-    last = result["history"][-1]
+    # A group restarted from the last step's checkpoint (a node lost, or a preemption's deadline,
+    # after it was saved) has no step left to run.
+    last = result["history"][-1] if result["history"] else {"loss": None, "step": start - 1}
     ray.train.report({"loss": last["loss"], "step": last["step"]})
+
+
+def preemption_notice():
+    """A cheap look, before every step, at whether Ray Train's preemption watcher told this worker
+    that a node of the group is being drained (a spot reclaim): its own flag, no collective
+    (``ray.train.get_preemption_info()`` is a barrier through an actor; the engine's vote rides
+    on the step's loss all-reduce instead). Ray Train V2 internals of Ray 2.60: without them,
+    no notice (a preemption then costs the steps since the newest checkpoint)."""
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        context = get_train_context().preemption_context
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+    return lambda: context.preemption_info is not None
+
+
+def notice_event(done: int, saved: bool) -> dict:
+    """What the driver hears of a preemption notice (rank 0's copy of Ray Train's info)."""
+    from ray.train.v2._internal.execution.context import get_train_context
+
+    info = get_train_context().preemption_context.preemption_info
+    event = {"step": done, "saved": saved, "noticed_at": time.time()}
+    if info is not None:
+        event.update(nodes=info.preempted_node_ids, ranks=info.preempted_ranks, deadline_ms=info.deadline_ms)
+    return event
 
 
 def _restart_point(cfg: Config, loop_config: dict) -> tuple[str | None, bool]:

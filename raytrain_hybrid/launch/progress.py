@@ -107,6 +107,7 @@ class RunLog:
         self.dp_starts: list[dict] = []  # per start: its step and dp (an elastic run's resizes)
         self.live_steps = 0  # steps reported by this launch's workers
         self.checkpoints: list[dict] = []  # step, path, write_s, save_s, blocked_s
+        self.preemptions: list[dict] = []  # per notice: step saved, nodes, ranks, deadline; restarted_from
         self.marks: dict = {}  # rank 0's start-up phases (wall clock)
         self.on_checkpoint = on_checkpoint  # e.g. copy the run's files to its URI
         self.file = self.path.open("w")
@@ -166,6 +167,8 @@ class RunLog:
                 if self.tb is not None:
                     _flush_tensorboard(self.tb)
                 self.on_checkpoint()
+        elif kind == "preemption":
+            self._preempted(payload)
         elif kind == "done":
             self.memory = payload["memory"]
             self.marks = payload.get("marks", {})
@@ -175,8 +178,26 @@ class RunLog:
                         if r.get(key) is not None:
                             self.tb.add_scalar(f"memory/{key}/rank{r['rank']}", r[key], len(self.history))
 
+    def _preempted(self, notice: dict) -> None:
+        """Rank 0 says the ranks saved (and waited for) step N's checkpoint on a preemption notice."""
+        self.preemptions.append(notice)
+        for c in self.checkpoints:
+            if c["step"] == notice["step"]:
+                c["reason"] = "preemption"
+        deadline = notice.get("deadline_ms")
+        when = f" in {deadline / 1000 - notice['noticed_at']:.0f} s" if deadline else ""
+        saved = f"saved step {notice['step']}" if notice["saved"] else "no checkpoint saved (checkpoint.interval=0)"
+        nodes = ", ".join(n[:8] for n in notice.get("nodes", [])) or "?"
+        self._say(
+            f"preemption notice: node(s) {nodes} (ranks {notice.get('ranks', '?')}) go{when}; {saved}; "
+            "Ray Train restarts the group then, from the newest checkpoint"
+        )
+
     def _restarted(self, step: int) -> None:
         """The worker group restarted from a checkpoint: drop the steps it will redo."""
+        after = self.preemptions[-1] if self.preemptions and "restarted_from" not in self.preemptions[-1] else None
+        if after is not None:  # the first start after a notice (Ray Train counts it apart from failures)
+            after["restarted_from"] = step
         self.restarts += 1
         self.restarted_from.append(step)
         kept = [h for h in self.history if h["step"] < step]
@@ -186,7 +207,8 @@ class RunLog:
         self.history = []
         for h in kept:
             self._record(h)
-        self._say(f"restart {self.restarts}: the worker group continues from step {step}")
+        why = " after the preemption" if after is not None else ""
+        self._say(f"restart {self.restarts}{why}: the worker group continues from step {step}")
 
     def _record(self, m: dict) -> None:
         self.history.append(m)
