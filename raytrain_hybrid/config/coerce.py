@@ -32,9 +32,20 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         return value
     if origin in (types.UnionType, typing.Union):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "auto")):
+        optional = len(args) < len(typing.get_args(annotation))
+        if optional and (value is None or (isinstance(value, str) and value.lower() in ("none", "null", "auto"))):
             return None
-        return _coerce(key, value, args[0])
+        if len(args) == 1 and not (optional and args[0] is bool):
+            return _coerce(key, value, args[0])
+        # A choice between types (bool | Literal["selective"]): the first that takes the value.
+        for arg in args:
+            try:
+                return _coerce(key, value, arg)
+            except ConfigError:
+                pass
+        named = [v for a in args for v in ((False, True) if a is bool else typing.get_args(a))]
+        named += ["auto"] if optional else []
+        raise ConfigError(key, value, f"must be one of {choices(str(v).lower() for v in named)}")
     if annotation is bool:
         if isinstance(value, bool):
             return value

@@ -21,10 +21,8 @@ SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
 V_SCHEDULES = ("ZBVZeroBubble",)
 SCHEDULES = SINGLE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES + V_SCHEDULES
-
-
 ZERO_STAGES = (0, 1, 2, 3)
-
+AC_MODES = (False, True, "selective")  # parallelism.activation_checkpointing: none, full, selective
 
 # The architectures of the registry (raytrain_hybrid.models).
 ARCHS = ARCH_NAMES
@@ -51,8 +49,13 @@ class ParallelismConfig:
     # 0 = DDP-style replication, 1 = optimizer state and update sharded over dp (ZeRO-1),
     # 2 = FSDP2 without resharding after forward, 3 = FSDP2 full sharding.
     zero: int = 0
-    # Recompute each transformer block in backward instead of storing its activations.
-    activation_checkpointing: bool = False
+    # Activation checkpointing of each transformer block: true (full) recomputes the whole block in
+    # backward; "selective" keeps matmul, attention and TP-collective outputs and recomputes the
+    # element-wise ops (norms, activations, RoPE); false (none) stores every activation.
+    activation_checkpointing: bool | Literal["selective"] = False
+    # torch.compile each transformer block (applied after TP and activation checkpointing, before
+    # FSDP/ZeRO, as TorchTitan does); "auto" (the default): on when the workers have GPUs, off on CPU.
+    compile: bool | None = None
     # With tp > 1: shard norms and the residual stream along the sequence across the TP
     # group (all-gather / reduce-scatter at the TP regions) so those activations shrink by
     # tp too. No effect at tp = 1.
@@ -65,6 +68,9 @@ class ParallelismConfig:
                 raise ConfigError(f"parallelism.{key}", value, "must be >= 1")
         if self.min_dp < 0:
             raise ConfigError("parallelism.min_dp", self.min_dp, "must be >= 0 (0: a fixed dp)")
+        for key, allowed in (("activation_checkpointing", AC_MODES), ("compile", (None, True, False))):
+            if getattr(self, key) not in allowed:  # (--set and TOML values are checked on the way in)
+                raise ConfigError(f"parallelism.{key}", getattr(self, key), f"must be one of {choices(allowed)}")
         if self.schedule not in SCHEDULES:
             raise ConfigError("parallelism.schedule", self.schedule, f"must be one of {choices(SCHEDULES)}")
         if self.zero not in ZERO_STAGES:
