@@ -55,7 +55,9 @@ def optimizer_state(modules, optimizer) -> dict[str, torch.Tensor]:
             else:
                 state = optimizer.state[p]
                 if not state:
-                    state["step"] = torch.tensor(0.0)
+                    # Where AdamW keeps it: on the parameter's device for the fused kernel (CUDA).
+                    fused = optimizer.defaults.get("fused")
+                    state["step"] = torch.tensor(0.0, device=p.device if fused else "cpu")
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             for key in ("step", "exp_avg", "exp_avg_sq"):

@@ -32,7 +32,15 @@ def apply_fsdp(stage, spec: ArchSpec, mesh, dims: ParallelDims) -> None:
     fully_shard(stage, mesh=fsdp_mesh, reshard_after_forward=reshard, mp_policy=mp)
 
 
-def build_optimizer(params, mesh, dims: ParallelDims, **adamw):
+def adamw_kernel(device: torch.device) -> dict:
+    """AdamW's implementation: on CUDA the fused kernel (one launch per step for all parameters;
+    torch 2.13 runs it on plain tensors and on DTensor shards alike, _ops/_pointwise_ops.py);
+    elsewhere torch's default (the for-loop on CPU, as the single-process oracle runs it)."""
+    return {"fused": True} if device.type == "cuda" else {}
+
+
+def build_optimizer(params, mesh, dims: ParallelDims, *, device: torch.device, **adamw):
+    adamw = {**adamw, **adamw_kernel(device)}
     if dims.zero == 1 and dims.dp > 1:
         return ZeroOneOptimizer(params, dp_group=mesh.dp.get_group(), tp=dims.tp, **adamw)
     return torch.optim.AdamW(params, **adamw)

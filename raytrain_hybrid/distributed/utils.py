@@ -40,12 +40,18 @@ def global_grad_norm(params, ranks_per_stage: int, device: torch.device) -> torc
 
 
 def clip_grads_(params, max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale every gradient by min(1, max_norm / total_norm), on the device: the factor stays a
+    tensor (no host synchronisation) and multiplies DTensor gradients through their local shards."""
     if max_norm <= 0:
         return
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
-            p.grad.mul_(coef.to(p.grad.dtype) if not isinstance(p.grad, DTensor) else coef.item())
+            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            by_dtype.setdefault(local.dtype, []).append(local)
+    for dtype, grads in by_dtype.items():
+        torch._foreach_mul_(grads, coef.to(dtype))
 
 
 def mesh_device(mesh) -> torch.device:

@@ -95,7 +95,7 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         return total
 
     @torch.no_grad()
-    def clip_(self, coef: float) -> None:
+    def clip_(self, coef: float | torch.Tensor) -> None:
         self.shard.grad.mul_(coef)
 
     @torch.no_grad()
@@ -127,7 +127,7 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         parameter (a DTensor where it is one), as a plain AdamW would hold it: checkpoints
         stay layout-independent. The moments are all-gathered over DP for this."""
         inner = self.optim.state[self.shard]
-        step = inner["step"].clone() if inner else torch.tensor(0.0)
+        step = inner["step"].clone().cpu() if inner else torch.tensor(0.0)
         moments = {}
         for key in ("exp_avg", "exp_avg_sq"):
             mine = inner[key] if inner else torch.zeros(self.slice_len, device=self.shard.device)
@@ -157,5 +157,7 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
                 value = _local(per_param[id(self.model_params[i])][key]).reshape(-1)
                 buf[s_at : s_at + n] = value[p_at : p_at + n]
             inner[key] = buf
-        inner["step"] = per_param[id(self.model_params[0])]["step"].clone().float()
+        step = per_param[id(self.model_params[0])]["step"].clone().float()
+        # The fused kernel (CUDA) reads its step counter on the device, the for-loop on the host.
+        inner["step"] = step.to(self.shard.device if self.optim.defaults.get("fused") else "cpu")
         self._pull_params()

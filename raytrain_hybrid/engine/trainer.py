@@ -22,6 +22,7 @@ from raytrain_hybrid.distributed.parallelize import parallelize_stage
 from raytrain_hybrid.distributed.tensor_parallel import align_grad_placements
 from raytrain_hybrid.distributed.utils import clip_grads_, global_grad_norm
 from raytrain_hybrid.distributed.zero1 import ZeroOneOptimizer
+from raytrain_hybrid.engine.compile_clock import CompileClock
 from raytrain_hybrid.engine.loss import TokenLoss, lr_factor, make_loss
 from raytrain_hybrid.models import get_arch, hf_checkpoint
 from raytrain_hybrid.models.common import build_stage, full_init_state_dict
@@ -50,6 +51,9 @@ class Trainer:
         split = pipeline.split_layers(self.spec.num_blocks(cfg.model), num_stages)
         ids = pipeline.stage_ids(par.schedule, self.pp_rank, dims.pp, par.stages_per_rank) if dims.pp > 1 else [0]
         self.stage_ids = ids
+        # parallelism.compile "auto": on GPUs (the compiled blocks pay off there), off on CPU.
+        self.compiled = par.compile if par.compile is not None else device.type == "cuda"
+        self.compile_clock = CompileClock() if self.compiled else None
         self.has_first = 0 in ids
         self.has_last = num_stages - 1 in ids
         self.modules = [self._build(sid, split[sid], num_stages) for sid in ids]
@@ -63,6 +67,7 @@ class Trainer:
             betas=(0.9, 0.95),
             eps=1e-8,
             weight_decay=cfg.train.weight_decay,
+            device=device,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
@@ -115,6 +120,7 @@ class Trainer:
             activation_checkpointing=self.cfg.parallelism.activation_checkpointing,
             # Only architectures with a sequence-parallel plan run it.
             sequence_parallel=self.cfg.parallelism.sequence_parallel and bool(self.spec.sp_plan),
+            compile=self.compiled,
         )
         stage.to_empty(device=self.device)
         if self.spec.init_buffers is not None:
@@ -131,21 +137,28 @@ class Trainer:
         enabled = self.cfg.train.dtype == "bfloat16"
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
 
+    def _to_device(self, x: torch.Tensor) -> torch.Tensor:
+        """A batch tensor on this rank's device; to a GPU through pinned memory, without waiting
+        for the copy (the stream orders it before the forward that reads it)."""
+        if self.device.type != "cuda":
+            return x.to(self.device)
+        return x.pin_memory().to(self.device, non_blocking=True)
+
     def _forward_backward(self, batch: Batch) -> torch.Tensor:
         """Returns this replica's mean loss on ranks that hold the last stage, else 0."""
         m = self.cfg.parallelism.microbatches
         if self.schedule is not None:
             losses: list[torch.Tensor] = []
-            args = tuple(x.to(self.device) for x in batch.inputs) if self.has_first else ()
-            kwargs = {"target": batch.labels.to(self.device), "losses": losses} if self.has_last else {}
+            args = tuple(self._to_device(x) for x in batch.inputs) if self.has_first else ()
+            kwargs = {"target": self._to_device(batch.labels), "losses": losses} if self.has_last else {}
             with self._autocast():
                 self.schedule.step(*args, **kwargs)
             if not self.has_last:
                 return torch.zeros((), device=self.device)
             return torch.stack([loss.detach().float() for loss in losses]).mean()
         (module,) = self.modules
-        xs = list(zip(*(x.to(self.device).chunk(m) for x in batch.inputs), strict=True))
-        ys = batch.labels.to(self.device).chunk(m)
+        xs = list(zip(*(self._to_device(x).chunk(m) for x in batch.inputs), strict=True))
+        ys = self._to_device(batch.labels).chunk(m)
         total = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
             self._set_grad_reduction(module, reduce=i == m - 1)
@@ -187,6 +200,7 @@ class Trainer:
         the step ``self.flagged`` says whether any rank voted. The vote rides on the step's loss
         all-reduce, so the ranks agree on it at the same step without a collective of its own."""
         t0 = time.perf_counter()
+        compiled_before = self.compile_clock.reading() if self.compile_clock else None
         lr = self.optimizer.param_groups[0]["lr"]
         counted = None
         if isinstance(self.loss_fn, TokenLoss):
@@ -207,6 +221,8 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        # The step's only host synchronisation: everything above is queued on the device.
+        loss_value, norm_value = loss.item(), norm.item()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - t0
@@ -214,8 +230,8 @@ class Trainer:
         tflops = self.flops_per_token * tokens / elapsed / self.dims.world_size / 1e12
         return {
             "step": step,
-            "loss": loss.item(),
-            "grad_norm": norm.item(),
+            "loss": loss_value,
+            "grad_norm": norm_value,
             "lr": lr,
             "step_time_s": elapsed,
             "tokens_per_s": tokens / elapsed,
@@ -223,7 +239,14 @@ class Trainer:
             "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
             "dp": self.dims.dp,  # replicas of this step (an elastic run's changes with the nodes)
             **({"loss_tokens": counted} if self.cfg.data.format != "text" else {}),  # labels the loss counted
+            **(self._compiled_in_step(compiled_before) if compiled_before else {}),
         }
+
+    def _compiled_in_step(self, before: tuple[int, float]) -> dict:
+        """torch.compile's work during the step: compilations (after the first step, each one is
+        a recompilation) and their seconds."""
+        compiles, seconds = self.compile_clock.reading()
+        return {"compiles": compiles - before[0], "compile_s": round(seconds - before[1], 3)}
 
     def _counted_labels(self, batch: Batch) -> int:
         """The labels the step's loss counts, over the whole global batch. Every rank of a replica
@@ -242,8 +265,8 @@ class Trainer:
         sq = self.optimizer.grad_norm_sq()
         dist.all_reduce(sq)
         norm = sq.sqrt().float()
-        if self.cfg.train.grad_clip > 0:
-            self.optimizer.clip_(min(1.0, self.cfg.train.grad_clip / (norm.item() + 1e-6)))
+        if self.cfg.train.grad_clip > 0:  # a device tensor: no host synchronisation before the update
+            self.optimizer.clip_(torch.clamp(self.cfg.train.grad_clip / (norm + 1e-6), max=1.0))
         return norm
 
     def memory_stats(self) -> dict:

@@ -183,6 +183,8 @@ class StepLoop:
             heard = self.notice is not None and self.noticed_at is None and self.notice()
             metrics = self.trainer.train_step(step, batch, flag=heard)
             self.marks.setdefault("first_step_done", time.time())
+            if "compile_s" in metrics:  # torch.compile compiles at the first step: its share of it
+                self.marks.setdefault("first_step_compile_s", metrics["compile_s"])
             metrics["data_wait_s"] = wait
             if step > start:  # the first batch waits for the pipeline to start: not steady state
                 self.waited, self.busy = self.waited + wait, self.busy + wait + metrics["step_time_s"]

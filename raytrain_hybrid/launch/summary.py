@@ -31,6 +31,8 @@ def startup_breakdown(marks: dict) -> dict:
         if mark in marks and last is not None:
             out[name] = round(marks[mark] - last, 3)
             last = marks[mark]
+    if "first_step_compile_s" in marks:  # a duration: the part of first_step torch.compile took
+        out["first_step_compile"] = round(marks["first_step_compile_s"], 3)
     if "first_step_done" in marks:
         out["total_to_first_step"] = round(marks["first_step_done"] - marks["launched"], 3)
     return out

@@ -1,0 +1,34 @@
+"""How much torch.compile compiled, and for how long: dynamo's compile callbacks (a frame traced,
+or a backward graph lowered lazily at its first use) counted per step. The start-up breakdown
+takes the first step's seconds; a later step that compiles again is a recompilation."""
+
+from __future__ import annotations
+
+import time
+
+from torch._dynamo.callback import CallbackArgs, callback_handler
+
+
+class CompileClock:
+    def __init__(self) -> None:
+        self.compiles = 0  # compilations that ended (forward frames and lazy backward graphs)
+        self.seconds = 0.0
+        self._started: float | None = None
+        callback_handler.register_start_callback(self._start)
+        callback_handler.register_end_callback(self._end)
+
+    def _start(self, args: CallbackArgs) -> None:
+        self._started = time.perf_counter()
+
+    def _end(self, args: CallbackArgs) -> None:
+        if self._started is not None:
+            self.seconds += time.perf_counter() - self._started
+            self.compiles += 1
+            self._started = None
+
+    def reading(self) -> tuple[int, float]:
+        return self.compiles, self.seconds
+
+    def close(self) -> None:
+        callback_handler.remove_start_callback(self._start)
+        callback_handler.remove_end_callback(self._end)
