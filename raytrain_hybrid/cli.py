@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -129,12 +130,34 @@ def _live_topology(cfg, world: int) -> list[int]:
     return counts
 
 
+def _auto_layout(args, cfg):
+    """check with parallelism.layout=auto: the planner's pick for --topology's nodes (the workers
+    each holds) or the connected cluster's; (config at the pick, workers per node)."""
+    from raytrain_hybrid.launch.autolayout import pick_for_check
+
+    held = None
+    if args.topology:
+        try:
+            held = [int(c) for c in args.topology.split(",")]
+        except ValueError:
+            raise ConfigError("--topology", args.topology, "must be workers per node, e.g. 4,4") from None
+    elif cfg.cluster.address or os.environ.get("RAY_ADDRESS"):
+        import ray
+
+        ray.init(address=cfg.cluster.address or os.environ["RAY_ADDRESS"], log_to_driver=False)
+    say = functools.partial(print, file=sys.stderr if args.json else sys.stdout)  # --json: stdout is the JSON
+    return pick_for_check(cfg, held, say)
+
+
 def _check(args, cfg) -> int:
     from raytrain_hybrid.distributed.parallel_dims import ParallelDims, placement_report
 
+    counts = None
+    if cfg.parallelism.layout == "auto":  # the planner's pick, printed; then the usual check of it
+        cfg, counts = _auto_layout(args, cfg)
     par = cfg.parallelism
     dims = ParallelDims.from_config(par)
-    if args.topology:
+    if counts is None and args.topology:
         try:
             counts = [int(c) for c in args.topology.split(",")]
         except ValueError:
@@ -143,7 +166,7 @@ def _check(args, cfg) -> int:
             raise ConfigError(
                 "--topology", args.topology, f"places {sum(counts)} workers; the layout needs {dims.world_size}"
             )
-    else:
+    elif counts is None:
         counts = _live_topology(cfg, dims.world_size)
     report = placement_report(dims, counts)
     ranks, groups = report["ranks"], report["groups"]

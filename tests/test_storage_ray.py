@@ -35,7 +35,10 @@ COMMON = [
     "run.progress=false",
 ]
 FIRST = ["parallelism.dp=2", "parallelism.tp=1", "parallelism.pp=2", "parallelism.microbatches=2"]
-OTHER = ["parallelism.dp=1", "parallelism.tp=2", "parallelism.pp=1", "parallelism.microbatches=2"]
+# The resume: parallelism.layout=auto with dp at most 2, on the session's cluster (one node of 16
+# logical CPUs, one worker each): the planner's CPU profile (this machine's cores shared by the
+# ranks) picks two replicas of one rank, not the first run's (2,1,2).
+OTHER = ["parallelism.layout=auto", "parallelism.dp=2"]
 
 
 def _cli(args: list[str], cwd: Path, s3, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -163,8 +166,9 @@ def test_no_credential_reaches_the_bucket(s3, first_run):
 
 
 def test_resume_from_the_bucket_under_another_layout_continues_the_losses(s3, first_run, tmp_path):
-    """Half the workers (another placement group, so Ray Data cuts the read into other blocks):
-    the same documents, the same losses."""
+    """Half the workers, at the layout the planner picks for the cluster (another placement group,
+    so Ray Data cuts the read into other blocks): the same documents, the same losses. The run
+    prints its pick and the runner-up; summary.json has the layout it ran."""
     _, fs = s3
     _, _, objects = first_run
     done = _cli(
@@ -178,7 +182,12 @@ def test_resume_from_the_bucket_under_another_layout_continues_the_losses(s3, fi
         s3,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    before, after = _losses(objects["metrics.jsonl"]), _losses(_objects(fs, "bucket/resumed")["metrics.jsonl"])
+    pick = "layout auto: dp=2 tp=1 pp=1 1F1B microbatches=1 zero=0 activation_checkpointing=false on nodes holding [15]"
+    assert pick in done.stdout and "layout auto: runner-up dp=1" in done.stdout, done.stdout
+    resumed = _objects(fs, "bucket/resumed")
+    layout = json.loads(resumed["summary.json"])["layout"]
+    assert (layout["dp"], layout["tp"], layout["pp"], layout["microbatches"]) == (2, 1, 1, 1), layout
+    before, after = _losses(objects["metrics.jsonl"]), _losses(resumed["metrics.jsonl"])
     assert sorted(after) == [2, 3]
     for step in (2, 3):
         assert after[step] == pytest.approx(before[step], rel=1e-4), (step, before, after)

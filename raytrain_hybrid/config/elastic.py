@@ -59,6 +59,13 @@ def check_elastic(cfg: Config) -> None:
     par = cfg.parallelism
     if not par.min_dp:
         return
+    if par.layout == "auto":  # not yet: the elastic policy resizes whole replicas of one tp*pp
+        raise ConfigError(
+            "parallelism.layout",
+            par.layout,
+            "with parallelism.min_dp the run resizes dp at one tp and pp; use parallelism.layout=fixed with "
+            "min_dp, or parallelism.min_dp=0 with layout=auto (the planner then picks the layout at the start)",
+        )
     if par.min_dp > par.dp:
         raise ConfigError(
             "parallelism.min_dp",

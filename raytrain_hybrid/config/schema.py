@@ -35,6 +35,9 @@ class ParallelismConfig:
     # Elastic dp: with 0 < min_dp < dp the run goes on at any dp in [min_dp, dp] that keeps the
     # micro-batch (`check` lists them), as nodes come and go; 0: dp is fixed.
     min_dp: int = 0
+    # "auto": at the start the planner picks dp (at most the dp above), tp, pp, micro-batches, schedule,
+    # ZeRO and recompute for the nodes the cluster has then (`check` shows its pick); "fixed": the keys here.
+    layout: str = "fixed"
     # Tensor-parallel degree; every TP group stays inside one node.
     tp: int = 2
     # Pipeline-parallel degree (number of ranks along the pipeline).
@@ -68,6 +71,8 @@ class ParallelismConfig:
                 raise ConfigError(f"parallelism.{key}", value, "must be >= 1")
         if self.min_dp < 0:
             raise ConfigError("parallelism.min_dp", self.min_dp, "must be >= 0 (0: a fixed dp)")
+        if self.layout not in ("fixed", "auto"):
+            raise ConfigError("parallelism.layout", self.layout, "must be one of {auto, fixed}")
         for key, allowed in (("activation_checkpointing", AC_MODES), ("compile", (None, True, False))):
             if getattr(self, key) not in allowed:  # (--set and TOML values are checked on the way in)
                 raise ConfigError(f"parallelism.{key}", getattr(self, key), f"must be one of {choices(allowed)}")
@@ -202,12 +207,11 @@ class TrainConfig:
             raise ConfigError("train.lr", self.lr, "must be > 0, e.g. 3e-4 (0 picks one for the model)")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError("train.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
-        if self.warmup_steps < 0:
-            raise ConfigError("train.warmup_steps", self.warmup_steps, "must be >= 0")
+        for key in ("warmup_steps", "weight_decay"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"train.{key}", getattr(self, key), "must be >= 0")
         if self.grad_clip < 0:
             raise ConfigError("train.grad_clip", self.grad_clip, "must be >= 0 (0 disables clipping)")
-        if self.weight_decay < 0:
-            raise ConfigError("train.weight_decay", self.weight_decay, "must be >= 0")
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError("train.dtype", self.dtype, "must be one of {float32, bfloat16}")
         if self.init_std <= 0:
@@ -285,8 +289,6 @@ class DataConfig:
 
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-
-
 BACKENDS = ("auto", "nccl", "gloo")
 
 
@@ -314,9 +316,7 @@ class ClusterConfig:
             raise ConfigError("cluster.gpus_per_node", self.gpus_per_node, "must be >= 0 (0 means unknown)")
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
             raise ConfigError(
-                "cluster.placement_strategy",
-                self.placement_strategy,
-                f"must be one of {choices(PLACEMENT_STRATEGIES)}",
+                "cluster.placement_strategy", self.placement_strategy, f"must be one of {choices(PLACEMENT_STRATEGIES)}"
             )
         if self.backend not in BACKENDS:
             raise ConfigError("cluster.backend", self.backend, f"must be one of {choices(BACKENDS)}")

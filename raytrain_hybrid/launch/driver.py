@@ -22,6 +22,7 @@ from raytrain_hybrid.checkpoint.manifest import MANIFEST, check_compatible, reso
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.config.elastic import is_elastic
 from raytrain_hybrid.errors import ConfigError
+from raytrain_hybrid.launch.autolayout import choose_layout
 from raytrain_hybrid.launch.autoscale import POLL_S, ScalerProbe, StartupTimeout, StartupWatchdog
 from raytrain_hybrid.launch.elastic import make_torch_trainer, scaling_workers, start_line, worker_counts
 from raytrain_hybrid.launch.entry import train_loop_per_worker
@@ -86,9 +87,9 @@ def run(cfg: Config, resume: str | None = None, stream=None, driver_log: Path | 
     marks = {"launched": time.time()}
     check_tracking(cfg)  # run.tracking's package, before Ray starts
     cfg, resume, kept_history = prepare_run_dir(cfg, resume)
-    use_gpu, resources = open_session(cfg, marks)
-    open_store(cfg.run.output_dir).makedirs()  # only now: a refused run leaves nothing behind
     say = functools.partial(print, file=stream or sys.stdout, flush=True)
+    cfg, use_gpu, resources = open_session(cfg, marks, say)
+    open_store(cfg.run.output_dir).makedirs()  # only now: a refused run leaves nothing behind
     cfg = prepare_input(cfg, say=say)
     if is_elastic(cfg.parallelism):
         say(start_line(cfg))
@@ -137,15 +138,17 @@ def prepare_run_dir(cfg: Config, resume: str | None) -> tuple[Config, str | None
     return cfg, resume, kept_history
 
 
-def open_session(cfg: Config, marks: dict) -> tuple[bool, dict[str, float]]:
-    """Join or start Ray, and check the live cluster can place the workers: (use_gpu, resources per worker)."""
+def open_session(cfg: Config, marks: dict, say=print) -> tuple[Config, bool, dict[str, float]]:
+    """Join or start Ray, pick the layout (parallelism.layout="auto") and check the live cluster can
+    place the workers: (the config at its layout, use_gpu, resources per worker)."""
     world = cfg.parallelism.world_size
     ensure_ray(cfg, world)
     marks["ray_ready"] = time.time()
+    cfg = choose_layout(cfg, say)  # the planner's pick for the nodes there are now, said with its runner-up
     use_gpu = resolve_use_gpu(cfg, worker_counts(cfg)[0])  # an elastic run starts on fewer
     resources = worker_resources(cfg, use_gpu)
     check_placement(cfg, resources)
-    return use_gpu, resources
+    return cfg, use_gpu, resources
 
 
 def make_trainer(cfg: Config, *, sink, use_gpu: bool, resources: dict[str, float], resume: str | None, tracking=None):

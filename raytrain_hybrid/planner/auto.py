@@ -1,0 +1,139 @@
+"""parallelism.layout = "auto": the planner's layout for the nodes a cluster has now.
+
+Every layout trains the same model for a fixed global batch (the rows of a step, their order and
+the LR schedule do not depend on it) and checkpoints reshard across layouts, so the planner may
+pick any: its pick changes the speed, never the losses. The search: every worker count the nodes
+hold with each TP group inside one node, dp at most parallelism.dp (the run's bound), each layout
+the validator accepts priced by the cost model (planner.search.plan); the fastest predicted one
+that fits in memory wins, and the runner-up is said with the reason it lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from raytrain_hybrid.config import Config
+from raytrain_hybrid.errors import ConfigError
+from raytrain_hybrid.planner.hardware import PROFILES, GiB, Hardware, load_hardware
+from raytrain_hybrid.planner.search import plan
+
+# Another profile to price on: a built-in name (h100, a100-80, ...) or a `calibrate` file.
+HARDWARE_ENV = "RAYTRAIN_HYBRID_HARDWARE"
+_BY_ACCELERATOR = {"H100": "h100", "A100": "a100-80"}  # Ray's accelerator_type:<name> resource
+
+
+def hardware_for(nodes: list[dict[str, float]], use_gpu: bool, slots: list[int]) -> Hardware:
+    """The profile the pick is priced on: $RAYTRAIN_HYBRID_HARDWARE, else the nodes' GPU type
+    (H100 when Ray does not say), else a rough CPU profile (calibrate for a better one)."""
+    top = max(slots, default=1)
+    if os.environ.get(HARDWARE_ENV):
+        hw = load_hardware(os.environ[HARDWARE_ENV])
+    elif use_gpu:
+        types = {k.split(":", 1)[1] for n in nodes for k in n if k.startswith("accelerator_type:")}
+        hw = PROFILES[next((_BY_ACCELERATOR[t] for t in sorted(types) if t in _BY_ACCELERATOR), "h100")]
+    else:  # logical CPUs share the driver machine's cores: more ranks than cores gain nothing
+        hw = Hardware(
+            name="CPU (uncalibrated)",
+            gpus_per_node=top,
+            memory_bytes=4 * GiB,
+            peak_tflops=0.05,
+            efficiency=0.5,
+            intra_node_gbps=2.0,
+            inter_node_gbps=1.0,
+            latency_s=50e-6,
+            cores=os.cpu_count() or 1,
+            tp_pair_overhead_s=0.002,
+        )
+    return dataclasses.replace(hw, gpus_per_node=top)
+
+
+def _fits(slots: list[int], tp: int, world: int) -> bool:
+    """The nodes hold ``world`` workers with every TP group of ``tp`` inside one node."""
+    return sum(n - n % tp for n in slots) >= world
+
+
+def rank_layouts(cfg: Config, slots: list[int], hw: Hardware) -> list[dict]:
+    """Every feasible layout for nodes holding ``slots`` workers each, best first."""
+    rows = []
+    for world in range(1, sum(slots) + 1):
+        for row in plan(cfg, world, hw):
+            if row["feasible"] and row["dp"] <= cfg.parallelism.dp and _fits(slots, row["tp"], world):
+                rows.append({**row, "world": world})
+    # Ties (within 0.1 %, e.g. a tiny model's micro-batch counts) go to the simpler layout: fewer
+    # workers, less sharding and recompute, fewer pipeline stages and micro-batches.
+    rows.sort(
+        key=lambda r: (
+            -float(f"{r['predicted_tokens_per_s']:.3g}"),
+            r["world"],
+            r["zero"],
+            bool(r["activation_checkpointing"]),
+            r["pp"],
+            r["tp"],
+            r["microbatches"],
+        )
+    )
+    return rows
+
+
+def runner_up(rows: list[dict]) -> dict | None:
+    """The best layout of another (dp, tp, pp) than the pick's, else the next one."""
+    shape = [(r["dp"], r["tp"], r["pp"]) for r in rows]
+    other = [r for r, s in zip(rows, shape, strict=True) if s != shape[0]]
+    return other[0] if other else (rows[1] if len(rows) > 1 else None)
+
+
+def layout_text(row: dict) -> str:
+    ac = row["activation_checkpointing"]
+    return (
+        f"dp={row['dp']} tp={row['tp']} pp={row['pp']} {row['schedule']} microbatches={row['microbatches']} "
+        f"zero={row['zero']} activation_checkpointing={str(ac).lower()}"
+    )
+
+
+def _costs(row: dict) -> dict[str, float]:
+    """Seconds of the predicted step by cause (cost.predict's step time, taken apart)."""
+    t, bubble = row["time_s"], row["bubble_fraction"]
+    busy = t["compute"] + t["tp"] + t["pp"]
+    return {
+        "compute (incl. recompute)": t["compute"],
+        "tensor-parallel all-reduces": t["tp"],
+        "pipeline transfers": t["pp"],
+        "pipeline bubble": busy * bubble / (1 - bubble) if bubble < 1 else 0.0,
+        "gradient reduction left exposed": t["dp_exposed"],
+    }
+
+
+def why(best: dict, other: dict | None) -> str:
+    if other is None:
+        return "the only layout that fits"
+    slower = 1 - other["predicted_tokens_per_s"] / best["predicted_tokens_per_s"]
+    text = f"runner-up {layout_text(other)}: {other['predicted_tokens_per_s']:,.0f} tokens/s"
+    if slower < 1e-3:
+        return f"{text}, as fast; the pick is the simpler layout (fewer workers, stages, shards)"
+    a, b = _costs(best), _costs(other)
+    cause = max(a, key=lambda k: b[k] - a[k])
+    return f"{text}, {slower:.0%} slower (most of it {cause}: {b[cause]:.3g} s a step vs {a[cause]:.3g} s)"
+
+
+def pick(cfg: Config, slots: list[int], hw: Hardware) -> tuple[Config, list[str]]:
+    """The config at the best layout for nodes of ``slots`` workers, and the lines that say why."""
+    rows = rank_layouts(cfg, [s for s in slots if s], hw)
+    if not rows:
+        raise ConfigError(
+            "parallelism.layout",
+            "auto",
+            f"no layout of at most dp={cfg.parallelism.dp} fits nodes holding {slots} workers each on {hw.name} "
+            "(memory, TP inside a node, the global batch); add nodes or GPUs, raise parallelism.dp, or set "
+            "parallelism.layout=fixed with a layout",
+        )
+    best = rows[0]
+    keys = ("dp", "tp", "pp", "microbatches", "schedule", "zero", "activation_checkpointing", "sequence_parallel")
+    par = dataclasses.replace(cfg.parallelism, **{k: best[k] for k in keys}, virtual_stages=0)
+    lines = [
+        f"layout auto: {layout_text(best)} on nodes holding {slots} workers ({hw.name}): "
+        f"{best['predicted_tokens_per_s']:,.0f} tokens/s predicted, "
+        f"{best['memory_bytes']['total'] / GiB:.2f} GiB a rank",
+        f"layout auto: {why(best, runner_up(rows))}",
+    ]
+    return dataclasses.replace(cfg, parallelism=par), lines

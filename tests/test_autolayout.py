@@ -1,0 +1,88 @@
+"""parallelism.layout = "auto" without Ray: `check` asks the planner for the best layout of the
+nodes given by --topology (workers each node holds) and prints it with the runner-up and why;
+refused input names the key and a fix. On a live cluster: tests/test_storage_ray.py (a resume on
+the session's one CPU node) and tests/test_topology_ray.py (`check` on three one-GPU nodes)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from raytrain_hybrid import cli
+from raytrain_hybrid.config import load_config
+from raytrain_hybrid.errors import ConfigError
+from raytrain_hybrid.launch.autolayout import node_slots
+
+# A Llama-7B-sized model on 80 GB H100s (the planner prices it; nothing is built).
+BIG = ["model.num_layers=32", "model.hidden_size=4096", "model.num_heads=32", "model.seq_len=4096",
+       "model.vocab_size=32000", "train.global_batch_size=64", "data.path=memory",
+       "parallelism.layout=auto", "parallelism.dp=8"]  # fmt: skip
+
+
+def _check(capsys, overrides, *args):
+    code = cli.main(["check", *[a for o in overrides for a in ("--set", o)], *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _picked(out: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith("layout auto: dp="))
+
+
+def test_two_clusters_get_two_layouts_each_printed_with_the_runner_up(capsys):
+    """Four nodes of one GPU: a 7B model fits one GPU a replica only with its states sharded over
+    dp (ZeRO); one node of eight: eight replicas. Each pick names the runner-up and what it loses on."""
+    code, four, _ = _check(capsys, BIG, "--topology", "1,1,1,1")
+    assert code == 0, four
+    code, eight, _ = _check(capsys, BIG, "--topology", "8")
+    assert code == 0, eight
+    assert _picked(four) != _picked(eight)
+    assert "dp=4 tp=1 pp=1" in _picked(four) and "on nodes holding [1, 1, 1, 1] workers" in four, four
+    assert "dp=8 tp=1 pp=1" in _picked(eight) and "H100-80GB SXM" in eight, eight
+    for out in (four, eight):
+        assert "layout auto: runner-up dp=" in out and "slower (most of it" in out, out
+        assert "layout ok: dp=" in out  # then the usual check of the pick, placement included
+    assert "layout ok: dp=4 tp=1 pp=1 on 4 node(s) [1, 1, 1, 1]" in four, four
+
+
+def test_a_pick_keeps_dp_within_parallelism_dp_and_leaves_a_cpu_for_ray_data():
+    cfg = load_config(None, [*BIG[:-1], "parallelism.dp=2", "data.path=builtin", "cluster.use_gpu=true"])
+    # GPUs with a CPU each and no other CPU: a worker gives up its node's CPU to Ray Data's reads.
+    assert node_slots(cfg, [{"CPU": 4, "GPU": 4}], True) == [3]
+    assert node_slots(cfg, [{"CPU": 5, "GPU": 4}, {"CPU": 1, "GPU": 1}], True) == [4, 1]
+    from raytrain_hybrid.launch.autolayout import choose_layout
+
+    picked = choose_layout(cfg, lambda line: None, [{"CPU": 9, "GPU": 8}], True).parallelism
+    assert picked.dp <= 2 and picked.layout == "auto"
+
+
+BAD = {
+    "no cluster": ([], (), "RAY_ADDRESS"),
+    "nothing fits": (
+        ["model.hidden_size=65536", "model.num_heads=64"],
+        ("--topology", "1"),
+        "no layout of at most dp=8",
+    ),
+    "with min_dp": (["parallelism.min_dp=1"], ("--topology", "1,1"), "parallelism.layout=fixed with min_dp"),
+    "unknown": (["parallelism.layout=best"], ("--topology", "1"), "must be one of {auto, fixed}"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_layout_auto_is_refused_naming_key_and_fix(capsys, monkeypatch, name):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    extra, args, fix = BAD[name]
+    code, _, err = _check(capsys, [*BIG, *extra], *args)
+    assert code == 2 and "parallelism.layout=" in err and fix in err, err
+    if name == "unknown":
+        with pytest.raises(ConfigError) as exc:
+            load_config(None, ["parallelism.layout=best"])
+        assert exc.value.key == "parallelism.layout"
+
+
+def test_check_json_of_the_pick(capsys):
+    code, out, err = _check(capsys, BIG, "--topology", "8", "--json")
+    assert code == 0 and "layout auto: dp=8" in err  # the pick's lines on stderr: stdout is the JSON
+    got = json.loads(out)
+    assert len(got["ranks"]) == 8 and got["dp_values"] == [8]
