@@ -84,11 +84,14 @@ def activation_bytes(cfg: Config, micro_batch: int) -> float:
     s, b, h, t = m.seq_len, micro_batch, m.hidden_size, par.tp
     sp = t > 1 and par.sequence_parallel and has_sequence_parallel(m)
     width = 2.0 if cfg.train.dtype == "bfloat16" else 4.0  # the formula counts 2-byte activations
-    per_layer = layer_activation_bytes(s, b, h, t, sp=sp, checkpointed=par.activation_checkpointing)
+    # "selective" keeps every matmul and attention output and recomputes only element-wise ops:
+    # counted as no checkpointing (an upper bound on its memory, no extra forward FLOPs).
+    full = par.activation_checkpointing is True
+    per_layer = layer_activation_bytes(s, b, h, t, sp=sp, checkpointed=full)
     layers_per_rank = num_blocks(m) / par.pp
     in_flight = in_flight_microbatches(par.schedule, par.pp, par.microbatches, par.stages_per_rank if par.pp > 1 else 1)
     stash = per_layer * (width / 2) * layers_per_rank * in_flight
-    if par.activation_checkpointing:  # the layer being recomputed holds its full activations
+    if full:  # the layer being recomputed holds its full activations
         stash += layer_activation_bytes(s, b, h, t, sp=sp, checkpointed=False) * (width / 2)
     # fp32 logits and their gradient, gathered on the last stage.
     logits = 2 * 4.0 * b * get_arch(m.arch).logits_per_row(m)
@@ -113,7 +116,7 @@ def predict(cfg: Config, hw: Hardware) -> dict:
 
     tokens = t.global_batch_size * tokens_per_row(m)
     flops = flops_per_token(m) * tokens / (dp * tp * pp)
-    if par.activation_checkpointing:
+    if par.activation_checkpointing is True:  # (selective recomputes element-wise ops only)
         flops *= 4 / 3  # one more forward
     compute = flops / (hw.peak_tflops * 1e12 * hw.efficiency)
     world = dp * tp * pp
