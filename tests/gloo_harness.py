@@ -280,16 +280,17 @@ def launch_ranks(body, world: int, *args, env: dict | None = None):
     return payload
 
 
-def _launch(job: dict) -> dict:
+def _launch(job: dict, env: dict | None = None) -> dict:
     from raytrain_hybrid.config import load_config
 
     world = (job["cfg"] if "cfg" in job else load_config(None, job["overrides"])).parallelism.world_size
-    return launch_ranks(_run_job, world, job)
+    return launch_ranks(_run_job, world, job, env=env)
 
 
-def run_gloo(overrides: list[str], nodes: int = 1, resume: str | None = None, **probe) -> dict:
-    """run_worker's result on rank 0 (history, per-rank memory, ...) plus ``"probe"``."""
-    return _launch({"overrides": list(overrides), "nodes": nodes, "resume": resume, **probe})
+def run_gloo(overrides: list[str], nodes: int = 1, resume: str | None = None, env: dict | None = None, **probe) -> dict:
+    """run_worker's result on rank 0 (history, per-rank memory, ...) plus ``"probe"``; ``env`` is
+    added to each rank's environment."""
+    return _launch({"overrides": list(overrides), "nodes": nodes, "resume": resume, **probe}, env)
 
 
 def initial_state(cfg) -> dict[str, np.ndarray]:
