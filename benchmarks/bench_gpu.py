@@ -1,0 +1,272 @@
+"""GPU benchmark without Ray (issue 21.4): the trainer's worker loop against a plain PyTorch loop
+over the same transformers Llama, eager and compiled, on whatever GPUs this machine has.
+
+    python benchmarks/bench_gpu.py                      # -> benchmarks/results/gpu.json
+    python benchmarks/bench_gpu.py --shapes 0.77b --steps 20
+    python benchmarks/bench_gpu.py --smoke --out /tmp/gpu_smoke.json   # CPU, tiny, seconds
+
+One process per visible GPU (torch.multiprocessing, NCCL): the engine runs at dp = GPUs,
+tp = pp = 1 ((1,1,1) on one GPU), each rank with its own batch of the shape's rows, through
+``engine.worker.run_worker`` (what Ray Train's workers call), in-memory corpus, bf16 autocast.
+Engine variants: compile off, compile on, compile on with selective activation checkpointing.
+Rank 0 then runs the plain loop (transformers LlamaForCausalLM, cross-entropy, clip, fused
+AdamW, bf16 autocast) on the same shape, eager and under ``torch.compile``. Each case reports
+the median step time after warm-up, tokens/s (all ranks), MFU (the engine's FLOP accounting),
+peak allocated memory, and the ratios the issue's goals name.
+
+``--smoke`` runs the same code on the CPU with gloo, tiny shapes and 3 steps, and compiles
+with dynamo's eager backend (no inductor code generation: a cold C++ compile costs ~20 s of
+a CPU here); it exists so that tests/test_bench_gpu.py keeps this script working.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+OUT = Path(__file__).resolve().parent / "results" / "gpu.json"
+# The issue's shapes: a 0.77B Llama, and four layers of an 8B-class model (GQA in both).
+SHAPES = {
+    "0.77b": dict(num_layers=16, hidden_size=2048, num_heads=16, num_kv_heads=8, ffn_hidden_size=5632, batch=8),
+    "8b-layers": dict(num_layers=4, hidden_size=4096, num_heads=32, num_kv_heads=8, ffn_hidden_size=14336, batch=4),
+    "smoke": dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, ffn_hidden_size=192, batch=4),
+}
+SEQ = {"0.77b": 2048, "8b-layers": 2048, "smoke": 32}
+ENGINE_VARIANTS = {
+    "engine_eager": ["parallelism.compile=false"],
+    "engine_compiled": ["parallelism.compile=true"],
+    "engine_compiled_selective_ac": ["parallelism.compile=true", "parallelism.activation_checkpointing=selective"],
+}
+
+
+def overrides(shape: str, world: int, steps: int, dtype: str) -> list[str]:
+    s = SHAPES[shape]
+    model = [f"model.{k}={v}" for k, v in s.items() if k != "batch"]
+    layout = [f"parallelism.dp={world}", "parallelism.tp=1", "parallelism.pp=1", "parallelism.microbatches=1"]
+    return [
+        "model.arch=llama",
+        *model,
+        f"model.seq_len={SEQ[shape]}",
+        *layout,
+        f"train.global_batch_size={s['batch'] * world}",
+        f"train.steps={steps}",
+        f"train.dtype={dtype}",
+        "train.warmup_steps=2",
+        "data.path=memory",
+        "checkpoint.interval=0",
+    ]
+
+
+def _median_after(times: list[float], warmup: int) -> float:
+    return statistics.median(times[warmup:] if len(times) > warmup else times)
+
+
+def engine_case(args, shape: str, variant: str, world: int, device: torch.device) -> dict:
+    from raytrain_hybrid.config import load_config
+    from raytrain_hybrid.engine.worker import run_worker
+
+    cfg = load_config(None, [*overrides(shape, world, args.steps, args.dtype), *ENGINE_VARIANTS[variant]])
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    result = run_worker(cfg, "node0", use_gpu=device.type == "cuda", device=device)
+    history, memory = result["history"], result["memory"]
+    step_s = _median_after([h["step_time_s"] for h in history], args.warmup)
+    states = max(m["param_bytes"] + m["grad_bytes"] + m["optimizer_bytes"] for m in memory)
+    peak = max((m.get("max_cuda_allocated_bytes") or 0) for m in memory) or None
+    mfus = [h["mfu"] for h in history[args.warmup :] if h.get("mfu") is not None]
+    return {
+        "step_s": step_s,
+        "tokens_per_s": cfg.train.global_batch_size * cfg.model.seq_len / step_s,
+        "mfu": statistics.median(mfus) if mfus else None,
+        "peak_bytes": peak,
+        "state_bytes": states,  # parameters, gradients, AdamW moments of the largest rank
+        "activation_bytes": (peak - states) if peak else None,  # what the peak holds beyond the states
+        "first_step_s": history[0]["step_time_s"],
+        "compile_s": history[0].get("compile_s"),
+        "recompiles_after_first_step": sum(h.get("compiles", 0) for h in history[1:]),
+        "final_loss": history[-1]["loss"],
+        "wall_s": time.perf_counter() - t0,
+    }
+
+
+def plain_case(args, shape: str, compiled: bool, device: torch.device) -> dict:
+    """The same model and shapes in one process, no package code in the step: what a user
+    writes by hand (transformers forward, loss, backward, clip, AdamW)."""
+    import torch.nn.functional as F
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from raytrain_hybrid.config import load_config
+    from raytrain_hybrid.models.flops import device_peak_tflops, flops_per_token
+
+    cfg = load_config(None, overrides(shape, 1, args.steps, args.dtype))
+    m = cfg.model
+    hf = LlamaConfig(
+        vocab_size=m.vocab_size,
+        hidden_size=m.hidden_size,
+        intermediate_size=m.ffn_hidden_size,
+        num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_heads,
+        num_key_value_heads=m.num_kv_heads,
+        max_position_embeddings=m.seq_len,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+        use_cache=False,
+    )
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    model = LlamaForCausalLM(hf).to(device)
+    forward = args.compile(model) if compiled else model
+    fused = {"fused": True} if device.type == "cuda" else {}
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.95), weight_decay=0.1, **fused)
+    batch = SHAPES[shape]["batch"]
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, m.vocab_size, (batch, m.seq_len + 1), generator=gen).to(device)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        with autocast:
+            logits = forward(input_ids=x).logits
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss_value = loss.item()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    step_s = _median_after(times, args.warmup)
+    tokens_per_s = batch * m.seq_len / step_s
+    peak_tflops = device_peak_tflops(device)
+    mfu = flops_per_token(m) * tokens_per_s / 1e12 / peak_tflops if peak_tflops else None
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return {"step_s": step_s, "tokens_per_s": tokens_per_s, "mfu": mfu, "peak_bytes": peak, "final_loss": loss_value}
+
+
+def ratios(row: dict, world: int) -> dict:
+    """The issue's goals as numbers (engine per GPU against the one-GPU plain loop)."""
+    out = {}
+
+    def per_gpu(case):
+        return row[case]["step_s"]  # each rank steps its own batch of the shape's rows
+
+    if "plain_compiled" in row:
+        out["engine_compiled_over_plain_compiled_step"] = per_gpu("engine_compiled") / row["plain_compiled"]["step_s"]
+        out["plain_compiled_over_plain_eager_step"] = row["plain_compiled"]["step_s"] / row["plain_eager"]["step_s"]
+    out["engine_eager_over_plain_eager_step"] = per_gpu("engine_eager") / row["plain_eager"]["step_s"]
+    out["engine_compiled_over_engine_eager_step"] = per_gpu("engine_compiled") / per_gpu("engine_eager")
+    sac, full = row["engine_compiled_selective_ac"], row["engine_compiled"]
+    out["selective_ac_over_no_ac_step"] = sac["step_s"] / full["step_s"]
+    if sac.get("activation_bytes") and full.get("activation_bytes"):
+        out["selective_ac_activation_memory_saved"] = 1 - sac["activation_bytes"] / full["activation_bytes"]
+    return out
+
+
+def rank_main(rank: int, world: int, args, port: int) -> None:
+    """One spawned process per GPU: join the group, run, leave."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank))
+    cuda = torch.cuda.is_available() and not args.smoke
+    if cuda:
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    run_rank(rank, world, args)
+    dist.destroy_process_group()
+
+
+def run_rank(rank: int, world: int, args) -> dict | None:
+    """Every case on this rank of an initialised process group; rank 0 writes args.out."""
+    if args.smoke:
+        # dynamo's eager backend: the compile path runs (per-block compile, counting), no inductor.
+        torch.compile = functools.partial(torch.compile, backend="eager")
+    args.compile = torch.compile
+    cuda = torch.cuda.is_available() and not args.smoke
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    results = {}
+    for shape in args.shapes:
+        row = {name: engine_case(args, shape, name, world, device) for name in ENGINE_VARIANTS}
+        dist.barrier()
+        if rank == 0:  # the plain loop is one process on one GPU
+            row["plain_eager"] = plain_case(args, shape, False, device)
+            row["plain_compiled"] = plain_case(args, shape, True, device)
+            row["ratios"] = ratios(row, world)
+            results[shape] = {"model": SHAPES[shape], "seq_len": SEQ[shape], **row}
+            print(json.dumps({shape: row}, indent=1), flush=True)
+        dist.barrier()
+    return write(args, results, world, device) if rank == 0 else None
+
+
+def write(args, results: dict, world: int, device: torch.device) -> dict:
+    out = {
+        "command": "cd <repo> && " + " ".join(["python", *sys.argv]),
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "gpus": world if device.type == "cuda" else 0,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "dtype": args.dtype,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "layout": {"dp": world, "tp": 1, "pp": 1},
+        "shapes": results,
+        "smoke": args.smoke,
+    }
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {path}")
+    return out
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse_args(argv: list[str] | None = None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="0.77b,8b-layers", help=f"comma-separated, of {sorted(SHAPES)}")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5, help="steps left out of the median")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--out", default=str(OUT))
+    parser.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny shape, 3 steps (a test of the script)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.shapes, args.steps, args.warmup, args.dtype = "smoke", 3, 1, "float32"
+    args.shapes = [s for s in args.shapes.split(",") if s]
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    world = torch.cuda.device_count() if torch.cuda.is_available() and not args.smoke else 1
+    port = free_port()
+    if world == 1:  # no second process to start: run in this one
+        rank_main(0, 1, args, port)
+    else:
+        torch.multiprocessing.spawn(rank_main, args=(world, args, port), nprocs=world, join=True)
+
+
+if __name__ == "__main__":
+    main()
