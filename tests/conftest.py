@@ -54,6 +54,31 @@ def _serve_stand_in_checkpoints() -> None:
 _serve_stand_in_checkpoints()
 
 
+# Modules whose fixture runs a cluster of its own (tests/background.py): it starts when the
+# session's tests are collected and runs beside them, each after the one named (one such cluster
+# beside the tests at a time); their tests run last, when the result is most likely there.
+BACKGROUND = {"test_autoscaling_sim": None, "test_topology_ray": "test_autoscaling_sim"}
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: getattr(item.module, "__name__", "") in BACKGROUND)  # stable: the rest keep their order
+
+
+def pytest_collection_finish(session):
+    import background
+
+    modules = {item.module.__name__: item.module for item in session.items if getattr(item, "module", None)}
+    for name, after in BACKGROUND.items():
+        if name in modules:
+            background.start(name, modules[name].background, after)
+
+
+def pytest_sessionfinish(session):
+    import background
+
+    background.finish()
+
+
 @pytest.fixture(scope="session")
 def ray_local():
     import ray

@@ -91,11 +91,18 @@ def _fresh_buckets(env: dict[str, str], buckets) -> None:
         client.create_bucket(Bucket=bucket)
 
 
+def fresh_buckets(*buckets: str) -> dict[str, str]:
+    """The session's server with ``buckets`` empty; its environment (not exported), for a
+    subprocess. A test that runs beside others (tests/background.py) uses buckets of its own."""
+    env = session_env()
+    _fresh_buckets(env, buckets)
+    return env
+
+
 @contextlib.contextmanager
 def s3_server(buckets=("bucket",)):
     """The session's server with ``buckets`` empty, its environment exported; yield the environment."""
-    env = session_env()
-    _fresh_buckets(env, buckets)
+    env = fresh_buckets(*buckets)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:

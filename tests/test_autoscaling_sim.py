@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from background import on_stop
+from background import result as background_result
 
 from raytrain_hybrid.config import load_config
 
@@ -112,13 +114,13 @@ class FakeCluster:
     worker types. Its own ports, temp dir and process group; ended by that group, never a
     machine-wide `ray stop` (other tests run Ray at the same time)."""
 
-    def __init__(self, name: str, worker_types: dict[str, dict], max_per_type: int = 2):
+    def __init__(self, name: str, worker_types: dict[str, dict], env: dict, max_per_type: int = 2):
         self.name = name
         self.tmp = Path(tempfile.mkdtemp(prefix="rs"))  # short: Ray's socket paths live under it
         token = self.tmp / "token"
         token.write_text(secrets.token_hex(32))
         self.env = {
-            **os.environ,
+            **env,
             "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
             "RAY_AUTH_MODE": "token",
             "RAY_AUTH_TOKEN_PATH": str(token),
@@ -268,21 +270,23 @@ CASES = {
 NOWHERE = "B200"
 
 
-@pytest.fixture(scope="module")
-def simulated(tmp_path_factory):
+def background(workdir: Path, env: dict) -> dict:
     """One head per config (their node types cannot share one: a demand would be served by any
     config's type), each running its documented job at once; the GCP head also gets the job asking
     for an accelerator no type declares, with no start-up timeout (it would wait forever but for
-    the autoscaler's verdict). Returns {config: {...}} for the tests below."""
+    the autoscaler's verdict). Runs beside the suite's other tests (tests/background.py); returns
+    {config: {...}} for the tests below, the heads stopped."""
     runs: dict[str, dict] = {}
-    clusters = {name: FakeCluster(name.split(".")[0], types()) for name, types in CASES.items()}
+    clusters = {name: FakeCluster(name.split(".")[0], types(), env) for name, types in CASES.items()}
+    for cluster in clusters.values():
+        on_stop(cluster.stop)
     try:
         with ThreadPoolExecutor(len(clusters)) as pool:
             list(pool.map(FakeCluster.wait_ready, clusters.values()))
 
             def run(name: str) -> None:
                 cluster, job = clusters[name], documented_job(name)
-                out = tmp_path_factory.mktemp(name.split(".")[0])
+                out = workdir / name.split(".")[0]
                 started = time.time()
                 # A local output_dir on two nodes is refused unless shared: the fake nodes share this disk.
                 done = cluster.submit(job, *TINY, f"run.output_dir={out}", "run.shared_fs=true")
@@ -292,7 +296,7 @@ def simulated(tmp_path_factory):
             gcp = clusters["gcp-gpu.yaml"]
             stuck = gcp.submit(
                 documented_job("gcp-gpu.yaml"), *TINY, f"cluster.accelerator_type={NOWHERE}",
-                "run.startup_timeout_s=0", "run.shared_fs=true", f"run.output_dir={tmp_path_factory.mktemp('stuck')}",
+                "run.startup_timeout_s=0", "run.shared_fs=true", f"run.output_dir={workdir / 'stuck'}",
                 wait=False, job_id="infeasible",
             )  # fmt: skip
             list(pool.map(run, clusters))
@@ -300,10 +304,15 @@ def simulated(tmp_path_factory):
         monitor = next((gcp.tmp / "ray").glob("session_*/logs/monitor.log")).read_text()
         runs["infeasible"] = {"submitted": stuck, "nodes": cluster_nodes(gcp), "status": status_settled(gcp),
                               "monitor": monitor, "job": job}  # fmt: skip
-        yield runs
+        return runs
     finally:
         with ThreadPoolExecutor(len(clusters)) as pool:
             list(pool.map(FakeCluster.stop, clusters.values()))
+
+
+@pytest.fixture(scope="module")
+def simulated():
+    return background_result("test_autoscaling_sim", background)
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Placement on a simulated 2-node cluster (4 fake GPUs each): TP inside a node, PP across.
+"""Placement on a simulated 2-node cluster (2 fake GPUs each): TP inside a node, PP across.
 
 The layouts run through the real launcher (Ray Train places the workers) and the
 mesh is laid over the nodes Ray chose. Last, a run with its
@@ -10,15 +10,16 @@ has its own temp dir ("local disk").
 
 from __future__ import annotations
 
-import contextlib
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from background import on_stop
+from background import result as background_result
 from conftest import reference_history
-from s3_server import s3_server
+from s3_server import fresh_buckets
 
 STEPS = 3
 COMMON = (f"train.steps={STEPS}", "model.num_layers=4", "train.global_batch_size=16", "data.path=memory")
@@ -43,45 +44,56 @@ def _layout(dp, tp, pp, m):
     return [f"parallelism.dp={dp}", f"parallelism.tp={tp}", f"parallelism.pp={pp}", f"parallelism.microbatches={m}"]
 
 
-@pytest.fixture(scope="module")
-def two_nodes(tmp_path_factory):
+def background(workdir: Path, env: dict) -> dict:
+    """The cases on their cluster, a subprocess; it runs beside the suite's other tests
+    (tests/background.py), its output on S3 in a bucket of its own."""
     cases = {
-        "tp8": [*COMMON, *_layout(1, 8, 1, 1), "model.num_heads=8", "model.ffn_hidden_size=512"],
+        "tp4": [*COMMON, *_layout(1, 4, 1, 1)],
         # A directory on the driver's disk, not declared shared: each node would keep its own part.
-        "local_out": [*COMMON, *_layout(2, 2, 2, 4), "run.shared_fs=false"],
-        # Last (it changes the cluster): output on S3 only, a node lost after the first checkpoint.
-        # Also the oracle on two nodes at (2,2,2): every step's loss, before and after the loss.
+        "local_out": [*COMMON, *_layout(1, 2, 2, 2), "run.shared_fs=false"],
+        # Output on S3 only, a node lost after the first checkpoint. Also the oracle on two nodes
+        # at (1,2,2): every step's loss, before and after the loss (4 workers: a worker's start is
+        # ~11 s of CPU here, and 8 added a minute to the suite).
         "node_loss": {
-            "overrides": [*NODE_LOSS, *_layout(2, 2, 2, 4), "checkpoint.interval=2", "run.max_failures=1",
-                          "run.output_dir=s3://bucket/node-loss", "run.shared_fs=false"],
+            "overrides": [*NODE_LOSS, *_layout(1, 2, 2, 2), "checkpoint.interval=2", "run.max_failures=1",
+                          "run.output_dir=s3://topology/node-loss", "run.shared_fs=false"],
             "lose_node_after": "checkpoints/step_2",
         },
         # Last: it replaces the nodes with three of one GPU (one replica) each.
         "elastic": {
             "overrides": [*ELASTIC_MODEL, "checkpoint.interval=2", "run.max_failures=2",
-                          "run.output_dir=s3://bucket/elastic"],
+                          "run.output_dir=s3://topology/elastic"],
             "nodes": [1, 1, 1], "lose_node_after": "checkpoints/step_2", "max_dp": 3, "add_gpus": 1,
             "env": {"RAYTRAIN_HYBRID_RESIZE_CHECK_S": "1"},
         },
     }  # fmt: skip
-    spec = {"nodes": [4, 4], "cases": cases, "tmp_root": str(tmp_path_factory.mktemp("disks"))}
+    (workdir / "disks").mkdir()
+    (workdir / "cwd").mkdir()
+    spec = {"nodes": [2, 2], "cases": cases, "tmp_root": str(workdir / "disks")}
     argv = [sys.executable, str(HERE / "multinode_driver.py"), json.dumps(spec)]
-    cwd = tmp_path_factory.mktemp("cwd")
-    with s3_server():  # its endpoint and keys reach the driver, and so every node, by the environment
-        proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            # The oracle tests' references, cached while the cluster starts (a failure shows there).
-            with contextlib.suppress(Exception):
-                reference_history(NODE_LOSS)
-                reference_history(ELASTIC_MODEL)
-            stdout, stderr = proc.communicate(timeout=1500)  # 891 s seen with the machine loaded
-        finally:
-            proc.kill()
+    # The S3 endpoint and keys reach the driver, and so every node, by the environment.
+    env = {**env, **fresh_buckets("topology")}
+    proc = subprocess.Popen(
+        argv, cwd=workdir / "cwd", env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    on_stop(proc.kill)
+    try:
+        stdout, stderr = proc.communicate(timeout=1500)  # 891 s seen with the machine loaded
+    finally:
+        proc.kill()
     lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, stderr[-4000:]
     results = json.loads(lines[-1][len("RESULT ") :])
     print("seconds per case:", {k: v["seconds"] for k, v in results.items() if "seconds" in v})  # pytest -s
     return results
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    # The oracle tests' references (cached) while the cluster runs, then its results.
+    reference_history(NODE_LOSS)
+    reference_history(ELASTIC_MODEL)
+    return background_result("test_topology_ray", background)
 
 
 def _groups(per_rank, key_axes):
@@ -92,18 +104,18 @@ def _groups(per_rank, key_axes):
 
 
 def test_tp_inside_node_pp_across_nodes(two_nodes):
-    """The node-loss run's (2,2,2) group after its restart (more layouts: tests/test_layout.py)."""
+    """The node-loss run's (1,2,2) group after its restart (more layouts: tests/test_layout.py)."""
     result = two_nodes["node_loss"]
     assert "error" not in result, result
     per_rank = result["per_rank"]
-    assert len(per_rank) == 8 and len({r["node"] for r in per_rank}) == 2
+    assert len(per_rank) == 4 and len({r["node"] for r in per_rank}) == 2
     assert all(len(nodes) == 1 for nodes in _groups(per_rank, ("pp", "dp")).values())  # TP groups
     assert all(len(nodes) == 2 for nodes in _groups(per_rank, ("dp", "tp")).values())  # PP groups
 
 
 def test_tp_larger_than_a_node_fails_with_workers_per_node(two_nodes):
-    error = two_nodes["tp8"].get("error", "")
-    assert "tp=8" in error and "[4, 4]" in error, error
+    error = two_nodes["tp4"].get("error", "")
+    assert "tp=4" in error and "[2, 2]" in error, error
 
 
 def test_a_local_output_dir_on_two_nodes_is_refused_naming_the_fix(two_nodes):

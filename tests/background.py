@@ -1,0 +1,67 @@
+"""Fixtures that run a cluster of their own start with the session, in a thread beside the tests.
+
+The autoscaling simulation (three `ray start` heads with their autoscalers) and the two-node
+topology run (a ray.cluster_utils.Cluster in a subprocess) share nothing with the session's Ray
+or its other tests, and hand their tests plain data. Run in turn, each spent much of its minutes
+waiting (on Ray's start-up, autoscaler rounds, a node's loss being noticed) while the machine had
+CPU to spare, and the gloo and Ray tests around them spent theirs waiting on other things. Started
+when the session's tests are collected, they run side by side with the rest of the suite; their
+tests wait for the result where they come in the order (or start the work then, alone).
+
+A module takes part by defining ``background(workdir: Path, env: dict) -> data``; conftest.py
+names those modules (BACKGROUND) and the one each waits for first, so that at most one cluster
+of this kind runs beside the tests at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="background")
+_JOBS: dict[str, Future] = {}
+_STOPS: list[Callable[[], None]] = []  # what ends a job's processes early (a session cut short)
+_ROOT = Path(tempfile.mkdtemp(prefix="rt-background-"))
+
+
+def start(name: str, fn: Callable[[Path, dict], object], after: str | None = None) -> None:
+    """Run ``fn(its own work dir, the environment now)`` in the background, once ``after``'s job
+    (if started) has ended. The environment is taken now, before any test changes it."""
+    env = dict(os.environ)
+    before = _JOBS.get(after) if after else None
+
+    def job():
+        if before is not None:
+            before.exception()  # wait; its own test reports its failure
+        workdir = _ROOT / name
+        workdir.mkdir()
+        return fn(workdir, env)
+
+    _JOBS[name] = _POOL.submit(job)
+
+
+def result(name: str, fn: Callable[[Path, dict], object]):
+    """The background job's result (waiting for it), or ``fn`` run now when none was started
+    (the module was not selected at collection, e.g. run by node id)."""
+    if name not in _JOBS:
+        start(name, fn)
+    return _JOBS[name].result()
+
+
+def on_stop(stop: Callable[[], None]) -> None:
+    """Register how to end a job's processes if the session ends before its tests took the result
+    (-x, a keyboard interrupt, a run of other tests)."""
+    _STOPS.append(stop)
+
+
+def finish() -> None:
+    """At the session's end: end what still runs, wait for it, drop the work dirs."""
+    if not all(job.done() for job in _JOBS.values()):
+        for stop in _STOPS:
+            stop()
+    _POOL.shutdown(wait=True, cancel_futures=True)
+    shutil.rmtree(_ROOT, ignore_errors=True)
