@@ -1,12 +1,17 @@
 """Core benchmarks (issue: one trainer for every layout). Writes benchmarks/results/core.json.
 
     .venv/bin/python benchmarks/bench_core.py            # all three parts, ~10 min on 2 cores
+    .venv/bin/python benchmarks/bench_core.py --parts compile
 
 (a) overhead: steady-state step time of (1,1,1) under Ray Train vs a plain PyTorch loop over
     the unmodified transformers model, same model, batch and thread count, run back to back.
 (b) memory: per-rank parameter, gradient and optimizer bytes of each layout against the ideal
     share (total / (tp*pp), and / dp for what the ZeRO stage shards).
 (c) scaling: tokens/s of dp=2 vs dp=1 at the same global batch on this machine.
+(d) compile: steady-state step time with parallelism.compile off and on (each transformer block
+    under torch.compile, inductor's C++ backend) at (1,1,1) and (2,1,2), the default model, and
+    the compile's seconds in the first step; inductor's cache starts empty (a fresh directory).
+    Not (2,2,2): compile with tp > 1 is refused for now (config.validate says why).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import statistics
 import sys
@@ -208,19 +214,43 @@ def bench_scaling(tmp, steps: int) -> dict:
     return res
 
 
+def bench_compile(tmp, steps: int) -> dict:
+    out = {}
+    for name in ("1x1x1", "2x1x2"):
+        row = {}
+        for on in (False, True):
+            times, summary = ray_step_times([*LAYOUTS[name], f"train.steps={steps}", f"parallelism.compile={on}"], tmp)
+            row["compile_on" if on else "compile_off"] = {
+                "median_step_s": statistics.median(times[WARMUP:]),
+                "first_step_s": times[0],
+                "startup_s": summary["startup_s"],  # first_step_compile: the compile's share of first_step
+            }
+        row["ratio_on_over_off"] = row["compile_on"]["median_step_s"] / row["compile_off"]["median_step_s"]
+        out[name] = row
+    return {
+        "layouts": out,
+        "steps": steps,
+        "warmup_steps_left_out": WARMUP,
+        "inductor": {"cache": "empty at the start", "compile_threads": os.environ["TORCHINDUCTOR_COMPILE_THREADS"]},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--parts", default="overhead,memory,scaling")
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--layouts", default="", help="memory part: only these LAYOUTS names (comma-separated)")
     args = parser.parse_args()
+    if "compile" in args.parts:  # before Ray starts: its workers inherit this environment
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-core-inductor-")
+        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # a worker has one CPU
     import ray
 
     ray.init(address="local", num_cpus=9, include_dashboard=False, log_to_driver=False)
     results = json.loads(OUT.read_text()) if OUT.exists() else {}
     results["command"] = "cd <repo> && " + " ".join([".venv/bin/python", *sys.argv])
     results["machine"] = {
-        "cpus": __import__("os").cpu_count(),
+        "cpus": os.cpu_count(),
         "platform": platform.platform(),
         "torch": torch.__version__,
         "ray": ray.__version__,
@@ -234,6 +264,7 @@ def main() -> None:
             lambda tmp: bench_memory(tmp, [x for x in args.layouts.split(",") if x], results.get("memory")),
         ),
         "scaling": ("scaling_dp", lambda tmp: bench_scaling(tmp, args.steps)),
+        "compile": ("compile", lambda tmp: bench_compile(tmp, args.steps)),
     }
     with tempfile.TemporaryDirectory() as tmp:
         for part in args.parts.split(","):
