@@ -33,10 +33,11 @@ def hardware_for(nodes: list[dict[str, float]], use_gpu: bool, slots: list[int])
         types = {k.split(":", 1)[1] for n in nodes for k in n if k.startswith("accelerator_type:")}
         hw = PROFILES[next((_BY_ACCELERATOR[t] for t in sorted(types) if t in _BY_ACCELERATOR), "h100")]
     else:  # logical CPUs share the driver machine's cores: more ranks than cores gain nothing
+        memory = sum(n.get("memory", 0) for n in nodes) / max(sum(slots), 1)  # Ray's memory, a worker's share
         hw = Hardware(
             name="CPU (uncalibrated)",
             gpus_per_node=top,
-            memory_bytes=4 * GiB,
+            memory_bytes=memory or 4 * GiB,
             peak_tflops=0.05,
             efficiency=0.5,
             intra_node_gbps=2.0,
