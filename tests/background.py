@@ -1,8 +1,8 @@
 """Fixtures that run a cluster of their own start with the session, in a thread beside the tests.
 
-The autoscaling simulation (three `ray start` heads with their autoscalers) and the two-node
-topology run (a ray.cluster_utils.Cluster in a subprocess) share nothing with the session's Ray
-or its other tests, and hand their tests plain data. Run in turn, each spent much of its minutes
+The autoscaling simulation (three `ray start` heads with their autoscalers), the two-node
+topology run (a ray.cluster_utils.Cluster in a subprocess) and the submitted jobs (a `ray start`
+head) share nothing with the session's Ray or its other tests, and hand their tests plain data. Run in turn, each spent much of its minutes
 waiting (on Ray's start-up, autoscaler rounds, a node's loss being noticed) while the machine had
 CPU to spare, and the gloo and Ray tests around them spent theirs waiting on other things. Started
 when the session's tests are collected, they run side by side with the rest of the suite; their
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="background")
+_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="background")
 _JOBS: dict[str, Future] = {}
 _STOPS: list[Callable[[], None]] = []  # what ends a job's processes early (a session cut short)
 _ROOT = Path(tempfile.mkdtemp(prefix="rt-background-"))

@@ -20,8 +20,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_DATA_PARQUET_FOOTER_NUM_ACTORS", "1")
 # Ray Train's controller polls its workers every 2 s: a run's end (and a dead worker) is seen up
 # to 2 s late, in each of the suite's ~20 runs. Its preemption watcher, an actor process per
-# worker group, watches for cloud nodes being drained, which no test does. Both reach every Ray
-# the suite starts (the session's, CLI runs', `ray start` heads') through this environment.
+# worker group, watches for cloud nodes being drained, which only the topology test's elastic run
+# does (it turns the watcher on for its CLI: Ray Train hands the driver's setting to its
+# controller). Both reach every Ray the suite starts (the session's, CLI runs', `ray start`
+# heads') through this environment.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 # Every Ray the suite starts (~25: the session's, `ray start` heads, simulated nodes, CLI runs)
@@ -57,7 +59,11 @@ _serve_stand_in_checkpoints()
 # Modules whose fixture runs a cluster of its own (tests/background.py): it starts when the
 # session's tests are collected and runs beside them, each after the one named (one such cluster
 # beside the tests at a time); their tests run last, when the result is most likely there.
-BACKGROUND = {"test_autoscaling_sim": None, "test_topology_ray": "test_autoscaling_sim"}
+BACKGROUND = {
+    "test_autoscaling_sim": None,
+    "test_topology_ray": "test_autoscaling_sim",
+    "test_jobs_ray": "test_topology_ray",
+}
 
 
 def pytest_collection_modifyitems(items):

@@ -1,11 +1,13 @@
 """`ray job submit` as a user runs it: a real head started with `ray start --head` on loopback,
 the documented runtime environment and entrypoint, then status, logs and outputs. The head
 has an S3 endpoint (moto's server on loopback) in its environment, as a cloud node has its
-credentials: a job that fails mid-way continues when resubmitted with --resume s3://..."""
+credentials: a job that fails mid-way continues when resubmitted with --resume s3://...
+The head and its jobs run beside the suite's other tests (tests/background.py)."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import secrets
@@ -16,13 +18,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
 import pyarrow.fs as pafs
 import pytest
-from s3_server import KEY_ID, SECRET, s3_server
+from background import on_stop
+from background import result as background_result
+from s3_server import KEY_ID, SECRET, fresh_buckets
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -34,14 +37,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def s3():
-    with s3_server() as env:
-        yield pafs.S3FileSystem(endpoint_override=env["AWS_ENDPOINT_URL"])
-
-
-@pytest.fixture(scope="module")
-def ray_head(s3):
+@contextlib.contextmanager
+def ray_head(workdir: Path, env: dict):
     """A head in its own process group (ended by that group, never a machine-wide `ray stop`),
     with token authentication as Ray turns it on, the venv first on PATH as after `source
     .venv/bin/activate`."""
@@ -49,8 +46,8 @@ def ray_head(s3):
     token = tmp / "token"
     token.write_text(secrets.token_hex(32))
     env = {
-        **os.environ,
-        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        **env,
+        "PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}",
         "RAY_AUTH_MODE": "token",
         "RAY_AUTH_TOKEN_PATH": str(token),
         "RAY_USAGE_STATS_ENABLED": "0",
@@ -72,6 +69,7 @@ def ray_head(s3):
         ]  # fmt: skip
         log = (tmp / "head.log").open("w")
         head = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        on_stop(functools.partial(_kill_group, head.pid))
         address = f"http://127.0.0.1:{dash}"
         deadline = time.time() + 120
         while True:
@@ -89,22 +87,30 @@ def ray_head(s3):
             time.sleep(2)
         if probe.returncode == 0:
             break
-        with contextlib.suppress(ProcessLookupError):  # the head may have exited by itself
-            os.killpg(head.pid, signal.SIGKILL)
+        _kill_group(head.pid)  # the head may have exited by itself
         head.wait()
         log.close()
         said = (tmp / "head.log").read_text()[-3000:]
         if attempt == 2:
-            pytest.fail(f"ray head did not take a job: {probe.stdout[-1500:]} {probe.stderr[-1500:]}\nhead: {said}")
-    yield {"address": address, "env": env, "tmp": tmp, "pid": head.pid}
-    os.killpg(head.pid, signal.SIGTERM)
+            raise RuntimeError(
+                f"ray head did not take a job: {probe.stdout[-1500:]} {probe.stderr[-1500:]}\nhead: {said}"
+            )
     try:
-        head.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        os.killpg(head.pid, signal.SIGKILL)
-        head.wait()
-    log.close()
-    shutil.rmtree(tmp, ignore_errors=True)
+        yield {"address": address, "env": env, "tmp": tmp, "pid": head.pid}
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            _kill_group(head.pid)
+            head.wait()
+        log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
 
 
 def _ray(head, *args, timeout=600):
@@ -136,23 +142,19 @@ REFUSED = {
 }  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def refused_jobs(ray_head):
+def submit_refused(head) -> dict[str, subprocess.Popen]:
     """The jobs that must fail, submitted together at the start and left running beside the
-    other jobs (their drivers mostly wait: on imports, on the 45 s watchdog); each test then
-    waits for its own."""
-    argv = [str(BIN / "ray"), "job", "submit", "--address", ray_head["address"], "--working-dir", ".",
+    other jobs (their drivers mostly wait: on imports, on the 45 s watchdog)."""
+    argv = [str(BIN / "ray"), "job", "submit", "--address", head["address"], "--working-dir", ".",
             "--runtime-env", "jobs/runtime_env_local.yaml"]  # fmt: skip
     entry = ["--", "python", "-m", "raytrain_hybrid.cli", "train", "jobs/local_3d.toml"]
     procs = {}
     for job_id, sets in REFUSED.items():  # as _submit, each `ray job submit` waiting for its job's end
         cmd = [*argv, "--submission-id", job_id, *entry, *[a for kv in sets for a in ("--set", kv)]]
         procs[job_id] = subprocess.Popen(
-            cmd, cwd=ROOT, env=ray_head["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            cmd, cwd=ROOT, env=head["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
-    yield {**ray_head, "submits": procs}
-    for proc in procs.values():
-        proc.kill()
+    return procs
 
 
 def _logs(head, job_id: str) -> str:
@@ -192,45 +194,82 @@ def _bucket(fs, prefix: str) -> dict[str, bytes]:
     return out
 
 
+# The job cut short and resubmitted: its settings, and the layout it first runs at.
+CUT = ["train.steps=6", "checkpoint.interval=2", "data.path=memory", "run.max_failures=0",
+       "run.output_dir=s3://jobs/cut"]  # fmt: skip
+SMALL = ["parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=2"]
+
+
+def background(workdir: Path, env: dict) -> dict:
+    """Every job of this file on one head of its own, beside the suite's other tests
+    (tests/background.py), its S3 output in a bucket of its own: the jobs that must fail
+    submitted first and left running; meanwhile the job at (1,1,2) loses a worker after its first
+    checkpoint, fails, and is resubmitted with --resume. Returns what the tests look at."""
+    s3_env = fresh_buckets("jobs")
+    s3 = pafs.S3FileSystem(
+        endpoint_override=s3_env["AWS_ENDPOINT_URL"], access_key=KEY_ID, secret_key=SECRET, region="us-east-1"
+    )
+    out: dict = {}
+    with ray_head(workdir, {**env, **s3_env}) as head:
+        refused = submit_refused(head)
+        try:
+            args = [a for kv in CUT for a in ("--set", kv)]
+            out["cut_submitted"] = _submit(
+                head, "rh-cut", *args, *[a for kv in SMALL for a in ("--set", kv)], wait=False
+            )
+            if out["cut_submitted"].returncode == 0:
+                _wait_for(lambda: s3.get_file_info("jobs/cut/checkpoints/step_2/manifest.json").size)
+                _wait_for(lambda: _train_workers(head))[0].kill()
+                out["cut_status"] = _wait_for(lambda: _ended(head, "rh-cut"), every=2)  # a look: ~1 s of CPU
+                out["cut_logs"] = _logs(head, "rh-cut")
+                out["cut_bucket"] = sorted(_bucket(s3, "jobs/cut"))
+                out["resume"] = _submit(
+                    head, "rh-resume", *args, "--set", "parallelism.dp=1", "--resume", "s3://jobs/cut"
+                )
+                out["resume_logs"] = _logs(head, "rh-resume")
+                out["resume_status"] = _ray(head, "job", "status", "--address", head["address"], "rh-resume").stdout
+                out["listed"] = _ray(head, "job", "list", "--address", head["address"]).stdout  # the dashboard's list
+                out["objects"] = _bucket(s3, "jobs/cut")
+            for job_id, proc in refused.items():
+                stdout, _ = proc.communicate(timeout=600)
+                status = _ray(head, "job", "status", "--address", head["address"], job_id).stdout
+                out[job_id] = {"returncode": proc.returncode, "status": status, "logs": _logs(head, job_id)}
+        finally:
+            for proc in refused.values():
+                proc.kill()
+    return out
+
+
+@pytest.fixture(scope="module")
+def jobs() -> dict:
+    return background_result("test_jobs_ray", background)
+
+
 @pytest.mark.slow
-def test_a_failed_job_resubmitted_with_resume_continues_under_another_layout(refused_jobs, s3):
+def test_a_failed_job_resubmitted_with_resume_continues_under_another_layout(jobs):
     """The job at (1,1,2) loses a worker after its first checkpoint with no restart allowed and
     fails; the same job resubmitted with --resume <its output URI> at (1,2,2) (the job file's
     tp and pp, dp=1: 4 workers) continues in place to the full step count and reports: every
     step's loss and gradient norm is the uninterrupted single-process run's, each step once in
-    the bucket's metrics.jsonl. (The jobs that must fail run meanwhile.)"""
-    ray_head = refused_jobs
+    the bucket's metrics.jsonl. (The jobs that must fail ran meanwhile.)"""
     from reference import reference_run
 
     from raytrain_hybrid.config import load_config
 
-    sets = ["train.steps=6", "checkpoint.interval=2", "data.path=memory", "run.max_failures=0",
-            "run.output_dir=s3://bucket/cut"]  # fmt: skip
-    args = [a for kv in sets for a in ("--set", kv)]
-    small = ["parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=2"]
-    submitted = _submit(ray_head, "rh-cut", *args, *[a for kv in small for a in ("--set", kv)], wait=False)
-    assert submitted.returncode == 0, submitted.stderr[-2000:]
-    with ThreadPoolExecutor(1) as pool:  # the reference meanwhile: the jobs mostly wait on their workers
-        reference = pool.submit(reference_run, load_config(ROOT / "jobs" / "local_3d.toml", sets))
-        _wait_for(lambda: s3.get_file_info("bucket/cut/checkpoints/step_2/manifest.json").size)
-        _wait_for(lambda: _train_workers(ray_head))[0].kill()
-        status = _wait_for(lambda: _ended(ray_head, "rh-cut"), every=2)  # each look costs ~1 s of CPU
-        assert "Job 'rh-cut' failed" in status, status
-        assert "error: training failed" in _logs(ray_head, "rh-cut")
-        cut = _bucket(s3, "bucket/cut")
-        assert "checkpoints/step_6/manifest.json" not in cut and "metrics.jsonl" in cut, sorted(cut)
+    assert jobs["cut_submitted"].returncode == 0, jobs["cut_submitted"].stderr[-2000:]
+    assert "Job 'rh-cut' failed" in jobs["cut_status"], jobs["cut_status"]
+    assert "error: training failed" in jobs["cut_logs"]
+    cut = jobs["cut_bucket"]
+    assert "checkpoints/step_6/manifest.json" not in cut and "metrics.jsonl" in cut, cut
 
-        done = _submit(ray_head, "rh-resume", *args, "--set", "parallelism.dp=1", "--resume", "s3://bucket/cut")
-        logs = _logs(ray_head, "rh-resume")
-        assert done.returncode == 0 and "succeeded" in done.stdout, logs[-3000:]
-        assert "step 6/6" in logs and "done: 6 steps" in logs, logs[-3000:]
-        assert "newest checkpoint s3://bucket/cut/checkpoints/step_6" in logs, logs[-2000:]
-        status = _ray(ray_head, "job", "status", "--address", ray_head["address"], "rh-resume")
-        assert "Job 'rh-resume' succeeded" in status.stdout
-        listed = _ray(ray_head, "job", "list", "--address", ray_head["address"]).stdout  # what the dashboard serves
-        assert "rh-resume" in listed and "rh-cut" in listed
-        want = reference.result()
-    objects = _bucket(s3, "bucket/cut")
+    done, logs = jobs["resume"], jobs["resume_logs"]
+    assert done.returncode == 0 and "succeeded" in done.stdout, logs[-3000:]
+    assert "step 6/6" in logs and "done: 6 steps" in logs, logs[-3000:]
+    assert "newest checkpoint s3://jobs/cut/checkpoints/step_6" in logs, logs[-2000:]
+    assert "Job 'rh-resume' succeeded" in jobs["resume_status"]
+    assert "rh-resume" in jobs["listed"] and "rh-cut" in jobs["listed"]
+    want = reference_run(load_config(ROOT / "jobs" / "local_3d.toml", CUT))
+    objects = jobs["objects"]
     history = [json.loads(line) for line in objects["metrics.jsonl"].decode().splitlines()]
     assert [h["step"] for h in history] == list(range(6))
     for got, ref in zip(history, want, strict=True):
@@ -244,30 +283,28 @@ def test_a_failed_job_resubmitted_with_resume_continues_under_another_layout(ref
         assert KEY_ID.encode() not in data and SECRET.encode() not in data, name
 
 
-def _failed(head, job_id: str) -> str:
+def _failed(jobs, job_id: str) -> str:
     """The logs of a job whose `ray job submit` exited non-zero and whose status says failed."""
-    proc = head["submits"][job_id]
-    proc.communicate(timeout=600)
-    assert proc.returncode != 0
-    status = _ray(head, "job", "status", "--address", head["address"], job_id).stdout
-    assert f"Job '{job_id}' failed" in status, status
-    return _logs(head, job_id)
+    job = jobs[job_id]
+    assert job["returncode"] != 0
+    assert f"Job '{job_id}' failed" in job["status"], job["status"]
+    return job["logs"]
 
 
-def test_a_failing_job_exits_non_zero_with_the_reason(refused_jobs):
-    logs = _failed(refused_jobs, "rh-bad")
+def test_a_failing_job_exits_non_zero_with_the_reason(jobs):
+    logs = _failed(jobs, "rh-bad")
     assert "parallelism.tp=3: does not divide model.num_heads=4" in logs, logs[-2000:]
 
 
-def test_a_job_whose_workers_take_every_cpu_is_refused(refused_jobs):
+def test_a_job_whose_workers_take_every_cpu_is_refused(jobs):
     """10 workers on the 10-CPU head: refused, with the CPUs there and the CPUs needed."""
-    logs = _failed(refused_jobs, "rh-cpus")
+    logs = _failed(jobs, "rh-cpus")
     assert "the cluster has 10 CPUs and 10 workers take 10 of them" in logs, logs[-2000:]
     assert "ray start --head --num-cpus=11" in logs
 
 
-def test_a_job_that_cannot_start_stops_and_says_what_ray_waits_for(refused_jobs):
+def test_a_job_that_cannot_start_stops_and_says_what_ray_waits_for(jobs):
     """12 workers on 10 CPUs: the start-up watchdog ends the job and names the pending placement group."""
-    logs = _failed(refused_jobs, "rh-stuck")
+    logs = _failed(jobs, "rh-stuck")
     assert "no training step after 45 s (run.startup_timeout_s)" in logs, logs[-2000:]
     assert "Ray is waiting for: placement group of 12 x {'CPU': 1.0}" in logs
