@@ -9,7 +9,8 @@ ray.cluster_utils.Cluster share one IP, so ranks are grouped by node id.
 A CASE is a list of "key=value" overrides, or {"overrides": [...], "lose_node_after": "checkpoints/step_2"}:
 then a spare node joins first, and once that checkpoint of run.output_dir is complete (its
 manifest is there) one node holding training workers is removed, and its disk with it. A CASE
-with "add_gpus" is an elastic run through the CLI on nodes of its own (run_elastic). With
+with "add_gpus" is an elastic run through the CLI on nodes of its own (run_elastic), where a
+node with workers is drained for preemption instead ("drain_after", "deadline_s"). With
 "tmp_root", every worker node gets its own TMPDIR under it (its "local disk"), and the result
 lists what each one holds after the cases.
 """
@@ -55,17 +56,37 @@ class Nodes:
         self.names[node.node_id], self.alive[name], self.gpus[name] = name, node, gpus
         return node
 
-    def remove_one_with_workers(self) -> dict:
-        """Remove a node whose GPUs training workers hold (never the driver's head), and its disk."""
+    def busy(self) -> list[str]:
+        """Nodes whose GPUs training workers hold (never the driver's head)."""
         from ray._private.state import available_resources_per_node
 
         free = available_resources_per_node()
-        busy = [n for n, node in self.alive.items() if free.get(node.node_id, {}).get("GPU", 0) < self.gpus[n]]
+        return [n for n, node in self.alive.items() if free.get(node.node_id, {}).get("GPU", 0) < self.gpus[n]]
+
+    def remove_one_with_workers(self) -> dict:
+        """Remove a node whose GPUs training workers hold, and its disk."""
+        busy = self.busy()
         if not busy:
             return {"removed": None, "busy_before": busy}
         name = busy[-1]
         self.remove(name)
         return {"removed": name, "busy_before": busy, "removed_at": time.time()}
+
+    def drain_one_with_workers(self, seconds: float) -> dict:
+        """What a cloud's spot reclaim does in Ray (`ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION
+        --deadline-remaining-seconds N`, the same GCS call): a node with workers is drained for
+        preemption, to be taken away ``seconds`` from now."""
+        from ray.core.generated import autoscaler_pb2
+
+        busy = self.busy()
+        if not busy:
+            return {"drained": None, "busy_before": busy}
+        name, deadline = busy[-1], time.time() + seconds
+        reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
+        gcs = ray._raylet.GcsClient(address=self.cluster.address)
+        accepted, why = gcs.drain_node(self.alive[name].node_id, reason, "spot reclaim (test)", int(deadline * 1000))
+        assert accepted, why
+        return {"drained": name, "busy_before": busy, "drained_at": time.time(), "deadline": deadline}
 
     def remove(self, name: str) -> None:
         self.cluster.remove_node(self.alive.pop(name))
@@ -130,8 +151,10 @@ def run_case(nodes: Nodes, spec: dict, name: str, case, tmp: str) -> dict:
 def run_elastic(nodes: Nodes, name: str, case: dict, tmp: str) -> dict:
     """As a user: the CLI joins this cluster through RAY_ADDRESS, on fresh nodes of
     case["nodes"] GPUs each (the earlier cases' nodes removed, so the run's workers land only
-    there). Once case["lose_node_after"] is complete in run.output_dir a node with workers is
-    removed; once a checkpoint of the smaller group is complete, a node of case["add_gpus"] joins."""
+    there); `check` with case["check"] first, when given. Once case["drain_after"] is complete in
+    run.output_dir a node with workers is drained for preemption, case["deadline_s"] ahead; it is
+    removed once that deadline passed and the group restarted without it. Once a checkpoint of
+    the smaller group is complete, a node of case["add_gpus"] joins."""
     for old in list(nodes.alive):
         nodes.remove(old)
     for gpus in case["nodes"]:
@@ -140,7 +163,14 @@ def run_elastic(nodes: Nodes, name: str, case: dict, tmp: str) -> dict:
     sets = ["cluster.use_gpu=true", "cluster.backend=gloo", "run.progress=true", *case["overrides"]]
     out = open_store(next(s.split("=", 1)[1] for s in sets if s.startswith("run.output_dir=")))
     env = {**os.environ, "RAY_ADDRESS": nodes.cluster.address, **case.get("env", {})}
-    argv = [str(Path(sys.executable).parent / "raytrain-hybrid"), "train", *[a for s in sets for a in ("--set", s)]]
+    cli = str(Path(sys.executable).parent / "raytrain-hybrid")
+    checked = None
+    if "check" in case:  # what parallelism.layout=auto would pick on this cluster
+        sets_check = ["cluster.use_gpu=true", "cluster.backend=gloo", *case["check"]]
+        done = subprocess.run([cli, "check", *[a for s in sets_check for a in ("--set", s)]], env=env, cwd=tmp,
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        checked = {"returncode": done.returncode, "stdout": done.stdout, "stderr": done.stderr[-3000:]}
+    argv = [cli, "train", *[a for s in sets for a in ("--set", s)]]
     err = Path(tmp) / f"{name}.stderr"  # a file: a pipe nobody reads could fill and stall the CLI
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err.open("w"), text=True, env=env, cwd=tmp)
     events: dict = {}
@@ -162,11 +192,17 @@ def run_elastic(nodes: Nodes, name: str, case: dict, tmp: str) -> dict:
     started = time.time()
     reader = threading.Thread(target=read_stdout, daemon=True)
     reader.start()
-    lost = out.child(*case["lose_node_after"].split("/"), "manifest.json")
+    due = out.child(*case["drain_after"].split("/"), "manifest.json")
     try:  # here, not in a thread: Cluster.add_node installs a signal handler (main thread only)
         while proc.poll() is None and time.time() - started < 900:
-            if "removed" not in events and lost.exists():
-                events.update(nodes.remove_one_with_workers())
+            if "drained" not in events and due.exists():
+                events.update(nodes.drain_one_with_workers(case["deadline_s"]))
+            elif events.get("drained") and "removed" not in events and time.time() > events["deadline"]:
+                # The cloud takes the node once the group has restarted without it (Ray Train waits
+                # out the deadline); taken earlier, its workers' deaths would be worker failures.
+                if any(line.startswith("restart 1") for _, line in lines):
+                    nodes.remove(events["drained"])
+                    events.update(removed=events["drained"], removed_at=time.time())
             elif "removed" in events and "added" not in events and (saved := smaller_group_saved()):
                 nodes.add(case["add_gpus"])
                 events.update(added=list(nodes.alive)[-1], added_at=time.time(), added_after=saved)
@@ -177,7 +213,7 @@ def run_elastic(nodes: Nodes, name: str, case: dict, tmp: str) -> dict:
     reader.join(timeout=60)
     stdout = "\n".join(line for _, line in lines)
     result = {"returncode": proc.returncode, "stdout": stdout, "lines": lines, "stderr": err.read_text()[-4000:]}
-    result.update(events, started=started)
+    result.update(events, started=started, check=checked)
     if proc.returncode == 0:
         result["history"] = [json.loads(line) for line in out.child("metrics.jsonl").read_text().splitlines()]
         result["summary"] = json.loads(out.child("summary.json").read_text())

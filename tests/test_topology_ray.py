@@ -32,9 +32,11 @@ NODE_LOSS = (f"train.steps={LOSS_STEPS}", *COMMON[1:])
 
 
 # The elastic run (parallelism.min_dp): from the CLI on three nodes of one worker each, at
-# dp=3 (12 rows a step in 6 micro-batches of 2 rows), down to dp=2 when a node goes, up to
-# dp=3 again when one joins. Ray Train looks for new nodes every second here (60 s by default).
-ELASTIC_STEPS = 30
+# dp=3 (12 rows a step in 6 micro-batches of 2 rows), down to dp=2 when a node is preempted
+# (drained with a 4 s notice: the group trains on until the deadline, 10 to 15 steps here),
+# up to dp=3 again when one joins. Ray Train looks for new nodes every second here (60 s by
+# default) and for drained ones every 0.5 s (5 s); its preemption watcher is on for this run.
+ELASTIC_STEPS = 40
 ELASTIC_MODEL = (f"train.steps={ELASTIC_STEPS}", "model.num_layers=2", "model.seq_len=32", "train.global_batch_size=12",
                  "data.path=memory", "parallelism.dp=3", "parallelism.min_dp=1", "parallelism.tp=1",
                  "parallelism.pp=1", "parallelism.microbatches=2")  # fmt: skip
@@ -60,11 +62,15 @@ def background(workdir: Path, env: dict) -> dict:
             "lose_node_after": "checkpoints/step_2",
         },
         # Last: it replaces the nodes with three of one GPU (one replica) each.
+        # run.max_failures=0: a preemption is not a failure. Before it, `check` with layout=auto
+        # on the same nodes (the session's cluster picks another layout: test_storage_ray.py).
         "elastic": {
-            "overrides": [*ELASTIC_MODEL, "checkpoint.interval=2", "run.max_failures=2",
+            "overrides": [*ELASTIC_MODEL, "checkpoint.interval=2", "run.max_failures=0",
                           "run.output_dir=s3://topology/elastic"],
-            "nodes": [1, 1, 1], "lose_node_after": "checkpoints/step_2", "max_dp": 3, "add_gpus": 1,
-            "env": {"RAYTRAIN_HYBRID_RESIZE_CHECK_S": "1"},
+            "nodes": [1, 1, 1], "drain_after": "checkpoints/step_2", "deadline_s": 4, "max_dp": 3, "add_gpus": 1,
+            "check": [*ELASTIC_MODEL[:6], "parallelism.layout=auto"],
+            "env": {"RAYTRAIN_HYBRID_RESIZE_CHECK_S": "1", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "1",
+                    "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5"},
         },
     }  # fmt: skip
     (workdir / "disks").mkdir()
@@ -161,9 +167,11 @@ def test_after_a_node_loss_each_node_read_the_checkpoint_from_storage_into_its_o
 
 def test_an_elastic_run_follows_the_nodes_and_trains_the_oracle_model(two_nodes):
     """`raytrain-hybrid train --set parallelism.dp=3 --set parallelism.min_dp=1 ...` on three
-    nodes: a node lost after step_2 -> the run goes on at dp=2 from the newest checkpoint; a
-    node added once dp=2 saved one -> back to dp=3. Every step's loss and gradient norm are
-    the single-process run's, whatever dp computed it."""
+    nodes: a node drained for preemption after step_2 -> the run saves at the notice, and at the
+    deadline goes on at dp=2 from the newest checkpoint (that save or a later one); a node added
+    once dp=2 saved one -> back to dp=3. Every step's loss and gradient norm are the
+    single-process run's, whatever dp computed it. With run.max_failures=0: the preemption
+    counted apart from failures."""
     result = two_nodes["elastic"]
     assert result["returncode"] == 0, result["stderr"] + result["stdout"][-3000:]
     assert result.get("removed") and result.get("added"), {k: v for k, v in result.items() if k != "stdout"}
@@ -183,3 +191,32 @@ def test_an_elastic_run_follows_the_nodes_and_trains_the_oracle_model(two_nodes)
     out = result["stdout"]
     assert "elastic: dp between 1 and 3, at one of [1, 2, 3]" in out, out
     assert "resize: dp 3 -> 2, continuing from step" in out and "resize: dp 2 -> 3" in out, out
+
+
+def test_a_preempted_node_is_saved_at_the_notice_and_counted_apart_from_failures(two_nodes):
+    """The elastic run's drained node: once Ray Train's watcher saw the drain, every rank saved
+    the next step's checkpoint (in the foreground) before the deadline; the group restarted
+    from that checkpoint or a newer one, and the restart is the preemption's, not a failure's
+    (run.max_failures=0 and the run succeeded)."""
+    result = two_nodes["elastic"]
+    assert result["returncode"] == 0, result["stderr"] + result["stdout"][-3000:]
+    summary, out = result["summary"], result["stdout"]
+    (notice,) = summary["preemptions"]
+    assert notice["saved"] and notice["step"] > 2, notice  # after step_2, when the drain came
+    assert notice["noticed_at"] < result["deadline"], (notice, result["deadline"])  # saved before the node went
+    assert notice["restarted_from"] == summary["elastic"]["starts"][1]["step"] >= notice["step"], summary
+    assert any(c["step"] == notice["step"] and c.get("reason") == "preemption" for c in summary["checkpoints"])
+    assert f"saved step {notice['step']}; Ray Train restarts the group then" in out, out
+    assert "restart 1 after the preemption: the worker group continues from step" in out, out
+
+
+def test_check_picks_a_layout_for_the_connected_cluster(two_nodes):
+    """`check --set parallelism.layout=auto` through RAY_ADDRESS on the three one-GPU nodes: the
+    tiny model's step on H100s is all latency, so one GPU; the session's CPU node picks dp=2
+    (test_storage_ray.py). Both printed with the runner-up."""
+    check = two_nodes["elastic"]["check"]
+    assert check["returncode"] == 0, check
+    out = check["stdout"]
+    assert "layout auto: dp=1 tp=1 pp=1 1F1B microbatches=1 zero=0" in out, out
+    assert "on nodes holding [1, 1, 1] workers (H100-80GB SXM)" in out and "layout auto: runner-up" in out, out
+    assert "layout ok: dp=1 tp=1 pp=1 on 1 node(s) [1]" in out, out
