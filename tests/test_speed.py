@@ -6,12 +6,13 @@ Compiling is the cost here (a cold inductor compile of one block's forward and b
 ~25 s of CPU on this machine): the compiled runs share one inductor cache directory, and the
 multi-rank run is laid out so that its blocks see the shapes the (1,1,1) run compiled
 (4 rows a micro-batch), so its ranks load that run's kernels instead of compiling their own.
-Not compiled yet: TP blocks (torch 2.13's AOTAutograd hands TP's eager DTensor redistribution a
-plain-tensor gradient in backward; dynamo's eager backend runs them), so compile=true with tp > 1
-is refused and auto leaves them eager.
+The TP twins ((2,2,2) 1F1B ZeRO-1, (1,2,4) with SP: DTensor blocks, another graph that every rank
+compiles cold at once) take minutes here; they run with RAYTRAIN_COMPILE_TWINS=1.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 from conftest import reference_history
@@ -46,13 +47,9 @@ def test_activation_checkpointing_values():
     assert all(v in str(bad.value) for v in ("false", "true", "selective")), str(bad.value)
     assert load_config(None, []).parallelism.compile is None  # auto: on with GPUs, off on CPU
     assert load_config(None, ["parallelism.compile=auto"]).parallelism.compile is None
-    assert load_config(None, ["parallelism.compile=true", "parallelism.tp=1"]).parallelism.compile is True
+    assert load_config(None, ["parallelism.compile=true"]).parallelism.compile is True
     with pytest.raises(ConfigError, match=r"parallelism\.compile.*auto"):
         load_config(None, ["parallelism.compile=sometimes"])
-    # TP blocks under AOTAutograd get a plain gradient where DTensor expects one (torch 2.13):
-    # refused before any worker starts, and auto leaves them eager (engine.trainer).
-    with pytest.raises(ConfigError, match=r"parallelism\.compile=True: is not supported with tp=2"):
-        load_config(None, ["parallelism.compile=true", "parallelism.tp=2"])
 
 
 @pytest.fixture(scope="module")
@@ -69,13 +66,22 @@ COMPILED = {
     "2x1x2-zero1-1f1b": layout(2, 1, 2, "1F1B", 2, 1),
 }
 
+# TP with sequence parallelism: both at tp=2 and 4 rows a micro-batch, so the second loads the
+# first's kernels.
+COMPILED_TP = {
+    "2x2x2-zero1-1f1b": layout(2, 2, 2, "1F1B", 2, 1),
+    "1x2x4-sp": layout(1, 2, 4, "1F1B", 4),
+}
+TWINS = [pytest.mark.slow, pytest.mark.skipif(not os.environ.get("RAYTRAIN_COMPILE_TWINS"), reason="minutes")]
 
-@pytest.mark.parametrize("name", list(COMPILED))
+
+@pytest.mark.parametrize("name", [*COMPILED, *(pytest.param(n, marks=TWINS) for n in COMPILED_TP)])
 def test_compiled_blocks_match_single_process(name, inductor_env):
     """Every block compiled: the oracle holds, the first step compiles, no later step does
     (a recompilation per step would cost its seconds at every step), and the start-up
     breakdown has the compile's share of the first step."""
-    result = run_gloo([*SHORT, *MEMORY, *COMPILED[name], "parallelism.compile=true"], env=inductor_env)
+    where = {**COMPILED, **COMPILED_TP}[name]
+    result = run_gloo([*SHORT, *MEMORY, *where, "parallelism.compile=true"], env=inductor_env)
     assert_oracle(result, reference_history(SHORT + MEMORY, "memory"))
     history = result["history"]
     assert history[0]["compiles"] > 0 and history[0]["compile_s"] > 0, history[0]

@@ -113,12 +113,6 @@ def _validate_layout(cfg: Config, spec: ArchSpec) -> None:
             f"sequence parallelism splits model.seq_len={model.seq_len} across the TP group and tp does not "
             f"divide it; try tp in {choices(fits)} or parallelism.sequence_parallel=false",
         )
-    if tp > 1 and par.compile:
-        # torch 2.13's AOTAutograd hands a TP block's eager DTensor redistribution a plain-tensor
-        # gradient in backward (dynamo alone traces it fine); "auto" leaves TP layouts eager.
-        raise ConfigError(
-            "parallelism.compile", True, f"is not supported with tp={tp} yet; use compile=auto or false, or tp=1"
-        )
     cluster = cfg.cluster
     if tp > 1 and cluster.placement_strategy == "STRICT_SPREAD":
         raise ConfigError(

@@ -55,6 +55,20 @@ def apply_compile(stage, spec: ArchSpec) -> None:
     applied after this, run outside the compiled region, as they do around TorchTitan's."""
     for block in stage.get_submodule(spec.layers).values():
         block.forward = torch.compile(block.forward)
+        block.register_forward_pre_hook(_own_input, with_kwargs=True)
+
+
+def _own_input(block, args: tuple, kwargs: dict):
+    """A block's hidden states that are a view of a tensor subclass become a tensor of their own.
+    Under TP the embedding's output is ``to_local()`` of an async collective's result, a view
+    whose base is an AsyncCollectiveTensor; AOTAutograd (torch 2.13) then hands the eager
+    redistribution before it a plain-tensor gradient instead of a DTensor (''Tensor' object has
+    no attribute '_local_tensor'' in backward). One copy, at a stage's first block only."""
+    x = args[0] if args else None
+    base = getattr(x, "_base", None)
+    if base is not None and type(base) is not torch.Tensor:
+        return (x.clone(), *args[1:]), kwargs
+    return None
 
 
 def parallelize_stage(
