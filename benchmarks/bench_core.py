@@ -9,9 +9,9 @@
     share (total / (tp*pp), and / dp for what the ZeRO stage shards).
 (c) scaling: tokens/s of dp=2 vs dp=1 at the same global batch on this machine.
 (d) compile: steady-state step time with parallelism.compile off and on (each transformer block
-    under torch.compile, inductor's C++ backend) at (1,1,1) and (2,1,2), the default model, and
-    the compile's seconds in the first step; inductor's cache starts empty (a fresh directory).
-    Not (2,2,2): compile with tp > 1 is refused for now (config.validate says why).
+    under torch.compile, inductor's C++ backend) at (1,1,1), (2,1,2) and (2,2,2) (--compile-layouts;
+    rows not re-measured are kept), the default model, and the compile's seconds in the first
+    step; inductor's cache starts empty (a fresh directory).
 """
 
 from __future__ import annotations
@@ -214,10 +214,10 @@ def bench_scaling(tmp, steps: int) -> dict:
     return res
 
 
-def bench_compile(tmp, steps: int) -> dict:
-    out = {}
-    for name in ("1x1x1", "2x1x2"):
-        row = {}
+def bench_compile(tmp, steps: int, names: list[str], previous: dict | None, command: str) -> dict:
+    out = dict((previous or {}).get("layouts", {}))
+    for name in names:
+        row = {"command": command}
         for on in (False, True):
             times, summary = ray_step_times([*LAYOUTS[name], f"train.steps={steps}", f"parallelism.compile={on}"], tmp)
             row["compile_on" if on else "compile_off"] = {
@@ -240,6 +240,7 @@ def main() -> None:
     parser.add_argument("--parts", default="overhead,memory,scaling")
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--layouts", default="", help="memory part: only these LAYOUTS names (comma-separated)")
+    parser.add_argument("--compile-layouts", default="1x1x1,2x1x2,2x2x2", help="compile part: these LAYOUTS names")
     args = parser.parse_args()
     if "compile" in args.parts:  # before Ray starts: its workers inherit this environment
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-core-inductor-")
@@ -264,7 +265,12 @@ def main() -> None:
             lambda tmp: bench_memory(tmp, [x for x in args.layouts.split(",") if x], results.get("memory")),
         ),
         "scaling": ("scaling_dp", lambda tmp: bench_scaling(tmp, args.steps)),
-        "compile": ("compile", lambda tmp: bench_compile(tmp, args.steps)),
+        "compile": (
+            "compile",
+            lambda tmp: bench_compile(
+                tmp, args.steps, args.compile_layouts.split(","), results.get("compile"), results["command"]
+            ),
+        ),
     }
     with tempfile.TemporaryDirectory() as tmp:
         for part in args.parts.split(","):
