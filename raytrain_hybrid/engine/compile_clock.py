@@ -20,10 +20,10 @@ class CompileClock:
         callback_handler.register_start_callback(self._start)
         callback_handler.register_end_callback(self._end)
 
-    def _start(self, args) -> None:
+    def _start(self, *args) -> None:  # (a CallbackArgs in torch 2.13; none in older versions)
         self._started = time.perf_counter()
 
-    def _end(self, args) -> None:
+    def _end(self, *args) -> None:
         if self._started is not None:
             self.seconds += time.perf_counter() - self._started
             self.compiles += 1
