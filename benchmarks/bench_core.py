@@ -217,7 +217,8 @@ def bench_scaling(tmp, steps: int) -> dict:
 def bench_compile(tmp, steps: int, names: list[str], previous: dict | None, command: str) -> dict:
     out = dict((previous or {}).get("layouts", {}))
     for name in names:
-        row = {"command": command}
+        # The machine is shared: its load before and after the row says how far to trust it.
+        row = {"command": command, "load_average_1min": {"before": os.getloadavg()[0]}}
         for on in (False, True):
             times, summary = ray_step_times([*LAYOUTS[name], f"train.steps={steps}", f"parallelism.compile={on}"], tmp)
             row["compile_on" if on else "compile_off"] = {
@@ -225,6 +226,7 @@ def bench_compile(tmp, steps: int, names: list[str], previous: dict | None, comm
                 "first_step_s": times[0],
                 "startup_s": summary["startup_s"],  # first_step_compile: the compile's share of first_step
             }
+        row["load_average_1min"]["after"] = os.getloadavg()[0]
         row["ratio_on_over_off"] = row["compile_on"]["median_step_s"] / row["compile_off"]["median_step_s"]
         out[name] = row
     return {
