@@ -74,6 +74,10 @@ def pytest_collection_finish(session):
     import background
 
     modules = {item.module.__name__: item.module for item in session.items if getattr(item, "module", None)}
+    if any(name in modules for name in BACKGROUND) and any("ray_local" in item.fixturenames for item in session.items):
+        # The session's Ray first: its raylet must register within 30 s (Ray's fixed wait), which
+        # a loaded machine (three autoscaling heads starting) may not give it.
+        start_session_ray()
     for name, after in BACKGROUND.items():
         if name in modules:
             background.start(name, modules[name].background, after)
@@ -85,24 +89,38 @@ def pytest_sessionfinish(session):
     background.finish()
 
 
+def start_session_ray():
+    import ray
+
+    if ray.is_initialized():
+        return
+    # The session's S3 endpoint and keys in the environment every node and worker of this
+    # cluster starts with, as a cloud cluster's nodes have theirs (instance roles): the CLI
+    # runs writing to the bucket join this cluster instead of starting a Ray of their own.
+    from s3_server import session_env
+
+    os.environ.update(session_env())
+    for attempt in (1, 2):
+        try:
+            ray.init(
+                address="local",
+                num_cpus=RAY_CPUS + 4,  # 9 + 5 workers of the CLI tests side by side, Ray Data read tasks, a Tune trial
+                include_dashboard=False,
+                log_to_driver=False,
+                runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},
+            )
+            return
+        except Exception as exc:  # Ray waits 30 s for its raylet; on a loaded machine, once more
+            ray.shutdown()
+            if attempt == 2 or "timed out during startup" not in str(exc):
+                raise
+
+
 @pytest.fixture(scope="session")
 def ray_local():
     import ray
 
-    if not ray.is_initialized():
-        # The session's S3 endpoint and keys in the environment every node and worker of this
-        # cluster starts with, as a cloud cluster's nodes have theirs (instance roles): the CLI
-        # runs writing to the bucket join this cluster instead of starting a Ray of their own.
-        from s3_server import session_env
-
-        os.environ.update(session_env())
-        ray.init(
-            address="local",
-            num_cpus=RAY_CPUS + 4,  # 9 + 5 workers of the CLI tests side by side, Ray Data read tasks, a Tune trial
-            include_dashboard=False,
-            log_to_driver=False,
-            runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},
-        )
+    start_session_ray()
     yield ray
     ray.shutdown()
 

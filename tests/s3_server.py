@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -28,39 +29,45 @@ def _free_port() -> int:
 
 
 _SESSION: dict = {}  # the one server of this test session: {"proc": Popen, "env": {...}}
+_LOCK = threading.Lock()  # the tests' thread and the background jobs' (tests/background.py) ask at once
 
 
 def session_env() -> dict[str, str]:
     """The environment of this test session's S3 server, started on first use (one moto process
     for the whole suite instead of one per test module; stopped when the session ends)."""
-    if not _SESSION:
-        port = _free_port()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        env = {
-            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
-            "AWS_ACCESS_KEY_ID": KEY_ID,
-            "AWS_SECRET_ACCESS_KEY": SECRET,
-            "AWS_DEFAULT_REGION": "us-east-1",
-            "AWS_EC2_METADATA_DISABLED": "true",  # no instance-role lookups on this machine
-        }
-        deadline = time.time() + 30
-        while True:
-            try:
-                urllib.request.urlopen(env["AWS_ENDPOINT_URL"], timeout=1)
-                break
-            except OSError:
-                if time.time() > deadline or proc.poll() is not None:
-                    proc.kill()
-                    raise RuntimeError("moto's S3 server did not start") from None
-                time.sleep(0.2)
-        atexit.register(_stop, proc)
-        _SESSION.update(proc=proc, env=env)
+    with _LOCK:
+        if not _SESSION:
+            _start()
     return dict(_SESSION["env"])
+
+
+def _start() -> None:
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    env = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": KEY_ID,
+        "AWS_SECRET_ACCESS_KEY": SECRET,
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",  # no instance-role lookups on this machine
+    }
+    deadline = time.time() + 30
+    while True:
+        try:
+            urllib.request.urlopen(env["AWS_ENDPOINT_URL"], timeout=1)
+            break
+        except OSError:
+            if time.time() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError("moto's S3 server did not start") from None
+            time.sleep(0.2)
+    atexit.register(_stop, proc)
+    _SESSION.update(proc=proc, env=env)
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -74,7 +81,7 @@ def _fresh_buckets(env: dict[str, str], buckets) -> None:
     every object version gone (a test may have turned versioning on), the bucket made anew."""
     import boto3
 
-    client = boto3.client(
+    client = boto3.session.Session().client(  # a session of its own: boto3's default one is not thread-safe
         "s3",
         endpoint_url=env["AWS_ENDPOINT_URL"],
         aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
