@@ -154,7 +154,8 @@ def run_elastic(nodes: Nodes, name: str, case: dict, tmp: str) -> dict:
     there); `check` with case["check"] first, when given. Once case["drain_after"] is complete in
     run.output_dir a node with workers is drained for preemption, case["deadline_s"] ahead; it is
     removed once that deadline passed and the group restarted without it. Once a checkpoint of
-    the smaller group is complete, a node of case["add_gpus"] joins."""
+    the smaller group is complete, a node of case["add_gpus"] joins. Then, with case["auto"], a
+    run of those overrides (parallelism.layout=auto) on the nodes there are."""
     for old in list(nodes.alive):
         nodes.remove(old)
     for gpus in case["nodes"]:
@@ -217,6 +218,22 @@ def run_elastic(nodes: Nodes, name: str, case: dict, tmp: str) -> dict:
     if proc.returncode == 0:
         result["history"] = [json.loads(line) for line in out.child("metrics.jsonl").read_text().splitlines()]
         result["summary"] = json.loads(out.child("summary.json").read_text())
+    if "auto" in case:
+        result["auto"] = run_cli(cli, case["auto"], Path(tmp) / f"{name}-auto", nodes.cluster.address, tmp)
+    return result
+
+
+def run_cli(cli: str, overrides: list[str], out: Path, address: str, cwd: str) -> dict:
+    """`raytrain-hybrid train` on this cluster through RAY_ADDRESS, output in ``out`` (the
+    simulated nodes share this machine's disk): what it printed, its metrics and summary."""
+    sets = ["cluster.use_gpu=true", "cluster.backend=gloo", "run.shared_fs=true", f"run.output_dir={out}", *overrides]
+    env = {**os.environ, "RAY_ADDRESS": address}
+    done = subprocess.run([cli, "train", *[a for s in sets for a in ("--set", s)]], env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    result = {"returncode": done.returncode, "stdout": done.stdout, "stderr": done.stderr[-3000:]}
+    if done.returncode == 0:
+        result["history"] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        result["summary"] = json.loads((out / "summary.json").read_text())
     return result
 
 

@@ -33,13 +33,20 @@ NODE_LOSS = (f"train.steps={LOSS_STEPS}", *COMMON[1:])
 
 # The elastic run (parallelism.min_dp): from the CLI on three nodes of one worker each, at
 # dp=3 (12 rows a step in 6 micro-batches of 2 rows), down to dp=2 when a node is preempted
-# (drained with a 4 s notice: the group trains on until the deadline, 10 to 15 steps here),
+# (drained with a 10 s notice: the save, which waits for the periodic one in flight, takes a few
+# seconds on the loopback S3 when the machine is loaded; the group trains on until the deadline,
+# up to 40 steps here),
 # up to dp=3 again when one joins. Ray Train looks for new nodes every second here (60 s by
 # default) and for drained ones every 0.5 s (5 s); its preemption watcher is on for this run.
-ELASTIC_STEPS = 40
+ELASTIC_STEPS = 60
 ELASTIC_MODEL = (f"train.steps={ELASTIC_STEPS}", "model.num_layers=2", "model.seq_len=32", "train.global_batch_size=12",
                  "data.path=memory", "parallelism.dp=3", "parallelism.min_dp=1", "parallelism.tp=1",
                  "parallelism.pp=1", "parallelism.microbatches=2")  # fmt: skip
+
+
+# The elastic run's model with parallelism.layout=auto (dp at most 3, fixed otherwise): `check`
+# and a run of it on the elastic run's nodes.
+AUTO = [*ELASTIC_MODEL[:6], "parallelism.layout=auto"]
 
 
 def _layout(dp, tp, pp, m):
@@ -67,8 +74,8 @@ def background(workdir: Path, env: dict) -> dict:
         "elastic": {
             "overrides": [*ELASTIC_MODEL, "checkpoint.interval=2", "run.max_failures=0",
                           "run.output_dir=s3://topology/elastic"],
-            "nodes": [1, 1, 1], "drain_after": "checkpoints/step_2", "deadline_s": 4, "max_dp": 3, "add_gpus": 1,
-            "check": [*ELASTIC_MODEL[:6], "parallelism.layout=auto"],
+            "nodes": [1, 1, 1], "drain_after": "checkpoints/step_2", "deadline_s": 10, "max_dp": 3, "add_gpus": 1,
+            "check": AUTO, "auto": AUTO,
             "env": {"RAYTRAIN_HYBRID_RESIZE_CHECK_S": "1", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "1",
                     "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5"},
         },
@@ -181,8 +188,9 @@ def test_an_elastic_run_follows_the_nodes_and_trains_the_oracle_model(two_nodes)
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-4), f"loss at step {want['step']}"
         # Over 30 AdamW steps the engine's gradient norm drifts from the reference's by up to
         # 2.1e-4 at any fixed layout too (dp=1 and dp=3 in gloo processes: the same values as
-        # this run's, 1e-7 apart); the losses stay within 3e-7.
-        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=5e-4), f"grad_norm at step {want['step']}"
+        # this run's, 1e-7 apart), over 60 steps up to 5.6e-4 (seen at step 37); the losses stay
+        # within 3e-7.
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-3), f"grad_norm at step {want['step']}"
     starts = summary["elastic"]["starts"]
     assert [s["dp"] for s in starts] == [3, 2, 3], starts
     assert starts[1]["step"] >= 2 and starts[2]["step"] > starts[1]["step"], starts  # each from a checkpoint
@@ -201,6 +209,7 @@ def test_a_preempted_node_is_saved_at_the_notice_and_counted_apart_from_failures
     result = two_nodes["elastic"]
     assert result["returncode"] == 0, result["stderr"] + result["stdout"][-3000:]
     summary, out = result["summary"], result["stdout"]
+    assert len(summary["preemptions"]) == 1, out
     (notice,) = summary["preemptions"]
     assert notice["saved"] and notice["step"] > 2, notice  # after step_2, when the drain came
     assert notice["noticed_at"] < result["deadline"], (notice, result["deadline"])  # saved before the node went
@@ -210,13 +219,19 @@ def test_a_preempted_node_is_saved_at_the_notice_and_counted_apart_from_failures
     assert "restart 1 after the preemption: the worker group continues from step" in out, out
 
 
-def test_check_picks_a_layout_for_the_connected_cluster(two_nodes):
-    """`check --set parallelism.layout=auto` through RAY_ADDRESS on the three one-GPU nodes: the
-    tiny model's step on H100s is all latency, so one GPU; the session's CPU node picks dp=2
-    (test_storage_ray.py). Both printed with the runner-up."""
-    check = two_nodes["elastic"]["check"]
+def test_layout_auto_picks_for_the_connected_cluster_and_trains_the_oracle_model(two_nodes):
+    """`check --set parallelism.layout=auto` through RAY_ADDRESS on the three one-GPU nodes, and a
+    run of the elastic case's model with layout=auto after it: the tiny model's step on H100s is
+    all latency, so one GPU (the session's CPU node picks dp=2: test_storage_ray.py). Printed
+    with the runner-up; every step's loss the single-process run's."""
+    check, run = two_nodes["elastic"]["check"], two_nodes["elastic"]["auto"]
     assert check["returncode"] == 0, check
-    out = check["stdout"]
-    assert "layout auto: dp=1 tp=1 pp=1 1F1B microbatches=1 zero=0" in out, out
-    assert "on nodes holding [1, 1, 1] workers (H100-80GB SXM)" in out and "layout auto: runner-up" in out, out
-    assert "layout ok: dp=1 tp=1 pp=1 on 1 node(s) [1]" in out, out
+    pick = "layout auto: dp=1 tp=1 pp=1 1F1B microbatches=1 zero=0 activation_checkpointing=false on nodes holding"
+    for out in (check["stdout"], run["stdout"]):
+        assert pick in out and "[1, 1, 1] workers (H100-80GB SXM)" in out and "layout auto: runner-up" in out, out
+    assert "layout ok: dp=1 tp=1 pp=1 on 1 node(s) [1]" in check["stdout"], check["stdout"]
+    assert run["returncode"] == 0, run["stderr"] + run["stdout"][-3000:]
+    layout = run["summary"]["layout"]
+    assert (layout["dp"], layout["tp"], layout["pp"], run["summary"]["world_size"]) == (1, 1, 1, 1), layout
+    for got, want in zip(run["history"], reference_history(ELASTIC_MODEL), strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4), f"loss at step {want['step']}"
