@@ -105,29 +105,18 @@ def plain_case(args, shape: str, compiled: bool, device: torch.device) -> dict:
     """The same model and shapes in one process, no package code in the step: what a user
     writes by hand (transformers forward, loss, backward, clip, AdamW)."""
     import torch.nn.functional as F
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from raytrain_hybrid.config import load_config
+    from raytrain_hybrid.models import get_arch
     from raytrain_hybrid.models.flops import device_peak_tflops, flops_per_token
 
     cfg = load_config(None, overrides(shape, 1, args.steps, args.dtype))
     m = cfg.model
-    hf = LlamaConfig(
-        vocab_size=m.vocab_size,
-        hidden_size=m.hidden_size,
-        intermediate_size=m.ffn_hidden_size,
-        num_hidden_layers=m.num_layers,
-        num_attention_heads=m.num_heads,
-        num_key_value_heads=m.num_kv_heads,
-        max_position_embeddings=m.seq_len,
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
-        use_cache=False,
-    )
+    spec = get_arch(m.arch)  # the transformers class and config the trainer builds from the same keys
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    model = LlamaForCausalLM(hf).to(device)
+    model = spec.hf_class(spec.hf_config(cfg)).to(device)
     forward = args.compile(model) if compiled else model
     fused = {"fused": True} if device.type == "cuda" else {}
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.95), weight_decay=0.1, **fused)
