@@ -6,9 +6,8 @@ head) share nothing with the session's Ray or its other tests, and hand their te
 Run in turn, each spent much of its minutes waiting (on Ray's start-up, autoscaler rounds, a
 node's loss being noticed) while the machine had CPU to spare, and the gloo and Ray tests around
 them spent theirs waiting on other things. Started when the session's tests are collected (after
-the session's own Ray), or when a named module's tests begin (conftest.py BACKGROUND), they run
-side by side with the rest of the suite; their tests, last in the order, wait for the result (or
-start the work then, alone).
+the session's own Ray, see conftest.py), they run side by side with the rest of the suite; their
+tests, last in the order, wait for the result (or start the work then, alone).
 
 A module takes part by defining ``background(workdir: Path, env: dict) -> data``; conftest.py
 names those modules (BACKGROUND) and the one each waits for first, so that at most one cluster

@@ -56,17 +56,14 @@ def _serve_stand_in_checkpoints() -> None:
 _serve_stand_in_checkpoints()
 
 
-# Modules whose fixture runs a cluster of its own (tests/background.py): it runs beside the other
-# tests, after the module named first (one such cluster beside the tests at a time), from the
-# collection or from the first test of the module named second; their tests run last, when the
-# result is most likely there. The submitted jobs start with the worker-kill recovery: from there
-# on the storage and sweep CLI runs mostly wait on Ray, and a suite run left the CPU 20-55 % idle.
+# Modules whose fixture runs a cluster of its own (tests/background.py): it starts when the
+# session's tests are collected and runs beside them, each after the one named (one such cluster
+# beside the tests at a time); their tests run last, when the result is most likely there.
 BACKGROUND = {
-    "test_autoscaling_sim": (None, None),
-    "test_topology_ray": ("test_autoscaling_sim", None),
-    "test_jobs_ray": ("test_topology_ray", "test_recovery_ray"),
+    "test_autoscaling_sim": None,
+    "test_topology_ray": "test_autoscaling_sim",
+    "test_jobs_ray": "test_topology_ray",
 }
-_WAITING: dict[str, list[tuple[str, object, str | None]]] = {}  # module reached -> jobs it starts
 
 
 def pytest_collection_modifyitems(items):
@@ -81,19 +78,9 @@ def pytest_collection_finish(session):
         # The session's Ray first: its raylet must register within 30 s (Ray's fixed wait), which
         # a loaded machine (three autoscaling heads starting) may not give it.
         start_session_ray()
-    for name, (after, start_with) in BACKGROUND.items():
+    for name, after in BACKGROUND.items():
         if name in modules:
-            if start_with in modules:
-                _WAITING.setdefault(start_with, []).append((name, modules[name].background, after))
-            else:
-                background.start(name, modules[name].background, after)
-
-
-def pytest_runtest_setup(item):
-    import background
-
-    for name, fn, after in _WAITING.pop(getattr(item.module, "__name__", ""), []):
-        background.start(name, fn, after)
+            background.start(name, modules[name].background, after)
 
 
 def pytest_sessionfinish(session):
