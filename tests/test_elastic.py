@@ -81,6 +81,36 @@ def test_ray_is_asked_only_for_whole_replicas_with_tp_inside_a_node():
     assert workers_that_fit([{"CPU": 1, "GPU": 1}, {"CPU": 1, "GPU": 1}], gpu, 1, [1, 2, 3]) == 2
 
 
+def test_a_drained_node_shrinks_the_group_only_at_its_restart(monkeypatch):
+    """A node drained for preemption (launch.elastic_ray): the running group's looks for a
+    resize still count it (a shrink then would skip the save at the notice: the group is torn
+    down before its ranks hear of it); the restart at the deadline does not wait for it."""
+    from types import SimpleNamespace
+
+    from raytrain_hybrid.launch.session import use_train_v2
+
+    use_train_v2()
+    from ray.train import ScalingConfig
+    from ray.train.v2._internal.execution.scaling_policy import NoopDecision, ResizeDecision
+
+    from raytrain_hybrid.launch import elastic_ray
+
+    nodes = {name: {"CPU": 1, "GPU": 1} for name in ("a", "b", "c")}
+    policy = elastic_ray.ReplicaScalingPolicy(ScalingConfig(num_workers=(1, 3), use_gpu=True), counts=[1, 2, 3], tp=1)
+    monkeypatch.setattr(policy, "_get_reserved_resources", lambda: nodes)
+    monkeypatch.setattr(policy, "_maybe_send_resource_request", lambda: None)
+    running = SimpleNamespace(start_time=float("-inf"), num_workers=3)
+    monkeypatch.setattr(elastic_ray, "_draining_nodes", lambda: {"c"})
+    assert isinstance(policy.make_decision_for_running_worker_group(running, None), NoopDecision)
+    assert policy._count_possible_workers(nodes) == 2  # the restart's count
+    # A node joining a running group that is below its dp still grows it.
+    monkeypatch.setattr(elastic_ray, "_draining_nodes", set)
+    policy._latest_monitor_time = float("-inf")
+    below = SimpleNamespace(start_time=float("-inf"), num_workers=2)
+    grown = policy.make_decision_for_running_worker_group(below, None)
+    assert isinstance(grown, ResizeDecision) and grown.num_workers == 3, grown
+
+
 BAD = {
     "negative": (["parallelism.min_dp=-1"], "must be >= 0"),
     "above-dp": (elastic(min_dp=4), "must be <= parallelism.dp=3"),

@@ -58,7 +58,7 @@ def run_worker(
     on_checkpoint: Callable[[int, Store, dict], None] | None = None,
     marks: dict | None = None,
     notice: Callable[[], bool] | None = None,
-    on_notice: Callable[[int, bool], None] | None = None,
+    on_notice: Callable[[int, bool | None], None] | None = None,
 ) -> dict:
     """Train up to ``cfg.train.steps`` steps; returns per-step metrics and this rank's memory stats.
 
@@ -74,8 +74,9 @@ def run_worker(
     ``marks`` collects wall-clock times of the start-up phases (rank 0's are reported).
     ``notice()``: whether this rank has heard that a node of the group is about to go (a
     preemption); read before every step. At the first step any rank heard of one, every rank
-    saves a checkpoint at its end and waits for it (the last chance), then calls
-    ``on_notice(steps_done, saved)`` and trains on until the group is stopped.
+    calls ``on_notice(steps_done, None)``, saves a checkpoint at the step's end and waits for
+    it (the last chance), calls ``on_notice(steps_done, saved)`` and trains on until the group
+    is stopped.
     """
     marks = marks if marks is not None else {}
     # An elastic run (parallelism.min_dp) starts at the dp its workers make: the same steps,
@@ -166,7 +167,7 @@ class StepLoop:
     busy: float = 0.0  # seconds waiting or stepping, after the first step
     saving: dict = field(default_factory=dict)  # step -> the metrics of a save not yet complete
     notice: Callable[[], bool] | None = None  # this rank heard of a preemption (see run_worker)
-    on_notice: Callable[[int, bool], None] | None = None
+    on_notice: Callable[[int, bool | None], None] | None = None
     noticed_at: int | None = None  # the step boundary where the ranks agreed on a notice
     last_started: int = -1  # the step of the newest save started
 
@@ -225,6 +226,8 @@ class StepLoop:
         checkpoint of this step (unless the interval started it already) completed now, in the
         foreground: the node may be gone before a background save would end."""
         self.noticed_at = done
+        if self.on_notice is not None:  # heard now: the save may outlast the node's deadline
+            self.on_notice(done, None)
         if self.writer is not None:
             if self.last_started != done:
                 self.start_save(done, metrics)

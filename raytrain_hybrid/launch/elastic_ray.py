@@ -30,10 +30,15 @@ class ReplicaScalingPolicy(ElasticScalingPolicy):
         super().__init__(scaling_config)
         self.counts, self.tp = list(counts), tp
         self._was_running = False
+        self._deciding_for_running = False
 
     def make_decision_for_running_worker_group(self, worker_group_state, worker_group_status):
         self._was_running = True
-        return super().make_decision_for_running_worker_group(worker_group_state, worker_group_status)
+        self._deciding_for_running = True
+        try:
+            return super().make_decision_for_running_worker_group(worker_group_state, worker_group_status)
+        finally:
+            self._deciding_for_running = False
 
     def make_decision_for_non_running_worker_group(self):
         if self._was_running:  # the group just failed (a node lost?): not the view from before
@@ -43,9 +48,12 @@ class ReplicaScalingPolicy(ElasticScalingPolicy):
 
     def _count_possible_workers(self, reserved_resources) -> int:
         """Nodes being drained (a preemption notice) are leaving: Ray's view still counts them,
-        and a group restarted at the deadline would wait for them, then time out."""
+        and a group restarted at the deadline would wait for them, then time out. A running
+        group counts them still: else Ray's look for a resize (every few seconds) would shrink
+        it at once, before its ranks heard the notice and saved (seen on the simulated cluster:
+        the steps since the last periodic checkpoint lost, the restart counted as a resize)."""
         per_worker = self.scaling_config._resources_per_worker_not_none
-        leaving = _draining_nodes()
+        leaving = set() if self._deciding_for_running else _draining_nodes()
         staying = [r for node, r in reserved_resources.items() if node not in leaving]
         return workers_that_fit(staying, per_worker, self.tp, self.counts)
 

@@ -49,7 +49,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         _register(path.uri if rank == 0 else None, {"loss": metrics["loss"], "step": steps_done})
         tracker.checkpoint(steps_done, str(path), metrics)  # registered with Ray now
 
-    def on_notice(steps_done: int, saved: bool) -> None:  # every rank, once its preemption save is complete
+    def on_notice(steps_done: int, saved: bool | None) -> None:  # every rank: heard (None), then saved
         if rank == 0 and sink is not None:
             sink.put(("preemption", notice_event(steps_done, saved)))
 
@@ -100,12 +100,15 @@ def preemption_notice():
     return lambda: context.preemption_info is not None
 
 
-def notice_event(done: int, saved: bool) -> dict:
-    """What the driver hears of a preemption notice (rank 0's copy of Ray Train's info)."""
+def notice_event(done: int, saved: bool | None) -> dict:
+    """What the driver hears of a preemption notice: when the ranks agreed on it (``saved`` None;
+    rank 0's copy of Ray Train's info), then once its save is complete."""
+    if saved is not None:
+        return {"step": done, "saved": saved, "saved_at": time.time()}
     from ray.train.v2._internal.execution.context import get_train_context
 
     info = get_train_context().preemption_context.preemption_info
-    event = {"step": done, "saved": saved, "noticed_at": time.time()}
+    event = {"step": done, "saved": None, "noticed_at": time.time()}
     if info is not None:
         event.update(nodes=info.preempted_node_ids, ranks=info.preempted_ranks, deadline_ms=info.deadline_ms)
     return event

@@ -179,18 +179,28 @@ class RunLog:
                             self.tb.add_scalar(f"memory/{key}/rank{r['rank']}", r[key], len(self.history))
 
     def _preempted(self, notice: dict) -> None:
-        """Rank 0 says the ranks saved (and waited for) step N's checkpoint on a preemption notice."""
+        """Rank 0 says the ranks agreed on a preemption notice at step N (``saved`` None), then
+        that they saved (and waited for) step N's checkpoint: told apart, so that a save the
+        node's deadline cuts short still leaves the notice in the log and the summary."""
+        if notice["saved"] is not None and self.preemptions and self.preemptions[-1]["step"] == notice["step"]:
+            heard = self.preemptions[-1]
+            heard.update(notice)
+            if not notice["saved"]:
+                self._say("  no checkpoint saved for it (checkpoint.interval=0)")
+                return
+            for c in self.checkpoints:
+                if c["step"] == notice["step"]:
+                    c["reason"] = "preemption"
+            took = notice["saved_at"] - heard["noticed_at"]
+            self._say(f"  saved step {notice['step']} ({took:.1f} s after the notice)")
+            return
         self.preemptions.append(notice)
-        for c in self.checkpoints:
-            if c["step"] == notice["step"]:
-                c["reason"] = "preemption"
         deadline = notice.get("deadline_ms")
         when = f" in {deadline / 1000 - notice['noticed_at']:.0f} s" if deadline else ""
-        saved = f"saved step {notice['step']}" if notice["saved"] else "no checkpoint saved (checkpoint.interval=0)"
         nodes = ", ".join(n[:8] for n in notice.get("nodes", [])) or "?"
         self._say(
-            f"preemption notice: node(s) {nodes} (ranks {notice.get('ranks', '?')}) go{when}; {saved}; "
-            "Ray Train restarts the group then, from the newest checkpoint"
+            f"preemption notice: node(s) {nodes} (ranks {notice.get('ranks', '?')}) go{when}; saving step "
+            f"{notice['step']}; Ray Train restarts the group then, from the newest checkpoint"
         )
 
     def _restarted(self, step: int) -> None:
