@@ -3,6 +3,7 @@ as working directory) and produce their pictures."""
 
 from __future__ import annotations
 
+import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -74,10 +75,27 @@ def test_sweep_analysis(executed):
     assert images(nb) == 1
 
 
+def quick_start_reference() -> list[dict]:
+    """The single-process reference of the quick start's run (its example file and overrides)."""
+    from reference import reference_run
+
+    from raytrain_hybrid.config import load_config
+
+    return reference_run(load_config(ROOT / "examples" / "llama_3d.toml", ["train.steps=6", "data.path=memory"]))
+
+
 @pytest.mark.slow
 def test_quick_start_trains_on_local_ray(executed):
+    """The README's main layout, 2x2x2 on 8 Ray Train workers: every step's loss and gradient
+    norm are the single-process run's (computed here while the notebook runs)."""
+    reference = quick_start_reference()
     nb = executed["quick_start.ipynb"].result()
     out = text(nb)
     assert "6 steps, final loss" in out
     assert out.count("rank ") >= 8
     assert images(nb) == 1
+    history = [json.loads(x) for x in (ROOT / "runs" / "quick_start" / "metrics.jsonl").read_text().splitlines()]
+    assert len(history) == len(reference) == 6
+    for got, want in zip(history, reference, strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4), f"loss at step {want['step']}"
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), f"grad_norm at step {want['step']}"
