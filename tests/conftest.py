@@ -106,8 +106,7 @@ def start_session_ray():
                 address="local",
                 num_cpus=RAY_CPUS + 4,  # 9 + 5 workers of the CLI tests side by side, Ray Data read tasks, a Tune trial
                 include_dashboard=False,
-                log_to_driver=False,
-                runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},
+                log_to_driver=False,  # no runtime env: each worker would start as two Python processes
             )
             return
         except Exception as exc:  # Ray waits 30 s for its raylet; on a loaded machine, once more

@@ -97,9 +97,19 @@ def load_tokenizer(path: str | Path = "", fixed_length: int = 0):
     return _load(tokenizer_json(path), fixed_length)
 
 
+def _one_thread_each() -> None:
+    """Tokenizers' own thread pool off in this process (a user's setting wins): every Ray Train
+    worker and Ray Data task tokenizes on its own core. Set here, where tokenizers are loaded,
+    and not as a runtime env for the run's workers: a worker with a runtime env starts through
+    a second Python process (~0.5 s of CPU each, for every worker and task of a run)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
 @functools.lru_cache(maxsize=8)
 def _load(path: str, fixed_length: int):
     from tokenizers import Tokenizer
+
+    _one_thread_each()
 
     if not Path(path).is_file():
         raise FileNotFoundError(f"data.tokenizer={path!r} does not exist; give a local tokenizer.json")
@@ -158,6 +168,8 @@ def load_hf_tokenizer(bundle: TokenizerFiles):
     with EOT as its end-of-sequence token."""
     if bundle.digest not in _HF_LOADED:
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+        _one_thread_each()
 
         where = Path(tempfile.gettempdir()) / "raytrain-hybrid-tokenizers" / bundle.digest
         if not where.is_dir():

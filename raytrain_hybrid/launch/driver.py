@@ -86,6 +86,7 @@ def run(cfg: Config, resume: str | None = None, stream=None, driver_log: Path | 
 
     marks = {"launched": time.time()}
     check_tracking(cfg)  # run.tracking's package, before Ray starts
+    use_train_v2()  # refused before Ray starts when a user turned Ray Train V2 off
     cfg, resume, kept_history = prepare_run_dir(cfg, resume)
     say = functools.partial(print, file=stream or sys.stdout, flush=True)
     cfg, use_gpu, resources = open_session(cfg, marks, say)

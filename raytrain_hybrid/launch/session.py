@@ -2,28 +2,27 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 
 from raytrain_hybrid.config import Config
+from raytrain_hybrid.errors import ConfigError
 
 _TRAIN_V2 = "RAY_TRAIN_V2_ENABLED"
-_WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false", _TRAIN_V2: "1"}
 
 
 def use_train_v2() -> None:
-    """Ray Train V2 (the default in Ray 2.60) on the driver, as on the workers. ray.train picks
-    its version when it is first imported: call this before that (a user's own setting wins)."""
-    os.environ.setdefault(_TRAIN_V2, "1")
-
-
-def _runtime_env() -> dict:
-    """Our worker variables, less those a submitted job's runtime env already sets: Ray
-    refuses to merge a job's and a driver's runtime env that name the same variable."""
-    job = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}") or "{}")
-    taken = (job.get("runtime_env") or {}).get("env_vars") or {}
-    return {"env_vars": {k: v for k, v in _WORKER_ENV.items() if k not in taken}}
+    """Ray Train V2, on which the launcher is built: the default of Ray 2.60, so nothing is set
+    (Ray Train hands a variable set on the driver to every worker as a runtime env, and a worker
+    with a runtime env starts through a second Python process: ~0.5 s of CPU each). A user who
+    turned it off is told, before ray.train is imported."""
+    if os.environ.get(_TRAIN_V2, "1").strip().lower() in ("0", "false", "no", "off"):
+        raise ConfigError(
+            _TRAIN_V2,
+            os.environ[_TRAIN_V2],
+            "selects Ray Train V1; raytrain_hybrid runs on Ray Train V2 (Ray's "
+            "default): unset the variable or set it to 1",
+        )
 
 
 def ensure_ray(cfg: Config, world_size: int) -> None:
@@ -31,10 +30,11 @@ def ensure_ray(cfg: Config, world_size: int) -> None:
 
     if ray.is_initialized():
         return
-    env = _runtime_env()
+    # No runtime env of ours: the workers need no variable of this package's (a runtime env
+    # would also start each worker process twice, see use_train_v2).
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS", "")
     if address:
-        ray.init(address=address, runtime_env=env, log_to_driver=False)
+        ray.init(address=address, log_to_driver=False)
         return
     # No cluster: a private local one with enough logical CPUs for every worker
     # (plus one for Ray Train's controller), however few cores the machine has.
@@ -42,7 +42,6 @@ def ensure_ray(cfg: Config, world_size: int) -> None:
     ray.init(
         address="local",
         num_cpus=max(need, os.cpu_count() or 1),
-        runtime_env=env,
         log_to_driver=False,
         include_dashboard=False,
     )
