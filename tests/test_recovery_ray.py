@@ -24,17 +24,13 @@ from raytrain_hybrid.config import Config
 
 
 def _train_worker_pids() -> list[int]:
-    """This session's training workers: processes under this one (the raylet it started spawns
-    them), never those of another Ray on the same machine."""
-    pids = []
-    for proc in psutil.Process().children(recursive=True):
-        try:
-            cmd = " ".join(proc.cmdline())
-        except psutil.Error:  # ended meanwhile
-            continue
-        if cmd.startswith("ray::RayTrainWorker"):
-            pids.append(proc.pid)
-    return sorted(pids)
+    """The session cluster's live training workers, from its own actor table: never those of
+    another Ray on this machine (the submitted jobs' `ray start` head runs beside the suite,
+    tests/background.py, in this process's tree: a suite run once killed a worker of its job)."""
+    import ray
+
+    actors = ray._private.state.actors().values()
+    return sorted(a["Pid"] for a in actors if a["ActorClassName"] == "RayTrainWorker" and a["State"] == "ALIVE")
 
 
 @pytest.mark.slow
