@@ -45,6 +45,25 @@ def test_tp_groups_stay_on_a_node_with_interleaved_ranks(dp, tp, pp):
     assert sorted(arrangement) == list(range(8))
 
 
+def test_every_group_ascends_as_torchs_device_mesh_numbers_it():
+    """DeviceMesh numbers a group's members by ascending global rank: a group laid out in another
+    order gives ranks the wrong coordinates (ranks 0..5 on three nodes, alternating, at dp=3 pp=2
+    once built stage 0 on a rank of stage 1). Orders that can be laid out ascend on every axis;
+    one that cannot is refused, naming the group."""
+    for dims, nodes in (
+        (ParallelDims(dp=3, tp=1, pp=2), ["a", "b", "c"] * 2),
+        (ParallelDims(dp=1, tp=2, pp=2), ["a", "b"] * 2),
+        (ParallelDims(dp=2, tp=2, pp=2), ["a", "b"] * 4),
+    ):
+        groups = axis_groups(dims, arrange_ranks(dims, nodes))
+        assert all(g == sorted(g) for gs in groups.values() for g in gs), (dims, groups)
+        assert all(len({nodes[r] for r in g}) == 1 for g in groups["tp"])
+    # Node a holds ranks 0 and 3, node b 1 and 2: TP pairs [0, 3] and [1, 2], whose second members
+    # descend along dp.
+    with pytest.raises(LayoutError, match=r"the dp group \[3, 2\] would not ascend"):
+        arrange_ranks(ParallelDims(dp=2, tp=2, pp=1), ["a", "b", "b", "a"])
+
+
 def test_tp_larger_than_node_is_refused():
     with pytest.raises(LayoutError, match="tp=8"):
         arrange_ranks(ParallelDims(dp=1, tp=8, pp=1), ["a"] * 4 + ["b"] * 4)

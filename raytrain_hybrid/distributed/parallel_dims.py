@@ -85,10 +85,14 @@ def arrange_ranks(dims: ParallelDims, node_of_rank: list[str]) -> list[int]:
 
     Ranks are taken node by node (nodes in order of their lowest rank, ranks
     ascending inside a node) and laid into the mesh in row-major order, TP
-    fastest. This is Ray Train's own order when it hands ranks out by node,
-    and it stays correct when it does not (the ranks of a node need not be
-    consecutive). A node whose worker count tp does not divide would split a
-    TP group, so it is refused with the layouts that would fit.
+    fastest. This is Ray Train's own order when it hands ranks out by node
+    (the identity). When the ranks of a node are not consecutive, the identity
+    is kept if it already holds every TP group on one node: torch's DeviceMesh
+    numbers a group's members by ascending global rank, so a group whose ranks
+    descend along its axis would give its ranks the wrong coordinates (seen:
+    a rank building pipeline stage 0 among the ranks of stage 1). A node whose
+    worker count tp does not divide would split a TP group, so it is refused
+    with the layouts that would fit, as is an order no mesh can take.
     """
     if len(node_of_rank) != dims.world_size:
         raise LayoutError(f"{len(node_of_rank)} workers for dp*tp*pp={dims.dp}*{dims.tp}*{dims.pp}={dims.world_size}")
@@ -105,7 +109,19 @@ def arrange_ranks(dims: ParallelDims, node_of_rank: list[str]) -> list[int]:
             f"Layouts that fit these nodes use tp in {fits}"
             + ("" if dims.tp <= max(counts) else f" (tp={dims.tp} is larger than any node)")
         )
-    return [rank for ranks in by_node.values() for rank in ranks]
+    identity = list(range(dims.world_size))
+    if all(len({node_of_rank[r] for r in group}) == 1 for group in axis_groups(dims, identity)["tp"]):
+        return identity
+    arrangement = [rank for ranks in by_node.values() for rank in ranks]
+    for axis, groups in axis_groups(dims, arrangement).items():
+        for group in groups:
+            if group != sorted(group):
+                raise LayoutError(
+                    f"the workers' ranks alternate between nodes ({node_of_rank}) in an order no mesh with TP "
+                    f"groups inside a node can take: the {axis} group {group} would not ascend (torch's DeviceMesh "
+                    "needs it to); start the workers grouped by node (Ray Train's order) or use tp=1"
+                )
+    return arrangement
 
 
 def axis_groups(dims: ParallelDims, arrangement: list[int]) -> dict[str, list[list[int]]]:
