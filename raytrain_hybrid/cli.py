@@ -152,7 +152,7 @@ def _auto_layout(args, cfg):
 def _check(args, cfg) -> int:
     from raytrain_hybrid.distributed.parallel_dims import ParallelDims, placement_report
 
-    counts = None
+    counts, asked = None, cfg
     if cfg.parallelism.layout == "auto":  # the planner's pick, printed; then the usual check of it
         cfg, counts = _auto_layout(args, cfg)
     par = cfg.parallelism
@@ -173,11 +173,11 @@ def _check(args, cfg) -> int:
     from raytrain_hybrid.config.elastic import describe, is_elastic, usable_dps
 
     if args.json:
-        print(json.dumps({"ranks": ranks, "groups": groups, "dp_values": usable_dps(par)}))
+        print(json.dumps({"ranks": ranks, "groups": groups, "dp_values": usable_dps(asked.parallelism)}))
         return 0
     print(f"layout ok: dp={par.dp} tp={par.tp} pp={par.pp} on {len(counts)} node(s) {counts}")
-    if is_elastic(par):  # parallelism.min_dp: the dp values a start may take
-        print(describe(cfg))
+    if is_elastic(asked.parallelism):  # parallelism.min_dp: the dp values a start may take
+        print(describe(asked))
     print(f"{'rank':>4} {'node':>8} {'pp':>3} {'dp':>3} {'tp':>3}")
     for r in ranks:
         print(f"{r['rank']:>4} {r['node']:>8} {r['pp']:>3} {r['dp']:>3} {r['tp']:>3}")

@@ -315,17 +315,25 @@ def _run_jobs(rank: int, world: int, jobs: dict) -> dict:
     init = Trainer.__init__
     for name, job in jobs.items():
         # A list of overrides, or {"overrides": [...], "resume": checkpoint} (a resumed run),
-        # with "notice": (rank, step) a preemption notice that rank alone hears before that step.
+        # with "notice": (rank, step) a preemption notice that rank alone hears before that step,
+        # "nodes": N fake nodes the ranks alternate between, "auto_hardware": a profile (a dict)
+        # for an elastic layout=auto start, which picks its layout as a Ray worker group does.
         job = job if isinstance(job, dict) else {"overrides": job}
         probe = Probe()
         probe.install()
         notice = _notice(rank, *job["notice"]) if "notice" in job else None
+        node_id, said = f"node{rank % job.get('nodes', 1)}", []
         try:
             cfg = load_config(None, job["overrides"])
-            result = run_worker(cfg, node_id="node0", resume=job.get("resume"), notice=notice)
+            if "auto_hardware" in job:
+                from raytrain_hybrid.launch.autolayout import group_layout
+                from raytrain_hybrid.planner.hardware import Hardware
+
+                cfg, said = group_layout(cfg, node_id, Hardware(**job["auto_hardware"]))
+            result = run_worker(cfg, node_id=node_id, resume=job.get("resume"), notice=notice)
         finally:
             Trainer.__init__ = init  # the next job's probe, not this one's too
-        out[name] = {**result, "probe": probe.report()}
+        out[name] = {**result, "probe": probe.report(), "said": said}
     return out
 
 

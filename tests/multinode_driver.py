@@ -241,19 +241,35 @@ def run_elastic(nodes: Nodes, name: str, case: dict, tmp: str) -> dict:
         result["history"] = [json.loads(line) for line in out.child("metrics.jsonl").read_text().splitlines()]
         result["summary"] = json.loads(out.child("summary.json").read_text())
     if "auto" in case:
-        result["auto"] = run_cli(cli, case["auto"], Path(tmp) / f"{name}-auto", nodes.cluster.address, tmp)
+        auto = case["auto"]
+        result["auto"] = run_cli(
+            cli, auto["overrides"], Path(tmp) / f"{name}-auto", nodes, tmp, auto.get("lose_node_after")
+        )
     return result
 
 
-def run_cli(cli: str, overrides: list[str], out: Path, address: str, cwd: str) -> dict:
+def run_cli(
+    cli: str, overrides: list[str], out: Path, nodes: Nodes, cwd: str, lose_node_after: str | None = None
+) -> dict:
     """`raytrain-hybrid train` on this cluster through RAY_ADDRESS, output in ``out`` (the
-    simulated nodes share this machine's disk): what it printed, its metrics and summary."""
+    simulated nodes share this machine's disk): what it printed, its metrics and summary. With
+    ``lose_node_after`` (a checkpoint), a node with workers is removed once that is complete."""
     sets = ["cluster.use_gpu=true", "cluster.backend=gloo", "run.shared_fs=true", f"run.output_dir={out}", *overrides]
-    env = {**os.environ, "RAY_ADDRESS": address}
-    done = subprocess.run([cli, "train", *[a for s in sets for a in ("--set", s)]], env=env, cwd=cwd,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    result = {"returncode": done.returncode, "stdout": done.stdout, "stderr": done.stderr[-3000:]}
-    if done.returncode == 0:
+    env = {**os.environ, "RAY_ADDRESS": nodes.cluster.address}
+    proc = subprocess.Popen([cli, "train", *[a for s in sets for a in ("--set", s)]], env=env, cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    loss: dict = {}
+    done = threading.Event()
+    if lose_node_after:
+        marker = out.joinpath(*lose_node_after.split("/"), "manifest.json")
+        threading.Thread(target=lose_node_when_complete, args=(nodes, marker, done, loss), daemon=True).start()
+    try:
+        stdout, stderr = proc.communicate(timeout=600)
+    finally:
+        done.set()
+        proc.kill()
+    result = {"returncode": proc.returncode, "stdout": stdout, "stderr": stderr[-3000:], **loss}
+    if proc.returncode == 0:
         result["history"] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         result["summary"] = json.loads((out / "summary.json").read_text())
     return result

@@ -64,7 +64,12 @@ BAD = {
         ("--topology", "1"),
         "no layout of at most dp=8",
     ),
-    "with min_dp": (["parallelism.min_dp=1"], ("--topology", "1,1"), "parallelism.layout=fixed with min_dp"),
+    # Elastic (min_dp): Ray is asked for whole replicas of the configured tp*pp=4; one GPU holds none.
+    "elastic, too few": (
+        ["parallelism.min_dp=1"],
+        ("--topology", "1"),
+        "hold none of the worker counts [4, 8, 16, 32]",
+    ),
     "unknown": (["parallelism.layout=best"], ("--topology", "1"), "must be one of {auto, fixed}"),
 }
 
@@ -90,3 +95,23 @@ def test_check_json_of_the_pick(capsys):
     assert code == 0 and "layout auto: dp=8" in err  # the pick's lines on stderr: stdout is the JSON
     got = json.loads(out)
     assert len(got["ranks"]) == 8 and got["dp_values"] == [8]
+
+
+def test_check_of_an_elastic_auto_run_shows_the_first_starts_pick_and_its_dp_values(capsys):
+    """With min_dp, layout=auto picks at every start for the workers Ray started (whole replicas of
+    the configured tp*pp=4): `check` shows the first start's pick for the nodes given, checks it,
+    and lists the counts a start may have. Two clusters, two picks."""
+    elastic = [*BIG, "parallelism.min_dp=1"]
+    code, two, _ = _check(capsys, elastic, "--topology", "8,8")
+    assert code == 0, two
+    code, small, _ = _check(capsys, elastic, "--topology", "2,2,2")
+    assert code == 0, small
+    assert "the first, as Ray will likely place 16:" in two and "the first, as Ray will likely place 4:" in small
+    assert "for the 16 workers started on nodes holding [8, 8] (H100-80GB SXM)" in _picked(two), two
+    assert "for the 4 workers started on nodes holding [2, 2] (H100-80GB SXM)" in _picked(small), small
+    assert _picked(two).split(" for ")[0] != _picked(small).split(" for ")[0]
+    for out in (two, small):
+        assert "layout auto: runner-up dp=" in out, out
+        assert "elastic: dp in {1, 2, 4, 8} (4 workers a replica): dp=1: 4 workers, dp=2: 8 workers" in out, out
+    picked = _picked(small).split()[2:5]  # ['dp=4', 'tp=1', 'pp=1']
+    assert f"layout ok: {' '.join(picked)} on 2 node(s) [2, 2]" in small, small

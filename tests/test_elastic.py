@@ -12,6 +12,7 @@ added on a simulated cluster: tests/test_topology_ray.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -25,6 +26,7 @@ from raytrain_hybrid.config import load_config
 from raytrain_hybrid.config.elastic import at_world, usable_dps
 from raytrain_hybrid.errors import ConfigError
 from raytrain_hybrid.launch.elastic import scaling_workers, worker_counts, workers_that_fit
+from raytrain_hybrid.planner.hardware import PROFILES
 
 MODEL = ("train.steps=4", "model.num_layers=2", "model.seq_len=32", "train.global_batch_size=12", "data.path=memory")
 
@@ -154,26 +156,46 @@ def test_check_lists_the_dp_values(capsys):
 NOTICES = {"plain": (2, 2), "zero1": (1, 1)}
 
 
+# An elastic run with layout=auto, replicas of tp=2 workers as configured, priced on H100s: each
+# start picks the layout of all its workers (the pick the tiny model gets: its step is all latency).
+AUTO = [*elastic(3, 1, 2, 1, "parallelism.tp=2", "parallelism.layout=auto")]
+AUTO_HW = dataclasses.asdict(PROFILES["h100"])
+
+
 @pytest.fixture(scope="module")
 def resized(tmp_path_factory):
     """Each case saved at dp=3 (checkpoints after steps 2 and 4, and at a preemption notice)
-    and resumed from step 2 on the workers of dp=2 with the same config: one launch of gloo
-    processes per world size."""
-    cases = {"plain": elastic(), "zero1": elastic(3, 1, 2, 1, "parallelism.zero=1"), "pp2": elastic(pp=2)}
+    and resumed from step 2 on fewer workers with the same config: "plain" and "zero1" on 3
+    then 2 workers, "pp2" on 6 then 4, "auto" on 6 workers of three nodes then 2 of one node.
+    One launch of gloo processes per world size and half."""
+    cases = {
+        "plain": elastic(),
+        "zero1": elastic(3, 1, 2, 1, "parallelism.zero=1"),
+        "pp2": elastic(pp=2),
+        "auto": AUTO,
+    }
+    nodes = {"auto": (3, 1)}  # fake nodes the ranks spread over, in each half
     root = tmp_path_factory.mktemp("elastic")
+    jobs = {n: [*MODEL, *o, "checkpoint.interval=2", f"run.output_dir={root / n}"] for n, o in cases.items()}
+
+    def job(n: str, half: int, **more) -> dict:
+        extra = {"nodes": nodes[n][half], "auto_hardware": AUTO_HW} if n in nodes else {}
+        return {**more, **extra, **({"notice": NOTICES[n]} if n in NOTICES and half == 0 else {})}
+
     saved, resumed = {}, {}
-    for worlds, names in (((3, 2), ("plain", "zero1")), ((6, 4), ("pp2",))):
-        jobs = {n: [*MODEL, *cases[n], "checkpoint.interval=2", f"run.output_dir={root / n}"] for n in names}
-        first = {n: {"overrides": o, **({"notice": NOTICES[n]} if n in NOTICES else {})} for n, o in jobs.items()}
-        saved.update(run_gloo_jobs(worlds[0], first))
+    for world, names in ((3, ("plain", "zero1")), (6, ("pp2", "auto"))):
+        saved.update(run_gloo_jobs(world, {n: job(n, 0, overrides=jobs[n]) for n in names}))
+    for world, names in ((2, ("plain", "zero1", "auto")), (4, ("pp2",))):
         again = {
-            n: {
-                "overrides": [*o[:-1], f"run.output_dir={root / n}-dp2"],
-                "resume": str(root / n / "checkpoints" / "step_2"),
-            }
-            for n, o in jobs.items()
+            n: job(
+                n,
+                1,
+                overrides=[*jobs[n][:-1], f"run.output_dir={root / n}-dp2"],
+                resume=str(root / n / "checkpoints" / "step_2"),
+            )
+            for n in names
         }
-        resumed.update(run_gloo_jobs(worlds[1], again))
+        resumed.update(run_gloo_jobs(world, again))
     return root, saved, resumed
 
 
@@ -202,3 +224,25 @@ def test_a_preemption_notice_heard_by_one_rank_is_saved_by_all_at_the_same_step(
     assert steps == sorted({2, done, 4}), steps
     assert read_manifest(root / name / "checkpoints" / f"step_{done}")["step"] == done
     assert_oracle(saved[name], reference_history(REFERENCE))
+
+
+def test_an_elastic_auto_run_picks_each_starts_layout_and_trains_the_oracle_model(resized):
+    """parallelism.layout=auto with min_dp: each start (as a Ray worker group's, launch.entry)
+    picks the planner's best layout of all its workers on their nodes, not the configured
+    tp=2: 6 workers on three nodes -> dp=3 tp=1 pp=2, resumed on 2 workers of one node ->
+    dp=2 tp=1 pp=1 from the first's checkpoint (resharded across dp and pp). Both halves are
+    the single-process oracle's steps."""
+    root, saved, resumed = resized
+    reference = reference_history(REFERENCE)
+    assert_oracle(saved["auto"], reference)
+    assert_oracle(resumed["auto"], reference, first=2)
+    shapes = []
+    for run, step in ((root / "auto", 2), (root / "auto-dp2", 4)):
+        layout = read_manifest(run / "checkpoints" / f"step_{step}")["layout"]
+        shapes.append((layout["dp"], layout["tp"], layout["pp"]))
+    assert shapes == [(3, 1, 2), (2, 1, 1)], shapes
+    first, again = saved["auto"]["said"], resumed["auto"]["said"]
+    assert first[0].startswith("layout auto: dp=3 tp=1 pp=2 "), first
+    assert "for the 6 workers started on nodes holding [2, 2, 2] (H100-80GB SXM)" in first[0], first
+    assert again[0].startswith("layout auto: dp=2 tp=1 pp=1 ") and "nodes holding [2] " in again[0], again
+    assert first[1].startswith("layout auto: runner-up "), first

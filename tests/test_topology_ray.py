@@ -45,9 +45,10 @@ ELASTIC_MODEL = (f"train.steps={ELASTIC_STEPS}", "model.num_layers=2", "model.se
                  "parallelism.pp=1", "parallelism.microbatches=2")  # fmt: skip
 
 
-# The elastic run's model with parallelism.layout=auto (dp at most 3, fixed otherwise): `check`
-# and a run of it on the elastic run's nodes.
+# The elastic run's model with parallelism.layout=auto (dp at most 3): `check` on the elastic run's
+# nodes; then, elastic between 1 and 3 replicas of one worker, a run on those nodes that loses one.
 AUTO = [*ELASTIC_MODEL[:6], "parallelism.layout=auto"]
+AUTO_ELASTIC = [*ELASTIC_MODEL, "parallelism.layout=auto", "checkpoint.interval=2", "run.max_failures=1"]
 
 
 def _layout(dp, tp, pp, m):
@@ -77,7 +78,7 @@ def background(workdir: Path, env: dict) -> dict:
                           "run.output_dir=s3://topology/elastic"],
             "nodes": [1, 1, 1], "drain_after": "checkpoints/step_2", "deadline_s": 60, "sooner_s": 2, "max_dp": 3,
             "add_gpus": 1,
-            "check": AUTO, "auto": AUTO,
+            "check": AUTO, "auto": {"overrides": AUTO_ELASTIC, "lose_node_after": "checkpoints/step_2"},
             "env": {"RAYTRAIN_HYBRID_RESIZE_CHECK_S": "1", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "1",
                     "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5"},
         },
@@ -224,19 +225,37 @@ def test_a_preempted_node_is_saved_at_the_notice_and_counted_apart_from_failures
     assert "restart 1 after the preemption: the worker group continues from step" in out, out
 
 
-def test_layout_auto_picks_for_the_connected_cluster_and_trains_the_oracle_model(two_nodes):
-    """`check --set parallelism.layout=auto` through RAY_ADDRESS on the three one-GPU nodes, and a
-    run of the elastic case's model with layout=auto after it: the tiny model's step on H100s is
-    all latency, so one GPU (the session's CPU node picks dp=2: test_storage_ray.py). Printed
-    with the runner-up; every step's loss the single-process run's."""
-    check, run = two_nodes["elastic"]["check"], two_nodes["elastic"]["auto"]
+def test_layout_auto_picks_for_the_connected_cluster(two_nodes):
+    """`check --set parallelism.layout=auto` through RAY_ADDRESS on the three one-GPU nodes: the
+    tiny model's step on H100s is all latency, so one GPU (the session's CPU node picks dp=2:
+    test_storage_ray.py). Printed with the runner-up, then checked."""
+    check = two_nodes["elastic"]["check"]
     assert check["returncode"] == 0, check
     pick = "layout auto: dp=1 tp=1 pp=1 1F1B microbatches=1 zero=0 activation_checkpointing=false on nodes holding"
-    for out in (check["stdout"], run["stdout"]):
-        assert pick in out and "[1, 1, 1] workers (H100-80GB SXM)" in out and "layout auto: runner-up" in out, out
-    assert "layout ok: dp=1 tp=1 pp=1 on 1 node(s) [1]" in check["stdout"], check["stdout"]
+    out = check["stdout"]
+    assert pick in out and "[1, 1, 1] workers (H100-80GB SXM)" in out and "layout auto: runner-up" in out, out
+    assert "layout ok: dp=1 tp=1 pp=1 on 1 node(s) [1]" in out, out
+
+
+def test_an_elastic_auto_run_picks_a_layout_at_each_start_and_trains_the_oracle_model(two_nodes):
+    """`train` with parallelism.layout=auto and min_dp=1 (dp at most 3 replicas of one worker) on
+    the three one-GPU nodes: Ray starts 3 workers, which take the planner's pick for all three
+    (dp=3); a node removed after step_2 -> Ray Train restarts the group on the 2 left, and their
+    pick is another layout (one replica, two pipeline stages), resharded from the newest
+    checkpoint. Every pick printed with its runner-up; every step's loss the single-process run's."""
+    run = two_nodes["elastic"]["auto"]
     assert run["returncode"] == 0, run["stderr"] + run["stdout"][-3000:]
-    layout = run["summary"]["layout"]
-    assert (layout["dp"], layout["tp"], layout["pp"], run["summary"]["world_size"]) == (1, 1, 1, 1), layout
-    for got, want in zip(run["history"], reference_history(ELASTIC_MODEL), strict=True):
+    assert run.get("removed"), {k: v for k, v in run.items() if k not in ("stdout", "history")}
+    out = run["stdout"]
+    assert "layout auto: every start picks the layout of its workers; the first, as Ray will likely place 3:" in out
+    assert "layout auto: dp=3 tp=1 pp=1 1F1B microbatches=1 " in out, out
+    assert "for the 3 workers started on nodes holding [1, 1, 1] (H100-80GB SXM)" in out, out
+    assert "layout auto: dp=1 tp=1 pp=2 " in out and "for the 2 workers started on nodes holding [1, 1] " in out, out
+    assert "resize: dp=3 tp=1 pp=1 -> dp=1 tp=1 pp=2, continuing from step" in out, out
+    starts = [(s["dp"], s["tp"], s["pp"]) for s in run["summary"]["elastic"]["starts"]]
+    assert starts == [(3, 1, 1), (1, 1, 2)], run["summary"]["elastic"]
+    assert run["summary"]["elastic"]["starts"][1]["step"] >= 2
+    history = run["history"]
+    assert [h["step"] for h in history] == list(range(ELASTIC_STEPS))  # every step once
+    for got, want in zip(history, reference_history(ELASTIC_MODEL), strict=True):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-4), f"loss at step {want['step']}"

@@ -59,13 +59,6 @@ def check_elastic(cfg: Config) -> None:
     par = cfg.parallelism
     if not par.min_dp:
         return
-    if par.layout == "auto":  # not yet: the elastic policy resizes whole replicas of one tp*pp
-        raise ConfigError(
-            "parallelism.layout",
-            par.layout,
-            "with parallelism.min_dp the run resizes dp at one tp and pp; use parallelism.layout=fixed with "
-            "min_dp, or parallelism.min_dp=0 with layout=auto (the planner then picks the layout at the start)",
-        )
     if par.min_dp > par.dp:
         raise ConfigError(
             "parallelism.min_dp",
@@ -103,6 +96,12 @@ def describe(cfg: Config) -> str:
     dps = usable_dps(par)
     total, rows = par.dp * par.microbatches, micro_batch_rows(cfg)
     each = ", ".join(f"dp={d}: {total // d}" for d in dps)
+    if par.layout == "auto":  # the planner re-picks each start's layout for the workers it got
+        each = ", ".join(f"dp={d}: {d * par.tp * par.pp} workers" for d in dps)
+        return (
+            f"elastic: dp in {choices(dps)} ({par.tp * par.pp} workers a replica): {each}; layout auto: every start "
+            f"picks the layout of all its workers; global batch {cfg.train.global_batch_size} at every start"
+        )
     return (
         f"elastic: dp in {choices(dps)} ({par.tp * par.pp} workers a replica); micro-batches a replica, of "
         f"{rows} row{'s' if rows != 1 else ''} each: {each}; global batch {cfg.train.global_batch_size} at every dp"

@@ -37,6 +37,8 @@ class ParallelismConfig:
     min_dp: int = 0
     # "auto": at the start the planner picks dp (at most the dp above), tp, pp, micro-batches, schedule,
     # ZeRO and recompute for the nodes the cluster has then (`check` shows its pick); "fixed": the keys here.
+    # With min_dp (elastic), Ray is asked for whole replicas of the tp*pp here, as for a fixed layout, and
+    # every start (the first, each resize) picks the layout that uses all the workers it got.
     layout: str = "fixed"
     # Tensor-parallel degree; every TP group stays inside one node.
     tp: int = 2

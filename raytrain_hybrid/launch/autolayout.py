@@ -1,14 +1,26 @@
 """parallelism.layout = "auto" on a cluster: the workers each node holds now, handed to the
-planner (planner.auto), before any worker starts; `train` and `check` print its pick."""
+planner (planner.auto), before any worker starts; `train` and `check` print its pick.
+
+An elastic run (parallelism.min_dp) with layout=auto asks Ray for whole replicas of the
+configured tp*pp, as a fixed one does (launch.elastic), and picks at every start of its worker
+group, the first and each resize: the best layout that uses all the workers Ray started, on the
+nodes they landed on (``group_layout``, in the workers). Every layout trains the same model and
+checkpoints reshard, so a pick changes the speed, never the losses.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+from collections import Counter
 from collections.abc import Callable
 
 from raytrain_hybrid.config import Config
+from raytrain_hybrid.config.elastic import at_world, is_elastic
 from raytrain_hybrid.errors import ConfigError
+from raytrain_hybrid.launch.elastic import worker_counts, workers_that_fit
 from raytrain_hybrid.launch.placement import live_node_totals, predict_workers_per_node, worker_resources
-from raytrain_hybrid.planner.auto import hardware_for, pick
+from raytrain_hybrid.planner.auto import hardware_for, pick, pick_for_group
+from raytrain_hybrid.planner.hardware import Hardware
 
 
 def node_slots(cfg: Config, nodes: list[dict[str, float]], use_gpu: bool) -> list[int]:
@@ -34,10 +46,89 @@ def choose_layout(
     nodes = live_node_totals() if nodes is None else nodes
     use_gpu = _use_gpu(cfg, nodes) if use_gpu is None else use_gpu
     slots = node_slots(cfg, nodes, use_gpu)
-    picked, lines = pick(cfg, slots, hardware_for(nodes, use_gpu, slots))
+    hw = hardware_for(nodes, use_gpu, slots)
+    if is_elastic(cfg.parallelism):  # each start picks for its own workers (group_layout)
+        _say_first_start(cfg, nodes, use_gpu, hw, say)
+        return cfg
+    picked, lines = pick(cfg, slots, hw)
     for line in lines:
         say(line)
     return picked
+
+
+def start_hardware(cfg: Config, use_gpu: bool) -> dict | None:
+    """For an elastic run with layout=auto, the profile every start's pick is priced on (the
+    live nodes', as the driver's pick), as the workers receive it; None for any other run."""
+    if cfg.parallelism.layout != "auto" or not is_elastic(cfg.parallelism):
+        return None
+    nodes = live_node_totals()
+    return dataclasses.asdict(hardware_for(nodes, use_gpu, node_slots(cfg, nodes, use_gpu)))
+
+
+def layout_for_group(cfg: Config, node_ids: list[str], hw: Hardware) -> tuple[Config, list[str]]:
+    """An elastic layout=auto run's start on workers of ``node_ids`` (one per rank): the config at
+    the planner's best layout of all of them, and the lines that say why. When the planner fits
+    none (its memory estimate), the configured replicas at the dp the workers make."""
+    slots = sorted(Counter(node_ids).values(), reverse=True)
+    hw = dataclasses.replace(hw, gpus_per_node=slots[0])  # TP's bound: the fullest node of this group
+    got = pick_for_group(cfg, slots, hw)
+    if got is not None:
+        return got
+    fixed = at_world(cfg, len(node_ids))
+    par = fixed.parallelism
+    return fixed, [
+        f"layout auto: no layout of the {len(node_ids)} workers on nodes holding {slots} fits by the planner's "
+        f"estimate ({hw.name}); the configured replicas: dp={par.dp} tp={par.tp} pp={par.pp} "
+        f"microbatches={par.microbatches}"
+    ]
+
+
+def group_layout(cfg: Config, node_id: str, hw: Hardware) -> tuple[Config, list[str]]:
+    """``layout_for_group`` for this worker group (every rank calls it; ``node_id`` this rank's
+    node): rank 0 picks, every rank takes its pick, so all build one mesh."""
+    import torch.distributed as dist
+
+    node_ids: list[str] = [""] * dist.get_world_size()
+    dist.all_gather_object(node_ids, node_id)
+    box = [layout_for_group(cfg, node_ids, hw) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def first_start(
+    cfg: Config, nodes: list[dict], use_gpu: bool, hw: Hardware
+) -> tuple[Config, list[int], list[str]] | None:
+    """An elastic layout=auto run's first start as Ray will likely place it on ``nodes``: (the
+    config at its pick, workers a node, the lines that say why), None when the nodes hold no
+    start yet (an autoscaler may add some). Refuses (ConfigError) when the planner fits none."""
+    per_worker = worker_resources(cfg, use_gpu)
+    counts = worker_counts(cfg)
+    world = workers_that_fit(nodes, per_worker, cfg.parallelism.tp, counts)
+    placed = predict_workers_per_node(nodes, world, per_worker, cfg.cluster.placement_strategy)
+    if world not in counts or not placed:
+        return None
+    placed = sorted((c for c in placed if c), reverse=True)
+    got = pick_for_group(cfg, placed, dataclasses.replace(hw, gpus_per_node=placed[0]))
+    if got is None:  # as a fixed-size pick that finds nothing: refused before any worker starts
+        raise ConfigError(
+            "parallelism.layout",
+            "auto",
+            f"no layout of the {world} workers the nodes hold now ({placed} a node) fits on {hw.name} "
+            "(memory, TP inside a node, the global batch); add nodes or GPUs, or set parallelism.layout=fixed",
+        )
+    head = f"layout auto: every start picks the layout of its workers; the first, as Ray will likely place {world}:"
+    return got[0], placed, [head, *got[1]]
+
+
+def _say_first_start(cfg: Config, nodes: list[dict], use_gpu: bool, hw: Hardware, say: Callable[[str], None]) -> None:
+    first = first_start(cfg, nodes, use_gpu, hw)
+    if first is None:
+        say(
+            f"layout auto: every start picks the layout of its workers; the nodes hold none of {worker_counts(cfg)} yet"
+        )
+        return
+    for line in first[2]:
+        say(line)
 
 
 def _use_gpu(cfg: Config, nodes: list[dict[str, float]]) -> bool:
@@ -65,6 +156,18 @@ def pick_for_check(cfg: Config, held: list[int] | None, say: Callable[[str], Non
             "--topology with the workers each node holds (e.g. 4,4)",
         )
     gpu = _use_gpu(cfg, nodes) if gpu is None else gpu
+    if is_elastic(cfg.parallelism):  # the first start's pick (later ones pick for their own workers)
+        first = first_start(cfg, nodes, gpu, hardware_for(nodes, gpu, node_slots(cfg, nodes, gpu)))
+        if first is None:
+            raise ConfigError(
+                "parallelism.layout",
+                "auto",
+                f"the nodes hold none of the worker counts {worker_counts(cfg)} (whole replicas of "
+                f"tp*pp={cfg.parallelism.tp * cfg.parallelism.pp}); check with --topology the nodes the run will have",
+            )
+        for line in first[2]:
+            say(line)
+        return first[0], first[1]
     cfg = choose_layout(cfg, say, nodes, gpu)
     holds = [{"W": float(s)} for s in node_slots(cfg, nodes, gpu)]
     counts = predict_workers_per_node(holds, cfg.parallelism.world_size, {"W": 1.0}, cfg.cluster.placement_strategy)

@@ -22,7 +22,7 @@ from raytrain_hybrid.checkpoint.manifest import MANIFEST, check_compatible, reso
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.config.elastic import is_elastic
 from raytrain_hybrid.errors import ConfigError
-from raytrain_hybrid.launch.autolayout import choose_layout
+from raytrain_hybrid.launch.autolayout import choose_layout, start_hardware
 from raytrain_hybrid.launch.autoscale import POLL_S, ScalerProbe, StartupTimeout, StartupWatchdog
 from raytrain_hybrid.launch.elastic import make_torch_trainer, scaling_workers, start_line, worker_counts
 from raytrain_hybrid.launch.entry import train_loop_per_worker
@@ -88,7 +88,12 @@ def run(cfg: Config, resume: str | None = None, stream=None, driver_log: Path | 
     check_tracking(cfg)  # run.tracking's package, before Ray starts
     use_train_v2()  # refused before Ray starts when a user turned Ray Train V2 off
     cfg, resume, kept_history = prepare_run_dir(cfg, resume)
-    say = functools.partial(print, file=stream or sys.stdout, flush=True)
+    said: list[str] = []  # what is printed before the run (RunLog does not repeat it)
+
+    def say(line: str) -> None:
+        said.append(line)
+        print(line, file=stream or sys.stdout, flush=True)
+
     cfg, use_gpu, resources = open_session(cfg, marks, say)
     open_store(cfg.run.output_dir).makedirs()  # only now: a refused run leaves nothing behind
     cfg = prepare_input(cfg, say=say)
@@ -109,6 +114,7 @@ def run(cfg: Config, resume: str | None = None, stream=None, driver_log: Path | 
         history=kept_history,
         stream=stream,
         on_checkpoint=functools.partial(run_dir.sync, driver_log),
+        said=said,
     )
     with contextlib.closing(run_log), tracked:  # a run that fails ends its tracker run FAILED
         watchdog = StartupWatchdog.for_run(cfg.cluster, resources, cfg.run.startup_timeout_s)
@@ -171,6 +177,8 @@ def make_trainer(cfg: Config, *, sink, use_gpu: bool, resources: dict[str, float
             "launch_id": uuid.uuid4().hex,
             "data_env": data_env,
             "tracking": tracking,  # rank 0's tracker run (launch.tracking.TrackerRun), or None
+            # An elastic run with layout=auto: the profile each start's pick is priced on.
+            "layout_hardware": start_hardware(cfg, use_gpu),
         },
         torch_config=TorchConfig(backend=backend),
         **build_datasets(cfg, data_env),

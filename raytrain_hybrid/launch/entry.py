@@ -9,6 +9,7 @@ from typing import Any
 
 from raytrain_hybrid.checkpoint.manifest import MANIFEST, read_manifest, step_dirs
 from raytrain_hybrid.config import Config
+from raytrain_hybrid.config.elastic import at_world
 from raytrain_hybrid.launch.tracking import StepLogger
 from raytrain_hybrid.storage import open_store
 
@@ -57,9 +58,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     start = read_manifest(resume)["step"] if resume else 0
     if unheard:  # every rank alike: Ray Train learns of it (retention; the restart after this one)
         _register(resume if rank == 0 else None, {"step": start})
+    cfg, said = _start_layout(cfg, node_id, loop_config.get("layout_hardware"))
     if rank == 0 and sink is not None:  # every start of a worker group: the driver counts restarts
-        world = ray.train.get_context().get_world_size()  # an elastic run's dp follows it (config.elastic)
-        sink.put(("start", {"step": start, "dp": world // (cfg.parallelism.tp * cfg.parallelism.pp)}))
+        if said:
+            sink.put(("layout", {"lines": said}))
+        par = cfg.parallelism
+        layout = {"dp": par.dp, "tp": par.tp, "pp": par.pp, "microbatches": par.microbatches}
+        sink.put(("start", {"step": start, **layout}))
     with tracker:  # rank 0's tracking ends with the loop, also when it raises
         result = run_worker(
             cfg,
@@ -83,6 +88,19 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     # after it was saved) has no step left to run.
     last = result["history"][-1] if result["history"] else {"loss": None, "step": start - 1}
     ray.train.report({"loss": last["loss"], "step": last["step"]})
+
+
+def _start_layout(cfg: Config, node_id: str, hardware: dict | None) -> tuple[Config, list[str]]:
+    """This start's layout: an elastic run's dp follows the workers Ray started (config.elastic);
+    with layout=auto (``hardware`` given) the planner picks all of it for them (launch.autolayout)."""
+    import ray.train
+
+    if hardware is None:
+        return at_world(cfg, ray.train.get_context().get_world_size()), []
+    from raytrain_hybrid.launch.autolayout import group_layout
+    from raytrain_hybrid.planner.hardware import Hardware
+
+    return group_layout(cfg, node_id, Hardware(**hardware))
 
 
 def preemption_notice():

@@ -82,8 +82,8 @@ def _status(m: dict) -> str:
 
 
 class RunLog:
-    """Consumes ("start", {"step"}), ("step", metrics), ("checkpoint", ...) and ("done", {"memory": per_rank})
-    events of one run."""
+    """Consumes ("start", {"step", "dp", ...}), ("layout", {"lines"}), ("step", metrics), ("checkpoint", ...),
+    ("preemption", ...) and ("done", {"memory": per_rank}) events of one run."""
 
     def __init__(
         self,
@@ -95,6 +95,7 @@ class RunLog:
         history: list[dict] | None = None,
         stream=None,
         on_checkpoint=None,
+        said: list[str] | None = None,
     ) -> None:
         stream = stream or sys.stdout  # the terminal, also when quiet_driver diverts sys.stdout
         self.steps = steps
@@ -104,7 +105,8 @@ class RunLog:
         self.restarts = 0
         self.restarted_from: list[int] = []  # the step each restart continued from
         self.starts = 0  # worker groups started (the first, then one per restart)
-        self.dp_starts: list[dict] = []  # per start: its step and dp (an elastic run's resizes)
+        self.said = said or []  # what the driver printed before the run (layout=auto's foreseen pick)
+        self.dp_starts: list[dict] = []  # per start: its step and layout (an elastic run's resizes)
         self.live_steps = 0  # steps reported by this launch's workers
         self.checkpoints: list[dict] = []  # step, path, write_s, save_s, blocked_s
         self.preemptions: list[dict] = []  # per notice: step saved, nodes, ranks, deadline; restarted_from
@@ -150,10 +152,15 @@ class RunLog:
             self.starts += 1
             if self.starts > 1:
                 self._restarted(payload["step"])
-            dp, before = payload.get("dp"), self.dp_starts[-1]["dp"] if self.dp_starts else None
-            if before is not None and dp != before:  # an elastic run (parallelism.min_dp) resized
-                self._say(f"resize: dp {before} -> {dp}, continuing from step {payload['step']}")
-            self.dp_starts.append({"step": payload["step"], "dp": dp})
+            before = self.dp_starts[-1] if self.dp_starts else None
+            shape = ("dp", "tp", "pp")
+            if before is not None and any(before.get(k) != payload.get(k) for k in shape):  # an elastic run resized
+                self._say(f"resize: {_shape(before, payload)}, continuing from step {payload['step']}")
+            self.dp_starts.append(payload)
+        elif kind == "layout":  # an elastic run with layout=auto: the pick of this start
+            for line in payload["lines"]:
+                if not (self.starts == 0 and line in self.said):  # the first start as the driver foresaw it
+                    self._say(line)
         elif kind == "step":
             self.live_steps += 1
             self._step(payload)
@@ -261,3 +268,11 @@ def _flush_tensorboard(tb) -> None:
     writer._ev_writer.flush()
     writer._worker = _EventLoggerThread(writer._event_queue, writer._ev_writer, writer._flush_secs)
     writer._worker.start()
+
+
+def _shape(before: dict, after: dict) -> str:
+    """``dp 3 -> 2``, or with layout=auto's tp and pp when they changed too."""
+    if (before.get("tp"), before.get("pp")) == (after.get("tp"), after.get("pp")):
+        return f"dp {before['dp']} -> {after['dp']}"
+    a, b = (" ".join(f"{k}={d[k]}" for k in ("dp", "tp", "pp")) for d in (before, after))
+    return f"{a} -> {b}"

@@ -54,10 +54,11 @@ def _fits(slots: list[int], tp: int, world: int) -> bool:
     return sum(n - n % tp for n in slots) >= world
 
 
-def rank_layouts(cfg: Config, slots: list[int], hw: Hardware) -> list[dict]:
-    """Every feasible layout for nodes holding ``slots`` workers each, best first."""
+def rank_layouts(cfg: Config, slots: list[int], hw: Hardware, worlds: list[int] | None = None) -> list[dict]:
+    """Every feasible layout for nodes holding ``slots`` workers each (of ``worlds`` workers in
+    all, default any count they hold), dp at most parallelism.dp, best first."""
     rows = []
-    for world in range(1, sum(slots) + 1):
+    for world in worlds or range(1, sum(slots) + 1):
         for row in plan(cfg, world, hw):
             if row["feasible"] and row["dp"] <= cfg.parallelism.dp and _fits(slots, row["tp"], world):
                 rows.append({**row, "world": world})
@@ -117,6 +118,23 @@ def why(best: dict, other: dict | None) -> str:
     return f"{text}, {slower:.0%} slower (most of it {cause}: {b[cause]:.3g} s a step vs {a[cause]:.3g} s)"
 
 
+_PICKED = ("dp", "tp", "pp", "microbatches", "schedule", "zero", "activation_checkpointing", "sequence_parallel")
+
+
+def _at(cfg: Config, row: dict) -> Config:
+    par = dataclasses.replace(cfg.parallelism, **{k: row[k] for k in _PICKED}, virtual_stages=0)
+    return dataclasses.replace(cfg, parallelism=par)
+
+
+def _said(rows: list[dict], where: str) -> list[str]:
+    best = rows[0]
+    return [
+        f"layout auto: {layout_text(best)} {where}: {best['predicted_tokens_per_s']:,.0f} tokens/s predicted, "
+        f"{best['memory_bytes']['total'] / GiB:.2f} GiB a rank",
+        f"layout auto: {why(best, runner_up(rows))}",
+    ]
+
+
 def pick(cfg: Config, slots: list[int], hw: Hardware) -> tuple[Config, list[str]]:
     """The config at the best layout for nodes of ``slots`` workers, and the lines that say why."""
     rows = rank_layouts(cfg, [s for s in slots if s], hw)
@@ -128,13 +146,16 @@ def pick(cfg: Config, slots: list[int], hw: Hardware) -> tuple[Config, list[str]
             "(memory, TP inside a node, the global batch); add nodes or GPUs, raise parallelism.dp, or set "
             "parallelism.layout=fixed with a layout",
         )
-    best = rows[0]
-    keys = ("dp", "tp", "pp", "microbatches", "schedule", "zero", "activation_checkpointing", "sequence_parallel")
-    par = dataclasses.replace(cfg.parallelism, **{k: best[k] for k in keys}, virtual_stages=0)
-    lines = [
-        f"layout auto: {layout_text(best)} on nodes holding {slots} workers ({hw.name}): "
-        f"{best['predicted_tokens_per_s']:,.0f} tokens/s predicted, "
-        f"{best['memory_bytes']['total'] / GiB:.2f} GiB a rank",
-        f"layout auto: {why(best, runner_up(rows))}",
-    ]
-    return dataclasses.replace(cfg, parallelism=par), lines
+    return _at(cfg, rows[0]), _said(rows, f"on nodes holding {slots} workers ({hw.name})")
+
+
+def pick_for_group(cfg: Config, slots: list[int], hw: Hardware) -> tuple[Config, list[str]] | None:
+    """An elastic run's start with layout=auto: the best layout that uses every one of the
+    group's workers (``slots`` a node, TP groups inside one), any dp up to their count, as a
+    fixed layout (min_dp 0); None when the planner finds none that fits in memory."""
+    world = sum(slots)
+    bound = dataclasses.replace(cfg, parallelism=dataclasses.replace(cfg.parallelism, dp=world, min_dp=0))
+    rows = rank_layouts(bound, [s for s in slots if s], hw, worlds=[world])
+    if not rows:
+        return None
+    return _at(bound, rows[0]), _said(rows, f"for the {world} workers started on nodes holding {slots} ({hw.name})")
