@@ -32,13 +32,11 @@ ARCHS = ARCH_NAMES
 class ParallelismConfig:
     # Data-parallel degree (replicas); the outermost split of the global batch.
     dp: int = 2
-    # Elastic dp: with 0 < min_dp < dp the run goes on at any dp in [min_dp, dp] that keeps the
-    # micro-batch (`check` lists them), as nodes come and go; 0: dp is fixed.
+    # Elastic: with 0 < min_dp < dp, any dp in [min_dp, dp] keeping the micro-batch (`check` lists them); 0: fixed.
     min_dp: int = 0
-    # "auto": at the start the planner picks dp (at most the dp above), tp, pp, micro-batches, schedule,
-    # ZeRO and recompute for the nodes the cluster has then (`check` shows its pick); "fixed": the keys here.
-    # With min_dp (elastic), Ray is asked for whole replicas of the tp*pp here, as for a fixed layout, and
-    # every start (the first, each resize) picks the layout that uses all the workers it got.
+    # "auto": the planner picks dp (at most the dp above), tp, pp, micro-batches, schedule, ZeRO and recompute
+    # for the nodes there are (`check` shows it): at the start, or with min_dp at every start of the group
+    # for all the workers Ray gave it (whole replicas of the tp*pp here, as when fixed). "fixed": these keys.
     layout: str = "fixed"
     # Tensor-parallel degree; every TP group stays inside one node.
     tp: int = 2
