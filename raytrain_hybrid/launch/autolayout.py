@@ -48,7 +48,10 @@ def choose_layout(
     slots = node_slots(cfg, nodes, use_gpu)
     hw = hardware_for(nodes, use_gpu, slots)
     if is_elastic(cfg.parallelism):  # each start picks for its own workers (group_layout)
-        _say_first_start(cfg, nodes, use_gpu, hw, say)
+        first = first_start(cfg, nodes, use_gpu, hw)
+        lines = first[2] if first else [f"{_EACH_START}; the nodes hold none of {worker_counts(cfg)} yet"]
+        for line in lines:
+            say(line)
         return cfg
     picked, lines = pick(cfg, slots, hw)
     for line in lines:
@@ -70,7 +73,6 @@ def layout_for_group(cfg: Config, node_ids: list[str], hw: Hardware) -> tuple[Co
     the planner's best layout of all of them, and the lines that say why. When the planner fits
     none (its memory estimate), the configured replicas at the dp the workers make."""
     slots = sorted(Counter(node_ids).values(), reverse=True)
-    hw = dataclasses.replace(hw, gpus_per_node=slots[0])  # TP's bound: the fullest node of this group
     got = pick_for_group(cfg, slots, hw)
     if got is not None:
         return got
@@ -108,7 +110,7 @@ def first_start(
     if world not in counts or not placed:
         return None
     placed = sorted((c for c in placed if c), reverse=True)
-    got = pick_for_group(cfg, placed, dataclasses.replace(hw, gpus_per_node=placed[0]))
+    got = pick_for_group(cfg, placed, hw)
     if got is None:  # as a fixed-size pick that finds nothing: refused before any worker starts
         raise ConfigError(
             "parallelism.layout",
@@ -116,19 +118,10 @@ def first_start(
             f"no layout of the {world} workers the nodes hold now ({placed} a node) fits on {hw.name} "
             "(memory, TP inside a node, the global batch); add nodes or GPUs, or set parallelism.layout=fixed",
         )
-    head = f"layout auto: every start picks the layout of its workers; the first, as Ray will likely place {world}:"
-    return got[0], placed, [head, *got[1]]
+    return got[0], placed, [f"{_EACH_START}; the first, as Ray will likely place {world}:", *got[1]]
 
 
-def _say_first_start(cfg: Config, nodes: list[dict], use_gpu: bool, hw: Hardware, say: Callable[[str], None]) -> None:
-    first = first_start(cfg, nodes, use_gpu, hw)
-    if first is None:
-        say(
-            f"layout auto: every start picks the layout of its workers; the nodes hold none of {worker_counts(cfg)} yet"
-        )
-        return
-    for line in first[2]:
-        say(line)
+_EACH_START = "layout auto: every start picks the layout of its workers"
 
 
 def _use_gpu(cfg: Config, nodes: list[dict[str, float]]) -> bool:

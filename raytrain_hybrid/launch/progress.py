@@ -153,8 +153,7 @@ class RunLog:
             if self.starts > 1:
                 self._restarted(payload["step"])
             before = self.dp_starts[-1] if self.dp_starts else None
-            shape = ("dp", "tp", "pp")
-            if before is not None and any(before.get(k) != payload.get(k) for k in shape):  # an elastic run resized
+            if before is not None and any(before.get(k) != payload.get(k) for k in _SHAPE):  # an elastic run resized
                 self._say(f"resize: {_shape(before, payload)}, continuing from step {payload['step']}")
             self.dp_starts.append(payload)
         elif kind == "layout":  # an elastic run with layout=auto: the pick of this start
@@ -270,9 +269,12 @@ def _flush_tensorboard(tb) -> None:
     writer._worker.start()
 
 
+_SHAPE = ("dp", "tp", "pp")  # a start's layout, as a resize line names it
+
+
 def _shape(before: dict, after: dict) -> str:
     """``dp 3 -> 2``, or with layout=auto's tp and pp when they changed too."""
-    if (before.get("tp"), before.get("pp")) == (after.get("tp"), after.get("pp")):
+    if all(before.get(k) == after.get(k) for k in _SHAPE[1:]):
         return f"dp {before['dp']} -> {after['dp']}"
-    a, b = (" ".join(f"{k}={d[k]}" for k in ("dp", "tp", "pp")) for d in (before, after))
+    a, b = (" ".join(f"{k}={d[k]}" for k in _SHAPE) for d in (before, after))
     return f"{a} -> {b}"

@@ -153,9 +153,10 @@ def pick_for_group(cfg: Config, slots: list[int], hw: Hardware) -> tuple[Config,
     """An elastic run's start with layout=auto: the best layout that uses every one of the
     group's workers (``slots`` a node, TP groups inside one), any dp up to their count, as a
     fixed layout (min_dp 0); None when the planner finds none that fits in memory."""
-    world = sum(slots)
+    world, slots = sum(slots), sorted((s for s in slots if s), reverse=True)
+    hw = dataclasses.replace(hw, gpus_per_node=slots[0])  # TP's bound: the fullest node of this group
     bound = dataclasses.replace(cfg, parallelism=dataclasses.replace(cfg.parallelism, dp=world, min_dp=0))
-    rows = rank_layouts(bound, [s for s in slots if s], hw, worlds=[world])
+    rows = rank_layouts(bound, slots, hw, worlds=[world])
     if not rows:
         return None
     return _at(bound, rows[0]), _said(rows, f"for the {world} workers started on nodes holding {slots} ({hw.name})")
