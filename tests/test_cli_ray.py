@@ -106,6 +106,16 @@ def test_raw_text_parquet_trains_at_2x2x1_as_the_single_process_reference_and_th
         runs[name] = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         summary = json.loads((tmp_path / name / "summary.json").read_text())
         assert summary["steps"] == 3 and summary["final_loss"] == runs[name][-1]["loss"]
+        # Where the start went: the wall clock per phase, and rank 0's worker CPU beside it (Ray's
+        # own part before the train function, then ours: imports with transformers', and so on).
+        phases = ["worker_imports", "process_group", "mesh", "model_build", "first_batch", "first_step"]
+        assert list(summary["startup_s"]) == ["ray_init", "input_check", "worker_start", *phases,
+                                              "total_to_first_step"], summary["startup_s"]  # fmt: skip
+        cpu = summary["startup_cpu_s"]
+        assert list(cpu) == ["ray_worker", *phases, "total_to_first_step"], cpu
+        assert cpu["ray_worker"] > 0.5 and cpu["worker_imports"] > 0.5, cpu  # torch, Ray; transformers, DTensor
+        assert min(cpu.values()) >= 0 and cpu["total_to_first_step"] == pytest.approx(
+            sum(v for k, v in cpu.items() if k != "total_to_first_step"), abs=0.01), cpu  # fmt: skip
     for got, want in zip(runs["2x2x1"], reference, strict=True):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)

@@ -96,3 +96,18 @@ def test_startup_breakdown_names_the_compile():
     marks = {"launched": 0.0, "first_batch": 1.0, "first_step_done": 5.0, "first_step_compile_s": 3.25}
     out = startup_breakdown(marks)
     assert out["first_step"] == 4.0 and out["first_step_compile"] == 3.25
+
+
+def test_startup_cpu_counts_each_phase_from_the_mark_before():
+    """summary.json's startup_cpu_s: rank 0's worker CPU before the train function, then per
+    phase (a phase whose mark is missing, no checkpoint here, is left out), and the total."""
+    from raytrain_hybrid.launch.summary import startup_cpu
+
+    marks = {"worker_entered": 10.0, "cpu_worker_entered": 3.5, "cpu_worker_imported": 5.0,
+             "cpu_group_ready": 5.25, "cpu_mesh_built": 5.5, "cpu_model_built": 6.0, "cpu_first_batch": 6.25,
+             "cpu_first_step_done": 7.5}  # fmt: skip
+    assert startup_cpu(marks) == {
+        "ray_worker": 3.5, "worker_imports": 1.5, "process_group": 0.25, "mesh": 0.25, "model_build": 0.5,
+        "first_batch": 0.25, "first_step": 1.25, "total_to_first_step": 7.5,
+    }  # fmt: skip
+    assert startup_cpu({"launched": 0.0}) == {}  # a run without workers' marks (it failed before)

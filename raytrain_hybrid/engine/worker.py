@@ -35,6 +35,13 @@ from raytrain_hybrid.storage import Store
 NextBatch = Callable[[int], Batch | None]  # step -> this replica's batch; None: the data ran out
 
 
+def mark(marks: dict, name: str) -> None:
+    """A start-up phase's end, once: the wall clock, and this process's CPU seconds so far as
+    ``cpu_<name>`` (where there are fewer cores than workers, CPU is what a start costs)."""
+    if name not in marks:
+        marks[name], marks["cpu_" + name] = time.time(), time.process_time()
+
+
 def pick_device(use_gpu: bool) -> torch.device:
     if use_gpu and torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -71,7 +78,8 @@ def run_worker(
     ``on_checkpoint(steps_done, directory, metrics)`` runs on every rank, at the same step
     boundary, once a save is complete (a background save: a step or more after it started;
     ``metrics`` are those of the step it saved, with the save's timings).
-    ``marks`` collects wall-clock times of the start-up phases (rank 0's are reported).
+    ``marks`` collects the wall-clock times and process CPU of the start-up phases (:func:`mark`;
+    rank 0's are reported).
     ``notice()``: whether this rank has heard that a node of the group is about to go (a
     preemption); read before every step. At the first step any rank heard of one, every rank
     calls ``on_notice(steps_done, None)``, saves a checkpoint at the step's end and waits for
@@ -87,12 +95,12 @@ def run_worker(
     feed = None
     if dataset_fn is not None:  # before the model: the reader starts while the model builds
         feed = ReplicaFeed(cfg, mesh, dims, mesh.dp.get_local_rank(), dataset_fn, skip_steps=start)
-    marks["mesh_built"] = time.time()
+    mark(marks, "mesh_built")
     trainer = Trainer(cfg, dims, mesh, device)
-    marks["model_built"] = time.time()
+    mark(marks, "model_built")
     if resume:
         load_checkpoint(trainer, cfg, resume)
-        marks["checkpoint_loaded"] = time.time()
+        mark(marks, "checkpoint_loaded")
     next_batch = (lambda step: feed.next()) if feed is not None else in_memory_batches(cfg, trainer)
     validation = None
     if trainer.spec.task != "lm":
@@ -126,7 +134,7 @@ def join_mesh(cfg: Config, node_id: str, use_gpu: bool, device: torch.device | N
         raise RuntimeError(f"{world} workers started for a layout of {dims.world_size}")
     nodes: list[str] = [""] * world
     dist.all_gather_object(nodes, node_id)
-    marks["group_ready"] = time.time()
+    mark(marks, "group_ready")
     arrangement = arrange_ranks(dims, nodes)
     device = device or pick_device(use_gpu)
     return dims, dims.build_mesh(device.type, arrangement), device
@@ -178,12 +186,12 @@ class StepLoop:
             wait = time.perf_counter() - t0
             if batch is None:  # data.epochs ran out before train.steps
                 break
-            self.marks.setdefault("first_batch", time.time())
+            mark(self.marks, "first_batch")
             self.digest.update(batch.input_ids.numpy().tobytes())
             self.rows += batch.input_ids.shape[0]
             heard = self.notice is not None and self.noticed_at is None and self.notice()
             metrics = self.trainer.train_step(step, batch, flag=heard)
-            self.marks.setdefault("first_step_done", time.time())
+            mark(self.marks, "first_step_done")
             if "compile_s" in metrics:  # torch.compile compiles at the first step: its share of it
                 self.marks.setdefault("first_step_compile_s", metrics["compile_s"])
             metrics["data_wait_s"] = wait

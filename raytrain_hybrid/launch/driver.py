@@ -32,7 +32,7 @@ from raytrain_hybrid.launch.preflight import check_placement, waiting_for
 from raytrain_hybrid.launch.progress import RunLog
 from raytrain_hybrid.launch.rundir import RunDir
 from raytrain_hybrid.launch.session import ensure_ray, resolve_use_gpu, use_train_v2
-from raytrain_hybrid.launch.summary import startup_breakdown, summarize
+from raytrain_hybrid.launch.summary import startup_breakdown, startup_cpu, summarize
 from raytrain_hybrid.launch.tracking import TrackedRun, check_tracking
 from raytrain_hybrid.storage import open_store
 
@@ -245,6 +245,7 @@ def write_results(cfg: Config, run_log: RunLog, marks: dict, run_dir: RunDir, dr
     """summary.json in run.output_dir (config.json is there from the start); returns the summary."""
     summary = summarize(cfg, run_log.history, run_log.memory, run_log.restarts, run_log.restarted_from)
     summary["startup_s"] = startup_breakdown({**marks, **run_log.marks})
+    summary["startup_cpu_s"] = startup_cpu(run_log.marks)  # rank 0's worker process
     summary["checkpoints"] = run_log.checkpoints
     summary["preemptions"] = run_log.preemptions  # notices and the saves made for them
     if is_elastic(cfg.parallelism):  # each start of the worker group: its step and dp

@@ -38,6 +38,24 @@ def startup_breakdown(marks: dict) -> dict:
     return out
 
 
+def startup_cpu(marks: dict) -> dict:
+    """CPU seconds of rank 0's worker process: before the train function ran (``ray_worker``:
+    the process, Ray's and torch's imports, the process group: what any Ray Train worker
+    spends), then per phase of :func:`startup_breakdown` from the imports on, and in all to
+    the end of the first step. Beside the wall clock: with fewer cores than workers the start
+    is CPU-bound, and these are what each worker adds."""
+    if "cpu_worker_entered" not in marks:
+        return {}
+    out, last = {"ray_worker": round(marks["cpu_worker_entered"], 3)}, marks["cpu_worker_entered"]
+    for name, mark in _PHASES[_PHASES.index(("worker_start", "worker_entered")) + 1 :]:
+        if "cpu_" + mark in marks:
+            out[name] = round(marks["cpu_" + mark] - last, 3)
+            last = marks["cpu_" + mark]
+    if "cpu_first_step_done" in marks:
+        out["total_to_first_step"] = round(marks["cpu_first_step_done"], 3)
+    return out
+
+
 def summarize(
     cfg: Config, history: list[dict], memory: list[dict], restarts: int = 0, restarted_from: list[int] | None = None
 ) -> dict:
