@@ -120,8 +120,9 @@ def _live_topology(cfg, world: int) -> list[int]:
     from raytrain_hybrid.launch.session import resolve_use_gpu
 
     ray.init(address=address, log_to_driver=False)
-    per_worker = worker_resources(cfg, resolve_use_gpu(cfg, world))
-    counts = predict_workers_per_node(live_node_totals(), world, per_worker, cfg.cluster.placement_strategy)
+    nodes = live_node_totals()
+    per_worker = worker_resources(cfg, resolve_use_gpu(cfg, world, nodes))
+    counts = predict_workers_per_node(nodes, world, per_worker, cfg.cluster.placement_strategy)
     if counts is None:
         raise LayoutError(
             f"the cluster at {address} cannot hold {world} workers of {per_worker} now; "

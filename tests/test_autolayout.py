@@ -6,6 +6,7 @@ the session's one CPU node) and tests/test_topology_ray.py (`check` on three one
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -52,8 +53,9 @@ def test_a_pick_keeps_dp_within_parallelism_dp_and_leaves_a_cpu_for_ray_data():
     assert node_slots(cfg, [{"CPU": 4, "GPU": 4}], True) == [3]
     assert node_slots(cfg, [{"CPU": 5, "GPU": 4}, {"CPU": 1, "GPU": 1}], True) == [4, 1]
     from raytrain_hybrid.launch.autolayout import choose_layout
+    from raytrain_hybrid.launch.reach import Reach
 
-    picked = choose_layout(cfg, lambda line: None, [{"CPU": 9, "GPU": 8}], True).parallelism
+    picked = choose_layout(cfg, lambda line: None, Reach([{"CPU": 9, "GPU": 8}]), True)[0].parallelism
     assert picked.dp <= 2 and picked.layout == "auto"
 
 
@@ -115,3 +117,74 @@ def test_check_of_an_elastic_auto_run_shows_the_first_starts_pick_and_its_dp_val
         assert "elastic: dp in {1, 2, 4, 8} (4 workers a replica): dp=1: 4 workers, dp=2: 8 workers" in out, out
     picked = _picked(small).split()[2:5]  # ['dp=4', 'tp=1', 'pp=1']
     assert f"layout ok: {' '.join(picked)} on 2 node(s) [2, 2]" in small, small
+
+
+# A `ray up` head's view: the shipped GCP config as the autoscaler reads it (its node types declare
+# their resources; `ray up` fills in those an AWS type leaves to the instance type), the head up.
+HEAD = {"CPU": 0.0, "node:__internal_head__": 1.0}
+H100_NODE = {"CPU": 208.0, "GPU": 8.0, "accelerator_type:H100": 1.0}
+
+
+ROOT = Path(__file__).resolve().parent.parent
+# A GPU profile on which a tiny model's compute dominates its step (H100's is all latency), so that
+# more GPUs win: priced on it, a fixed layout=auto run picks the most its cluster may reach.
+SLOW_GPU = ROOT / "tests" / "assets" / "slow-gpu.json"
+TINY_AUTO = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=2",
+             "model.ffn_hidden_size=128", "model.vocab_size=4096", "model.seq_len=32", "train.dtype=float32",
+             "data.path=memory", "parallelism.layout=auto"]  # fmt: skip
+
+
+def _gcp() -> dict:
+    import yaml
+
+    return yaml.safe_load((ROOT / "cluster_configs" / "gcp-gpu.yaml").read_text())
+
+
+def test_the_autoscaler_may_add_each_type_up_to_its_max_and_the_cluster_up_to_its_own():
+    from raytrain_hybrid.launch.reach import may_add
+
+    config = _gcp()
+    assert config["max_workers"] == 16 and config["available_node_types"]["gpu_h100_8x"]["max_workers"] == 8
+    added = may_add(config, [HEAD])
+    assert {name: n for name, (n, _) in added.items()} == {"gpu_h100_8x": 8, "gpu_a100_8x": 8}
+    assert added["gpu_h100_8x"][1] == H100_NODE
+    # A live H100 node counts against its type and the cluster; cluster.accelerator_type keeps its type only.
+    assert {name: n for name, (n, _) in may_add(config, [HEAD, {**H100_NODE, "memory": 1e12}], "H100").items()} == {
+        "gpu_h100_8x": 7
+    }
+    # The cluster's max_workers binds first: the types with the most GPUs, then CPUs, get the room.
+    config["max_workers"] = 3
+    assert {name: n for name, (n, _) in may_add(config, [HEAD, H100_NODE]).items()} == {"gpu_h100_8x": 2}
+    assert may_add(config, [HEAD], "B200") == {}
+
+
+def test_a_fixed_auto_pick_is_for_the_most_the_autoscaler_may_reach(monkeypatch):
+    """A cluster whose live nodes hold no worker (an autoscaler's CPU-only head) and whose autoscaler
+    may add two nodes of two GPUs: the pick uses both (on a profile where compute dominates, more GPUs
+    win), says the nodes it waits for and what the live nodes alone would take; with nothing to add
+    the same cluster is refused, naming the fix."""
+    from raytrain_hybrid.launch.autolayout import choose_layout
+    from raytrain_hybrid.launch.reach import Reach
+
+    monkeypatch.setenv("RAYTRAIN_HYBRID_HARDWARE", str(SLOW_GPU))
+    cfg = load_config(None, [*TINY_AUTO, "parallelism.dp=2"])
+    said: list[str] = []
+    two = {"gpu_2x": (2, {"CPU": 2.0, "GPU": 2.0})}
+    picked, hw = choose_layout(cfg, said.append, Reach([HEAD], two, "~/ray_bootstrap_config.yaml"), True)
+    par = picked.parallelism
+    assert (par.dp, par.tp, par.pp) == (2, 2, 1) and hw.name == "slow GPU", said
+    assert said[0] == (
+        "layout auto: the autoscaler may add 2 x gpu_2x {'CPU': 2.0, 'GPU': 2.0} (max_workers in "
+        "~/ray_bootstrap_config.yaml): picking for the most the cluster may reach"
+    )
+    assert (
+        said[1].startswith("layout auto: dp=2 tp=2 pp=1 ") and "on nodes holding [2, 2] workers (slow GPU)" in said[1]
+    )
+    assert said[-1] == "layout auto: the live nodes alone hold no layout yet (workers a node: [])"
+    # One node of the two up: alone it would take two replicas of one GPU.
+    said.clear()
+    one_up = Reach([HEAD, {"CPU": 2.0, "GPU": 2.0}], {"gpu_2x": (1, {"CPU": 2.0, "GPU": 2.0})}, "f")
+    assert choose_layout(cfg, said.append, one_up, True)[0].parallelism.tp == 2
+    assert said[-1].startswith("layout auto: the live nodes alone would take dp=2 tp=1 pp=1 "), said
+    with pytest.raises(ConfigError, match="no layout of at most dp=2 fits nodes holding"):
+        choose_layout(cfg, said.append, Reach([HEAD]), True)

@@ -159,7 +159,10 @@ class FakeCluster:
             "file_mounts": {},
             "file_mounts_sync_continuously": False,
         }  # fmt: skip
-        cfg_path = self.tmp / "cluster.json"
+        # Where `ray up` puts the config on the head (JSON in a .yaml), the head's home: its drivers'
+        # layout=auto reads it there (launch.reach).
+        self.env["HOME"] = str(self.tmp)
+        cfg_path = self.tmp / "ray_bootstrap_config.yaml"
         cfg_path.write_text(json.dumps(config))
         cmd = [
             str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=0", f"--port={self.gcs_port}",
@@ -195,12 +198,15 @@ class FakeCluster:
     def submit(self, job: str, *overrides: str, wait: bool = True, job_id: str = "") -> subprocess.CompletedProcess:
         """The documented submit line, with the local runtime env (the GPU one pip-installs torch from
         PyPI on every node, which these offline fake nodes cannot)."""
-        sets = [a for kv in overrides for a in ("--set", kv)]
+        return self.cli("train", job, *[a for kv in overrides for a in ("--set", kv)], wait=wait, job_id=job_id)
+
+    def cli(self, *args: str, wait: bool = True, job_id: str = "") -> subprocess.CompletedProcess:
+        """A `raytrain_hybrid.cli` command submitted as a job (its driver runs on the head)."""
         return self.ray(
             "job", "submit", "--address", self.address, *([] if wait else ["--no-wait"]),
             *(["--submission-id", job_id] if job_id else []),
             "--working-dir", ".", "--runtime-env", "jobs/runtime_env_local.yaml",
-            "--", "python", "-m", "raytrain_hybrid.cli", "train", job, *sets,
+            "--", "python", "-m", "raytrain_hybrid.cli", *args,
         )  # fmt: skip
 
     def stop(self) -> None:
@@ -270,6 +276,30 @@ CASES = {
 NOWHERE = "B200"
 
 
+# The autoscaler's reach: a head that holds no worker, whose autoscaler may add two nodes of two
+# (fake) GPUs. `check` and `train` with parallelism.layout=auto and dp at most 2 pick for both
+# nodes, priced on a profile where the tiny model's compute dominates (on H100's it is all latency
+# and one GPU wins), so that the most GPUs win; the run asks for its 4 workers, the autoscaler adds
+# the nodes. No cluster.use_gpu: the GPUs to come decide it.
+REACH_TYPES = {"gpu_2x": {"CPU": 2, "GPU": 2}}
+REACH = (*(o for o in TINY if not o.startswith(("parallelism.dp=", "train.steps="))),
+         "parallelism.dp=2", "train.steps=3", "parallelism.layout=auto")  # fmt: skip
+SLOW_GPU = ROOT / "tests" / "assets" / "slow-gpu.json"
+
+
+def reach_runs(cluster: FakeCluster, out: Path) -> dict:
+    sets = [a for kv in REACH for a in ("--set", kv)]
+    check = cluster.cli("check", *sets)
+    started = time.time()
+    done = cluster.cli("train", *sets, "--set", f"run.output_dir={out}", "--set", "run.shared_fs=true")
+    metrics = out / "metrics.jsonl"
+    return {
+        "check": check, "done": done, "seconds": time.time() - started, "nodes": cluster_nodes(cluster),
+        "history": [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else [],
+        "summary": json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {},
+    }  # fmt: skip
+
+
 def background(workdir: Path, env: dict) -> dict:
     """One head per config (their node types cannot share one: a demand would be served by any
     config's type), each running its documented job at once; the GCP head also gets the job asking
@@ -278,6 +308,7 @@ def background(workdir: Path, env: dict) -> dict:
     {config: {...}} for the tests below, the heads stopped."""
     runs: dict[str, dict] = {}
     clusters = {name: FakeCluster(name.split(".")[0], types(), env) for name, types in CASES.items()}
+    clusters["reach"] = FakeCluster("reach", REACH_TYPES, {**env, "RAYTRAIN_HYBRID_HARDWARE": str(SLOW_GPU)})
     for cluster in clusters.values():
         on_stop(cluster.stop)
     try:
@@ -299,7 +330,9 @@ def background(workdir: Path, env: dict) -> dict:
                 "run.startup_timeout_s=0", "run.shared_fs=true", f"run.output_dir={workdir / 'stuck'}",
                 wait=False, job_id="infeasible",
             )  # fmt: skip
-            list(pool.map(run, clusters))
+            reach = pool.submit(reach_runs, clusters["reach"], workdir / "reach")
+            list(pool.map(run, CASES))
+            runs["reach"] = reach.result()
         job = job_record(gcp, "infeasible")  # first: it must have ended before the status is read
         monitor = next((gcp.tmp / "ray").glob("session_*/logs/monitor.log")).read_text()
         runs["infeasible"] = {"submitted": stuck, "nodes": cluster_nodes(gcp), "status": status_settled(gcp),
@@ -372,3 +405,36 @@ def test_a_demand_no_node_type_declares_starts_no_node_and_its_job_fails_fast(si
     # Failing released the demand: its placement group no longer waits.
     lines = stuck["status"].splitlines()
     assert not [s for s in lines if f"accelerator_type:{NOWHERE}" in s and "placement group" in s], stuck["status"]
+
+
+@pytest.mark.slow
+def test_layout_auto_picks_for_the_nodes_the_autoscaler_may_add_and_trains_the_oracle_model(simulated):
+    """`check` and `train` with parallelism.layout=auto, submitted to a head whose autoscaler may add
+    two nodes of two GPUs (its config where `ray up` puts it): the pick is for both nodes (dp=2 tp=2),
+    said with the nodes it waits for and what the live nodes alone would take (none: the head holds no
+    worker); the autoscaler adds them and every step's loss is the single-process run's."""
+    from conftest import reference_history
+
+    reach = simulated["reach"]
+    check, done = reach["check"], reach["done"]
+    assert check.returncode == 0, check.stdout[-3000:] + check.stderr[-2000:]
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    may = (
+        "layout auto: the autoscaler may add 2 x gpu_2x {'CPU': 2.0, 'GPU': 2.0} (max_workers in "
+        "~/ray_bootstrap_config.yaml): picking for the most the cluster may reach"
+    )
+    for out in (check.stdout, done.stdout):
+        assert may in out, out[-3000:]
+        assert "layout auto: dp=2 tp=2 pp=1 " in out and "on nodes holding [2, 2] workers (slow GPU)" in out, out
+        assert "layout auto: runner-up " in out and "the live nodes alone hold no layout yet" in out, out
+    assert "layout ok: dp=2 tp=2 pp=1 on 2 node(s) [2, 2]" in check.stdout, check.stdout[-3000:]
+    assert re.search(r"waiting for nodes: the autoscaler is adding [12] x gpu_2x", done.stdout), done.stdout[-3000:]
+    assert [node_type_of(n, REACH_TYPES) for n in reach["nodes"]] == ["gpu_2x", "gpu_2x"], reach["nodes"]
+    layout = reach["summary"]["layout"]
+    assert (layout["dp"], layout["tp"], layout["pp"]) == (2, 2, 1), layout
+    history = reach["history"]
+    assert [h["step"] for h in history] == [0, 1, 2], history
+    for got, want in zip(history, reference_history(REACH), strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4), f"loss at step {want['step']}"
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), f"grad_norm at step {want['step']}"
+    print(f"layout=auto on the autoscaler's reach: {len(reach['nodes'])} nodes added, {reach['seconds']:.0f} s")

@@ -18,7 +18,8 @@ from raytrain_hybrid.config import Config
 from raytrain_hybrid.config.elastic import at_world, is_elastic
 from raytrain_hybrid.errors import ConfigError
 from raytrain_hybrid.launch.elastic import worker_counts, workers_that_fit
-from raytrain_hybrid.launch.placement import live_node_totals, predict_workers_per_node, worker_resources
+from raytrain_hybrid.launch.placement import predict_workers_per_node, worker_resources
+from raytrain_hybrid.launch.reach import Reach, cluster_reach
 from raytrain_hybrid.planner.auto import hardware_for, pick, pick_for_group
 from raytrain_hybrid.planner.hardware import Hardware
 
@@ -37,35 +38,39 @@ def node_slots(cfg: Config, nodes: list[dict[str, float]], use_gpu: bool) -> lis
 
 
 def choose_layout(
-    cfg: Config, say: Callable[[str], None], nodes: list[dict[str, float]] | None = None, use_gpu: bool | None = None
-) -> Config:
-    """``cfg`` at the planner's layout for ``nodes`` (default: the connected cluster's live nodes);
-    ``cfg`` itself unless parallelism.layout is "auto". Refuses (ConfigError) when none fits."""
+    cfg: Config, say: Callable[[str], None], reach: Reach, use_gpu: bool
+) -> tuple[Config, Hardware | None]:
+    """``cfg`` at the planner's layout for the nodes the cluster may reach (``reach``: the live ones
+    and those an autoscaler may add), and the profile it was priced on, which an elastic run's
+    workers pick on at every start; ``cfg`` and None unless parallelism.layout is "auto". Refuses
+    (ConfigError) when none fits."""
     if cfg.parallelism.layout != "auto":
-        return cfg
-    nodes = live_node_totals() if nodes is None else nodes
-    use_gpu = _use_gpu(cfg, nodes) if use_gpu is None else use_gpu
-    slots = node_slots(cfg, nodes, use_gpu)
-    hw = hardware_for(nodes, use_gpu, slots)
+        return cfg, None
+    nodes = reach.nodes
+    hw = hardware_for(nodes, use_gpu, node_slots(cfg, nodes, use_gpu))
     if is_elastic(cfg.parallelism):  # each start picks for its own workers (group_layout)
-        first = first_start(cfg, nodes, use_gpu, hw)
+        first = first_start(cfg, reach.live, use_gpu, hw)  # Ray starts on the nodes up when it asks
         lines = first[2] if first else [f"{_EACH_START}; the nodes hold none of {worker_counts(cfg)} yet"]
         for line in lines:
             say(line)
-        return cfg
-    picked, lines = pick(cfg, slots, hw)
+        return cfg, hw
+    for line in reach.said():
+        say(line)
+    picked, lines = pick(cfg, node_slots(cfg, nodes, use_gpu), hw)
     for line in lines:
         say(line)
-    return picked
+    if reach.added:  # what waiting for the autoscaler's nodes buys
+        say(_live_alone(cfg, reach.live, use_gpu, hw))
+    return picked, hw
 
 
-def start_hardware(cfg: Config, use_gpu: bool) -> dict | None:
-    """For an elastic run with layout=auto, the profile every start's pick is priced on (the
-    live nodes', as the driver's pick), as the workers receive it; None for any other run."""
-    if cfg.parallelism.layout != "auto" or not is_elastic(cfg.parallelism):
-        return None
-    nodes = live_node_totals()
-    return dataclasses.asdict(hardware_for(nodes, use_gpu, node_slots(cfg, nodes, use_gpu)))
+def _live_alone(cfg: Config, live: list[dict[str, float]], use_gpu: bool, hw: Hardware) -> str:
+    slots = node_slots(cfg, live, use_gpu)
+    try:
+        _, lines = pick(cfg, slots, dataclasses.replace(hw, gpus_per_node=max(slots, default=1)))
+    except ConfigError:
+        return f"layout auto: the live nodes alone hold no layout yet (workers a node: {slots})"
+    return lines[0].replace("layout auto: ", "layout auto: the live nodes alone would take ", 1)
 
 
 def layout_for_group(cfg: Config, node_ids: list[str], hw: Hardware) -> tuple[Config, list[str]]:
@@ -124,8 +129,8 @@ def first_start(
 _EACH_START = "layout auto: every start picks the layout of its workers"
 
 
-def _use_gpu(cfg: Config, nodes: list[dict[str, float]]) -> bool:
-    """cluster.use_gpu, or when unset, whether the nodes have GPUs."""
+def use_gpu_for(cfg: Config, nodes: list[dict[str, float]]) -> bool:
+    """cluster.use_gpu, or when unset, whether the nodes have GPUs: the pick is then for GPU workers."""
     return cfg.cluster.use_gpu if cfg.cluster.use_gpu is not None else any(n.get("GPU", 0) for n in nodes)
 
 
@@ -138,9 +143,11 @@ def pick_for_check(cfg: Config, held: list[int] | None, say: Callable[[str], Non
     if held is not None:
         gpu = cfg.cluster.use_gpu is not False
         cpus = cfg.cluster.cpus_per_worker
-        nodes = [{"CPU": c * cpus, **({"GPU": c} if gpu else {})} for c in held] + [{"CPU": 1}]  # and a head's CPU
+        held_nodes = [{"CPU": c * cpus, **({"GPU": c} if gpu else {})} for c in held]
+        reach = Reach([*held_nodes, {"CPU": 1}])  # and a head's CPU
     elif ray.is_initialized():
-        nodes, gpu = live_node_totals(), None
+        reach = cluster_reach(True, cfg.cluster.accelerator_type)
+        gpu = use_gpu_for(cfg, reach.nodes)
     else:
         raise ConfigError(
             "parallelism.layout",
@@ -148,9 +155,9 @@ def pick_for_check(cfg: Config, held: list[int] | None, say: Callable[[str], Non
             "check picks for a cluster: run it where RAY_ADDRESS (or cluster.address) names one, or pass "
             "--topology with the workers each node holds (e.g. 4,4)",
         )
-    gpu = _use_gpu(cfg, nodes) if gpu is None else gpu
     if is_elastic(cfg.parallelism):  # the first start's pick (later ones pick for their own workers)
-        first = first_start(cfg, nodes, gpu, hardware_for(nodes, gpu, node_slots(cfg, nodes, gpu)))
+        nodes = reach.live
+        first = first_start(cfg, nodes, gpu, hardware_for(reach.nodes, gpu, node_slots(cfg, reach.nodes, gpu)))
         if first is None:
             raise ConfigError(
                 "parallelism.layout",
@@ -161,7 +168,7 @@ def pick_for_check(cfg: Config, held: list[int] | None, say: Callable[[str], Non
         for line in first[2]:
             say(line)
         return first[0], first[1]
-    cfg = choose_layout(cfg, say, nodes, gpu)
-    holds = [{"W": float(s)} for s in node_slots(cfg, nodes, gpu)]
+    cfg, _ = choose_layout(cfg, say, reach, gpu)
+    holds = [{"W": float(s)} for s in node_slots(cfg, reach.nodes, gpu)]
     counts = predict_workers_per_node(holds, cfg.parallelism.world_size, {"W": 1.0}, cfg.cluster.placement_strategy)
     return cfg, counts or []

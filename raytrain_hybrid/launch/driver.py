@@ -22,7 +22,7 @@ from raytrain_hybrid.checkpoint.manifest import MANIFEST, check_compatible, reso
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.config.elastic import is_elastic
 from raytrain_hybrid.errors import ConfigError
-from raytrain_hybrid.launch.autolayout import choose_layout, start_hardware
+from raytrain_hybrid.launch.autolayout import choose_layout, use_gpu_for
 from raytrain_hybrid.launch.autoscale import POLL_S, ScalerProbe, StartupTimeout, StartupWatchdog
 from raytrain_hybrid.launch.elastic import make_torch_trainer, scaling_workers, start_line, worker_counts
 from raytrain_hybrid.launch.entry import train_loop_per_worker
@@ -30,10 +30,12 @@ from raytrain_hybrid.launch.inputs import build_datasets, prepare_input, reader_
 from raytrain_hybrid.launch.placement import worker_resources
 from raytrain_hybrid.launch.preflight import check_placement, waiting_for
 from raytrain_hybrid.launch.progress import RunLog
+from raytrain_hybrid.launch.reach import cluster_reach
 from raytrain_hybrid.launch.rundir import RunDir
-from raytrain_hybrid.launch.session import ensure_ray, resolve_use_gpu, use_train_v2
+from raytrain_hybrid.launch.session import ensure_ray, ray_address, resolve_use_gpu, use_train_v2
 from raytrain_hybrid.launch.summary import startup_breakdown, startup_cpu, summarize
 from raytrain_hybrid.launch.tracking import TrackedRun, check_tracking
+from raytrain_hybrid.planner.hardware import Hardware
 from raytrain_hybrid.storage import open_store
 
 
@@ -94,7 +96,7 @@ def run(cfg: Config, resume: str | None = None, stream=None, driver_log: Path | 
         said.append(line)
         print(line, file=stream or sys.stdout, flush=True)
 
-    cfg, use_gpu, resources = open_session(cfg, marks, say)
+    cfg, use_gpu, resources, layout_hw = open_session(cfg, marks, say)
     open_store(cfg.run.output_dir).makedirs()  # only now: a refused run leaves nothing behind
     cfg = prepare_input(cfg, say=say)
     if is_elastic(cfg.parallelism):
@@ -103,7 +105,9 @@ def run(cfg: Config, resume: str | None = None, stream=None, driver_log: Path | 
     sink = Queue(actor_options=sink_options())  # rank 0's events, see the module docstring
     tracked = TrackedRun()  # run.tracking: its run is opened before any worker starts
     tracking = tracked.open(cfg)
-    trainer = make_trainer(cfg, sink=sink, use_gpu=use_gpu, resources=resources, resume=resume, tracking=tracking)
+    trainer = make_trainer(
+        cfg, sink=sink, use_gpu=use_gpu, resources=resources, resume=resume, tracking=tracking, layout_hw=layout_hw
+    )
     run_dir = RunDir.open(cfg.run.output_dir, fresh=True)
     # config.json from the start: it reaches the output URI with the first checkpoint.
     (run_dir.local / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
@@ -145,20 +149,32 @@ def prepare_run_dir(cfg: Config, resume: str | None) -> tuple[Config, str | None
     return cfg, resume, kept_history
 
 
-def open_session(cfg: Config, marks: dict, say=print) -> tuple[Config, bool, dict[str, float]]:
+def open_session(cfg: Config, marks: dict, say=print) -> tuple[Config, bool, dict[str, float], Hardware | None]:
     """Join or start Ray, pick the layout (parallelism.layout="auto") and check the live cluster can
-    place the workers: (the config at its layout, use_gpu, resources per worker)."""
+    place the workers: (the config at its layout, use_gpu, resources per worker, the profile an
+    elastic layout=auto run's workers pick on)."""
     world = cfg.parallelism.world_size
     ensure_ray(cfg, world)
     marks["ray_ready"] = time.time()
-    cfg = choose_layout(cfg, say)  # the planner's pick for the nodes there are now, said with its runner-up
-    use_gpu = resolve_use_gpu(cfg, worker_counts(cfg)[0])  # an elastic run starts on fewer
+    # The live nodes and those an autoscaler may add; the planner's pick for them, said with its runner-up.
+    reach = cluster_reach(bool(ray_address(cfg)), cfg.cluster.accelerator_type)
+    cfg, layout_hw = choose_layout(cfg, say, reach, use_gpu_for(cfg, reach.nodes))
+    use_gpu = resolve_use_gpu(cfg, worker_counts(cfg)[0], reach.nodes)  # an elastic run starts on fewer
     resources = worker_resources(cfg, use_gpu)
     check_placement(cfg, resources)
-    return cfg, use_gpu, resources
+    return cfg, use_gpu, resources, layout_hw
 
 
-def make_trainer(cfg: Config, *, sink, use_gpu: bool, resources: dict[str, float], resume: str | None, tracking=None):
+def make_trainer(
+    cfg: Config,
+    *,
+    sink,
+    use_gpu: bool,
+    resources: dict[str, float],
+    resume: str | None,
+    tracking=None,
+    layout_hw: Hardware | None = None,
+):
     """The run's TorchTrainer, with its Ray Datasets (unless data.path is "memory")."""
     use_train_v2()  # before the driver first imports ray.train (below, and data.ray_data in build_datasets)
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -178,7 +194,7 @@ def make_trainer(cfg: Config, *, sink, use_gpu: bool, resources: dict[str, float
             "data_env": data_env,
             "tracking": tracking,  # rank 0's tracker run (launch.tracking.TrackerRun), or None
             # An elastic run with layout=auto: the profile each start's pick is priced on.
-            "layout_hardware": start_hardware(cfg, use_gpu),
+            "layout_hardware": dataclasses.asdict(layout_hw) if layout_hw and is_elastic(cfg.parallelism) else None,
         },
         torch_config=TorchConfig(backend=backend),
         **build_datasets(cfg, data_env),

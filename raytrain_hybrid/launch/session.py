@@ -32,7 +32,7 @@ def ensure_ray(cfg: Config, world_size: int) -> None:
         return
     # No runtime env of ours: the workers need no variable of this package's (a runtime env
     # would also start each worker process twice, see use_train_v2).
-    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS", "")
+    address = ray_address(cfg)
     if address:
         ray.init(address=address, log_to_driver=False)
         return
@@ -47,9 +47,14 @@ def ensure_ray(cfg: Config, world_size: int) -> None:
     )
 
 
-def resolve_use_gpu(cfg: Config, world_size: int) -> bool:
-    import ray
+def ray_address(cfg: Config) -> str:
+    """The cluster to join ("": a private local Ray)."""
+    return cfg.cluster.address or os.environ.get("RAY_ADDRESS", "")
 
+
+def resolve_use_gpu(cfg: Config, world_size: int, nodes: list[dict[str, float]]) -> bool:
+    """cluster.use_gpu, or when unset, whether ``nodes`` (those the cluster may reach: an autoscaler's
+    GPU nodes may not be up yet) have a GPU for every worker."""
     if cfg.cluster.use_gpu is not None:
         return cfg.cluster.use_gpu
-    return ray.cluster_resources().get("GPU", 0) >= world_size
+    return sum(n.get("GPU", 0) for n in nodes) >= world_size
