@@ -116,18 +116,22 @@ def _live_topology(cfg, world: int) -> list[int]:
         return [world]
     import ray
 
-    from raytrain_hybrid.launch.placement import live_node_totals, predict_workers_per_node, worker_resources
+    from raytrain_hybrid.launch.placement import predict_workers_per_node, worker_resources
+    from raytrain_hybrid.launch.reach import cluster_reach
     from raytrain_hybrid.launch.session import resolve_use_gpu
 
     ray.init(address=address, log_to_driver=False)
-    nodes = live_node_totals()
-    per_worker = worker_resources(cfg, resolve_use_gpu(cfg, world, nodes))
-    counts = predict_workers_per_node(nodes, world, per_worker, cfg.cluster.placement_strategy)
+    reach = cluster_reach(True, cfg.cluster.accelerator_type)  # with the nodes an autoscaler may add
+    per_worker = worker_resources(cfg, resolve_use_gpu(cfg, world, reach.nodes))
+    counts = predict_workers_per_node(reach.nodes, world, per_worker, cfg.cluster.placement_strategy)
     if counts is None:
+        more = " with the nodes its autoscaler may add" if reach.added else " now"
         raise LayoutError(
-            f"the cluster at {address} cannot hold {world} workers of {per_worker} now; "
+            f"the cluster at {address} cannot hold {world} workers of {per_worker}{more}; "
             "pass --topology to check a placement you expect (e.g. 8,8)"
         )
+    for line in reach.said():
+        print(f"placement: {line}")
     return counts
 
 

@@ -188,3 +188,25 @@ def test_a_fixed_auto_pick_is_for_the_most_the_autoscaler_may_reach(monkeypatch)
     assert said[-1].startswith("layout auto: the live nodes alone would take dp=2 tp=1 pp=1 "), said
     with pytest.raises(ConfigError, match="no layout of at most dp=2 fits nodes holding"):
         choose_layout(cfg, said.append, Reach([HEAD]), True)
+
+
+def test_check_of_a_fixed_layout_places_it_on_the_nodes_the_autoscaler_may_add(capsys, monkeypatch):
+    """`check` through RAY_ADDRESS on a head whose autoscaler may add two nodes of two GPUs (its reach
+    stubbed: tests/test_autoscaling_sim.py reads a real one): a layout of four workers is placed on
+    the nodes to come, as `train` would ask for them; one of eight is refused, saying so."""
+    import ray
+
+    from raytrain_hybrid.launch import reach
+
+    two = {"gpu_2x": (2, {"CPU": 2.0, "GPU": 2.0})}
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    monkeypatch.setattr(ray, "init", lambda *a, **k: None)
+    monkeypatch.setattr(reach, "cluster_reach", lambda *a: reach.Reach([HEAD], two, "~/ray_bootstrap_config.yaml"))
+    fits = ["data.path=memory", "parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=1"]
+    code, out, err = _check(capsys, fits)
+    assert code == 0, err
+    assert "placement: the autoscaler may add 2 x gpu_2x {'CPU': 2.0, 'GPU': 2.0} (max_workers in " in out, out
+    assert "layout ok: dp=2 tp=2 pp=1 on 2 node(s) [2, 2]" in out, out
+    code, out, err = _check(capsys, [*fits[:-1], "parallelism.pp=2"])
+    # Fewer GPUs than workers: with cluster.use_gpu unset they would be CPU workers, which no node holds either.
+    assert code == 2 and "cannot hold 8 workers of {'CPU': 1.0} with the nodes its autoscaler may add" in err, err

@@ -55,7 +55,7 @@ def choose_layout(
             say(line)
         return cfg, hw
     for line in reach.said():
-        say(line)
+        say(f"layout auto: {line}" + (": picking for the most the cluster may reach" if reach.added else ""))
     picked, lines = pick(cfg, node_slots(cfg, nodes, use_gpu), hw)
     for line in lines:
         say(line)

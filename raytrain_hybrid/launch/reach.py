@@ -40,13 +40,13 @@ class Reach:
         return self.live + [res for count, res in self.added.values() for _ in range(count)]
 
     def said(self) -> list[str]:
+        """What was read, for a `layout auto:` line."""
         if self.note:
-            return [f"layout auto: {self.note}; picking for the live nodes"]
+            return [f"{self.note}; picking for the live nodes"]
         if not self.added:
             return []
         adds = ", ".join(f"{n} x {name} {res}" for name, (n, res) in self.added.items())
-        where = f"max_workers in {self.source}"
-        return [f"layout auto: the autoscaler may add {adds} ({where}): picking for the most the cluster may reach"]
+        return [f"the autoscaler may add {adds} (max_workers in {self.source})"]
 
 
 def may_add(
