@@ -210,3 +210,33 @@ def test_check_of_a_fixed_layout_places_it_on_the_nodes_the_autoscaler_may_add(c
     code, out, err = _check(capsys, [*fits[:-1], "parallelism.pp=2"])
     # Fewer GPUs than workers: with cluster.use_gpu unset they would be CPU workers, which no node holds either.
     assert code == 2 and "cannot hold 8 workers of {'CPU': 1.0} with the nodes its autoscaler may add" in err, err
+
+
+def test_the_autoscaler_config_is_read_on_the_head_of_a_joined_cluster_only(monkeypatch, tmp_path):
+    """Where `ray up` puts it (JSON in ~/ray_bootstrap_config.yaml); not for a private local Ray or
+    a driver off the head (another cluster's file, if any); a file not in Ray's format is said, and
+    the pick is for the live nodes."""
+    from raytrain_hybrid.launch import placement, reach
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setattr(placement, "live_node_totals", lambda: [HEAD])
+    on_head = [True]
+    monkeypatch.setattr(reach, "_on_head", lambda: on_head[0])
+    config = {"max_workers": 2, "head_node_type": "head", "available_node_types": {
+        "head": {"resources": {"CPU": 0}, "max_workers": 0},
+        "gpu_2x": {"resources": {"CPU": 2, "GPU": 2}, "min_workers": 0, "max_workers": 4}}}  # fmt: skip
+    assert reach.cluster_reach(True) == reach.Reach([HEAD])  # no file
+    (tmp_path / "ray_bootstrap_config.yaml").write_text(json.dumps(config))
+    got = reach.cluster_reach(True)
+    assert got.added == {"gpu_2x": (2, {"CPU": 2.0, "GPU": 2.0})} and got.source == "~/ray_bootstrap_config.yaml"
+    assert len(got.nodes) == 3
+    assert reach.cluster_reach(False).added == {}  # a private local Ray
+    on_head[0] = False
+    assert reach.cluster_reach(True).added == {}
+    on_head[0] = True
+    (tmp_path / "ray_bootstrap_config.yaml").write_text("available_node_types: [not, a, mapping]\n")
+    broken = reach.cluster_reach(True)
+    assert broken.added == {} and broken.said() == [
+        "~/ray_bootstrap_config.yaml unreadable (AttributeError: 'list' object has no attribute 'items'); "
+        "picking for the live nodes"
+    ]
