@@ -1,5 +1,6 @@
-"""parallelism.layout = "auto" on a cluster: the workers each node holds now, handed to the
-planner (planner.auto), before any worker starts; `train` and `check` print its pick.
+"""parallelism.layout = "auto" on a cluster: the workers each node holds, the live nodes and
+those an autoscaler may add (launch.reach), handed to the planner (planner.auto) before any
+worker starts; `train` and `check` print its pick.
 
 An elastic run (parallelism.min_dp) with layout=auto asks Ray for whole replicas of the
 configured tp*pp, as a fixed one does (launch.elastic), and picks at every start of its worker
