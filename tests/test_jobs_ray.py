@@ -161,12 +161,28 @@ def _logs(head, job_id: str) -> str:
     return _ray(head, "job", "logs", "--address", head["address"], job_id).stdout
 
 
-def _wait_for(what, timeout: float = 600, every: float = 0.2):
-    deadline = time.time() + timeout
+def _wait_for(what, timeout: float = 600, every: float = 0.2, job: tuple | None = None):
+    """``what()`` once true. ``job``: (head, job id) whose end means it never will be, looked at every
+    15 s (a `ray` command costs a second of CPU); a failure then says the job's status and logs and
+    the head's jobs (a wait for the cut job's first checkpoint once timed out after 600 s, saying
+    nothing more)."""
+    deadline = looked = time.time()
+    deadline += timeout
     while not (found := what()):
-        assert time.time() < deadline, f"timed out waiting for {what}"
+        ended = ""
+        if job and time.time() - looked > 15:
+            looked, ended = time.time(), _ended(*job)
+        if ended or time.time() > deadline:
+            state = _job_state(*job) if job else ""
+            raise AssertionError(f"{'the job ended' if ended else 'timed out'} waiting for {what}: {state}")
         time.sleep(every)
     return found
+
+
+def _job_state(head, job_id: str) -> str:
+    status = _ray(head, "job", "status", "--address", head["address"], job_id).stdout
+    listed = _ray(head, "job", "list", "--address", head["address"]).stdout
+    return f"{status}\nlogs: {_logs(head, job_id)[-3000:]}\nthe head's jobs: {listed[-3000:]}"
 
 
 def _ended(head, job_id: str) -> str:
@@ -218,8 +234,9 @@ def background(workdir: Path, env: dict) -> dict:
                 head, "rh-cut", *args, *[a for kv in SMALL for a in ("--set", kv)], wait=False
             )
             if out["cut_submitted"].returncode == 0:
-                _wait_for(lambda: s3.get_file_info("jobs/cut/checkpoints/step_2/manifest.json").size)
-                _wait_for(lambda: _train_workers(head))[0].kill()
+                cut = (head, "rh-cut")
+                _wait_for(lambda: s3.get_file_info("jobs/cut/checkpoints/step_2/manifest.json").size, job=cut)
+                _wait_for(lambda: _train_workers(head), job=cut)[0].kill()
                 out["cut_status"] = _wait_for(lambda: _ended(head, "rh-cut"), every=2)  # a look: ~1 s of CPU
                 out["cut_logs"] = _logs(head, "rh-cut")
                 out["cut_bucket"] = sorted(_bucket(s3, "jobs/cut"))
