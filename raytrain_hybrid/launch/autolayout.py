@@ -47,8 +47,7 @@ def choose_layout(
     (ConfigError) when none fits."""
     if cfg.parallelism.layout != "auto":
         return cfg, None
-    nodes = reach.nodes
-    hw = hardware_for(nodes, use_gpu, node_slots(cfg, nodes, use_gpu))
+    slots, hw = _priced_on(cfg, reach.nodes, use_gpu)
     if is_elastic(cfg.parallelism):  # each start picks for its own workers (group_layout)
         first = first_start(cfg, reach.live, use_gpu, hw)  # Ray starts on the nodes up when it asks
         lines = first[2] if first else [f"{_EACH_START}; the nodes hold none of {worker_counts(cfg)} yet"]
@@ -57,12 +56,18 @@ def choose_layout(
         return cfg, hw
     for line in reach.said():
         say(f"layout auto: {line}" + (": picking for the most the cluster may reach" if reach.added else ""))
-    picked, lines = pick(cfg, node_slots(cfg, nodes, use_gpu), hw)
+    picked, lines = pick(cfg, slots, hw)
     for line in lines:
         say(line)
     if reach.added:  # what waiting for the autoscaler's nodes buys
         say(_live_alone(cfg, reach.live, use_gpu, hw))
     return picked, hw
+
+
+def _priced_on(cfg: Config, nodes: list[dict[str, float]], use_gpu: bool) -> tuple[list[int], Hardware]:
+    """The workers each of ``nodes`` holds, and the profile a pick for them is priced on."""
+    slots = node_slots(cfg, nodes, use_gpu)
+    return slots, hardware_for(nodes, use_gpu, slots)
 
 
 def _live_alone(cfg: Config, live: list[dict[str, float]], use_gpu: bool, hw: Hardware) -> str:
@@ -157,8 +162,7 @@ def pick_for_check(cfg: Config, held: list[int] | None, say: Callable[[str], Non
             "--topology with the workers each node holds (e.g. 4,4)",
         )
     if is_elastic(cfg.parallelism):  # the first start's pick (later ones pick for their own workers)
-        nodes = reach.live
-        first = first_start(cfg, nodes, gpu, hardware_for(reach.nodes, gpu, node_slots(cfg, reach.nodes, gpu)))
+        first = first_start(cfg, reach.live, gpu, _priced_on(cfg, reach.nodes, gpu)[1])
         if first is None:
             raise ConfigError(
                 "parallelism.layout",
