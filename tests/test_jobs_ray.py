@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -163,19 +164,31 @@ def _logs(head, job_id: str) -> str:
 
 def _wait_for(what, timeout: float = 600, every: float = 0.2, job: tuple | None = None):
     """``what()`` once true. ``job``: (head, job id) whose end means it never will be, looked at every
-    15 s (a `ray` command costs a second of CPU); a failure then says the job's status and logs and
-    the head's jobs (a wait for the cut job's first checkpoint once timed out after 600 s, saying
+    15 s by a thread of its own (a `ray` command costs a second of CPU, seconds on a loaded machine,
+    in which a tiny run takes several steps); a failure then says the job's status and logs and the
+    head's jobs (a wait for the cut job's first checkpoint once timed out after 600 s, saying
     nothing more)."""
-    deadline = looked = time.time()
-    deadline += timeout
-    while not (found := what()):
-        ended = ""
-        if job and time.time() - looked > 15:
-            looked, ended = time.time(), _ended(*job)
-        if ended or time.time() > deadline:
-            state = _job_state(*job) if job else ""
-            raise AssertionError(f"{'the job ended' if ended else 'timed out'} waiting for {what}: {state}")
-        time.sleep(every)
+    ended, done = threading.Event(), threading.Event()
+
+    def watch():
+        while not done.wait(15):
+            if _ended(*job):
+                ended.set()
+                return
+
+    if job:
+        threading.Thread(target=watch, daemon=True).start()
+    deadline = time.time() + timeout
+    try:
+        while not (found := what()):
+            if ended.is_set() or time.time() > deadline:
+                state = _job_state(*job) if job else ""
+                raise AssertionError(
+                    f"{'the job ended' if ended.is_set() else 'timed out'} waiting for {what}: {state}"
+                )
+            time.sleep(every)
+    finally:
+        done.set()
     return found
 
 
@@ -235,8 +248,11 @@ def background(workdir: Path, env: dict) -> dict:
             )
             if out["cut_submitted"].returncode == 0:
                 cut = (head, "rh-cut")
-                _wait_for(lambda: s3.get_file_info("jobs/cut/checkpoints/step_2/manifest.json").size, job=cut)
-                _wait_for(lambda: _train_workers(head), job=cut)[0].kill()
+                # The worker to kill is found first, so that it dies within a fraction of a second of
+                # the first checkpoint: the tiny run reaches its last (step 6) in seconds.
+                victim = _wait_for(lambda: _train_workers(head), job=cut)[0]
+                _wait_for(lambda: s3.get_file_info("jobs/cut/checkpoints/step_2/manifest.json").size, 600, 0.05, cut)
+                victim.kill()
                 out["cut_status"] = _wait_for(lambda: _ended(head, "rh-cut"), every=2)  # a look: ~1 s of CPU
                 out["cut_logs"] = _logs(head, "rh-cut")
                 out["cut_bucket"] = sorted(_bucket(s3, "jobs/cut"))
