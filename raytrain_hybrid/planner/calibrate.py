@@ -36,13 +36,27 @@ def matmul_tflops(n: int = 1024, threads: int = 1, seconds: float = 1.0) -> floa
     return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e12
 
 
-def _gloo_peer(rank: int, port: int, nbytes: int, out) -> None:
+def _peer(rank: int, port: int, nbytes: int, hidden: int, tokens: int, reps: int, out) -> None:
+    """One of two local processes: a gloo all-reduce of 4 bytes and of ``nbytes``, then a TP=2
+    column-wise + row-wise pair beside its local twin. Both measurements in one pair of processes:
+    each process start imports torch (seconds of CPU)."""
     import torch
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
+    times = _allreduce_times(nbytes)
+    times.update(_tp_times(hidden, tokens, reps))
+    if rank == 0:
+        out.put(times)
+    dist.destroy_process_group()
+
+
+def _allreduce_times(nbytes: int) -> dict[str, float]:
+    import torch
+    import torch.distributed as dist
+
     small, big = torch.zeros(1), torch.zeros(nbytes // 4)
     for t in (small, big):
         dist.all_reduce(t)  # warm up the connection
@@ -53,21 +67,16 @@ def _gloo_peer(rank: int, port: int, nbytes: int, out) -> None:
         for _ in range(reps):
             dist.all_reduce(t)
         times[name] = (time.perf_counter() - t0) / reps
-    if rank == 0:
-        out.put(times)
-    dist.destroy_process_group()
+    return times
 
 
-def _tp_peer(rank: int, port: int, hidden: int, tokens: int, reps: int, out) -> None:
+def _tp_times(hidden: int, tokens: int, reps: int) -> dict[str, float]:
     import torch
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.manual_seed(0)
     x = torch.randn(tokens, hidden)
 
@@ -86,40 +95,33 @@ def _tp_peer(rank: int, port: int, hidden: int, tokens: int, reps: int, out) -> 
     local = timed(pair())
     mesh = init_device_mesh("cpu", (2,))
     tp = timed(parallelize_module(pair(), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()}))
-    if rank == 0:
-        out.put({"local": local, "tp": tp})
-    dist.destroy_process_group()
+    return {"local": local, "tp": tp}
 
 
-def tp_pair_overhead(hidden: int = 128, tokens: int = 512, reps: int = 20) -> float:
-    """Seconds a column-wise + row-wise pair (an MLP, or attention's projections) costs under
-    TP=2 beyond half its local compute, forward and backward: DTensor dispatch plus the
-    all-reduces. On CPUs with gloo this, not wire time, is what TP costs for small models."""
-    times = _spawn(_tp_peer, hidden, tokens, reps)
-    return max(0.0, times["tp"] - times["local"] / 2)
-
-
-def _spawn(target, *args):
+def measure_pair(nbytes: int = 16 * 2**20, hidden: int = 128, tokens: int = 512, reps: int = 20) -> dict:
+    """Two local gloo processes' measurements: bus bandwidth (GB/s) and latency (s) of an
+    all-reduce, and ``tp_pair_overhead_s``: seconds a column-wise + row-wise pair (an MLP, or
+    attention's projections) costs under TP=2 beyond half its local compute, forward and
+    backward (DTensor dispatch plus the all-reduces: on CPUs with gloo this, not wire time, is
+    what TP costs for small models)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, port, *args, out)) for r in range(2)]
+    procs = [ctx.Process(target=_peer, args=(r, port, nbytes, hidden, tokens, reps, out)) for r in range(2)]
     for p in procs:
         p.start()
-    result = out.get(timeout=300)
+    times = out.get(timeout=300)
     for p in procs:
         p.join(timeout=60)
-    return result
-
-
-def gloo_allreduce(nbytes: int = 16 * 2**20) -> tuple[float, float]:
-    """(bus bandwidth in GB/s, latency in s) of a 2-process gloo all-reduce on this machine."""
-    times = _spawn(_gloo_peer, nbytes)
     latency = times["small"]
-    # A 2-rank all-reduce moves 2*(n-1)/n = 1x the buffer per rank.
-    return nbytes / max(times["big"] - latency, 1e-9) / 1e9, latency
+    return {
+        # A 2-rank all-reduce moves 2*(n-1)/n = 1x the buffer per rank.
+        "gbps": nbytes / max(times["big"] - latency, 1e-9) / 1e9,
+        "latency_s": latency,
+        "tp_pair_overhead_s": max(0.0, times["tp"] - times["local"] / 2),
+    }
 
 
 def calibrate(path: Path | None = None, threads: int = 1) -> dict:
@@ -127,7 +129,7 @@ def calibrate(path: Path | None = None, threads: int = 1) -> dict:
     from raytrain_hybrid.planner.hardware import Hardware
 
     tflops = matmul_tflops(threads=threads)
-    gbps, latency = gloo_allreduce()
+    pair = measure_pair()
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     hw = Hardware(
         name=f"local ({os.cpu_count()} CPUs, {threads} thread(s) per worker, gloo)",
@@ -135,11 +137,11 @@ def calibrate(path: Path | None = None, threads: int = 1) -> dict:
         memory_bytes=float(memory),
         peak_tflops=tflops,
         efficiency=0.5,
-        intra_node_gbps=gbps,
-        inter_node_gbps=gbps,
-        latency_s=latency,
+        intra_node_gbps=pair["gbps"],
+        inter_node_gbps=pair["gbps"],
+        latency_s=pair["latency_s"],
         cores=os.cpu_count() or 1,
-        tp_pair_overhead_s=tp_pair_overhead(),
+        tp_pair_overhead_s=pair["tp_pair_overhead_s"],
     )
     profile = dataclasses.asdict(hw)
     path = path or default_profile()
