@@ -10,9 +10,10 @@ the head as ``~/ray_bootstrap_config.yaml`` with each node type's resources fill
 the instance type) and starts the autoscaler on it; Ray Tune tests for the same file. A driver
 that `ray job submit` starts runs on the head, so it is read there and only there: on another
 machine the file (if any) may be another cluster's, and a private local Ray has no autoscaler.
-Not on KubeRay (its autoscaler reads the RayCluster through the Kubernetes API): there the pick
-is for the live nodes, and an elastic run still grows (Ray Train asks the autoscaler for its
-largest worker group).
+On KubeRay the autoscaler reads the RayCluster through the Kubernetes API instead, the head pod's
+service account allowed to by the Role KubeRay makes for it; the pods carry the cluster's name
+(RAY_CLUSTER_NAME) and the API server's address. It is read there the autoscaler's way (Ray's own
+client and RayCluster-to-config translation), and only with the RayCluster's in-tree autoscaler on.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 import yaml
 
 BOOTSTRAP = "~/ray_bootstrap_config.yaml"
+_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"  # a pod's own namespace
 _HEAD = "node:__internal_head__"  # the resource Ray gives the head node only
 
 
@@ -33,6 +35,7 @@ class Reach:
     added: dict[str, tuple[int, dict[str, float]]] = field(default_factory=dict)  # type -> (nodes, one node)
     source: str = ""  # the autoscaler config read, if any
     note: str = ""  # why it was not
+    bound: str = "max_workers"  # what caps each node type there
 
     @property
     def nodes(self) -> list[dict[str, float]]:
@@ -46,7 +49,7 @@ class Reach:
         if not self.added:
             return []
         adds = ", ".join(f"{n} x {name} {res}" for name, (n, res) in self.added.items())
-        return [f"the autoscaler may add {adds} (max_workers in {self.source})"]
+        return [f"the autoscaler may add {adds} ({self.bound} in {self.source})"]
 
 
 def may_add(
@@ -90,14 +93,46 @@ def cluster_reach(connected: bool, accelerator_type: str = "") -> Reach:
 
     live = live_node_totals()
     path = Path(os.path.expanduser(BOOTSTRAP))
-    if not connected or not path.is_file() or not _on_head():
+    kuberay = os.environ.get("RAY_CLUSTER_NAME") and os.environ.get("KUBERNETES_SERVICE_HOST")
+    if not connected or not (path.is_file() or kuberay) or not _on_head():
         return Reach(live)
+    if path.is_file():
+        source, bound = BOOTSTRAP, "max_workers"
+    else:
+        source, bound = f"RayCluster {_namespace()}/{os.environ['RAY_CLUSTER_NAME']}", "maxReplicas"
     try:
-        config = yaml.safe_load(path.read_text()) or {}
+        config = (yaml.safe_load(path.read_text()) or {}) if path.is_file() else _raycluster_config()
+        if config is None:  # a RayCluster without its autoscaler: the live nodes are all there is
+            return Reach(live)
         added = may_add(config, live, accelerator_type)
-    except (yaml.YAMLError, AttributeError, TypeError, ValueError) as exc:  # not Ray's format: said, not fatal
-        return Reach(live, note=f"{BOOTSTRAP} unreadable ({type(exc).__name__}: {exc})")
-    return Reach(live, added, BOOTSTRAP)
+    except (yaml.YAMLError, AttributeError, TypeError, ValueError, KeyError, OSError) as exc:
+        # Not Ray's format, or the API refused (requests' errors are OSErrors): said, not fatal.
+        return Reach(live, note=f"{source} unreadable ({type(exc).__name__}: {exc})")
+    return Reach(live, added, source, bound=bound)
+
+
+def _namespace() -> str:
+    """The RayCluster's namespace: KubeRay's variable (newer operators), else the pod's own."""
+    if os.environ.get("RAY_CLUSTER_NAMESPACE"):
+        return os.environ["RAY_CLUSTER_NAMESPACE"]
+    try:
+        return Path(_NAMESPACE_FILE).read_text().strip()
+    except OSError:
+        return "default"
+
+
+def _raycluster_config() -> dict | None:
+    """This pod's RayCluster as the config Ray's autoscaler derives from it (one node type per
+    worker group, maxReplicas its max_workers, resources from rayStartParams and the container
+    limits), read as the KubeRay autoscaler reads it (in-cluster token and CA, or the client
+    certificate of RAY_KUBERAY_CLIENT_CERT_PATH); None when its in-tree autoscaler is off."""
+    from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
+    from ray.autoscaler._private.kuberay.node_provider import KubernetesHttpApiClient
+
+    cr = KubernetesHttpApiClient(_namespace()).get(f"rayclusters/{os.environ['RAY_CLUSTER_NAME']}")
+    if not cr["spec"].get("enableInTreeAutoscaling"):
+        return None
+    return _derive_autoscaling_config_from_ray_cr(cr)
 
 
 def _on_head() -> bool:
