@@ -240,3 +240,47 @@ def test_the_autoscaler_config_is_read_on_the_head_of_a_joined_cluster_only(monk
         "~/ray_bootstrap_config.yaml unreadable (AttributeError: 'list' object has no attribute 'items'); "
         "picking for the live nodes"
     ]
+
+
+def test_a_raycluster_without_its_autoscaler_adds_nothing_and_one_out_of_reach_is_said(monkeypatch):
+    """On a KubeRay head (its pod's variables): in-tree autoscaling off, the live nodes are all there
+    is; a RayCluster the API refuses (403: the head's account may not read it) is said, and the pick
+    is for the live nodes. The RayCluster read as the API returns it: tests/test_reach_kuberay.py."""
+    import requests
+    import yaml
+    from ray.autoscaler._private.kuberay.node_provider import KubernetesHttpApiClient
+
+    from raytrain_hybrid.launch import placement, reach
+
+    manifest = yaml.safe_load(
+        (Path(__file__).parent.parent / "cluster_configs" / "kuberay-raycluster.yaml").read_text()
+    )
+    manifest["metadata"]["namespace"] = "team-a"
+    monkeypatch.setenv("HOME", "/nonexistent")  # no ~/ray_bootstrap_config.yaml
+    monkeypatch.setenv("RAY_CLUSTER_NAME", "raytrain-hybrid")
+    monkeypatch.setenv("RAY_CLUSTER_NAMESPACE", "team-a")
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
+    monkeypatch.setattr(placement, "live_node_totals", lambda: [HEAD])
+    monkeypatch.setattr(reach, "_on_head", lambda: True)
+    asked = []
+
+    def get(client, path):
+        asked.append((client._namespace, path))
+        if answer := answers.pop(0):
+            return answer
+        response = requests.Response()
+        response.status_code, response.url, response.reason = 403, "https://10.0.0.1/" + path, "Forbidden"
+        response.raise_for_status()
+
+    monkeypatch.setattr(KubernetesHttpApiClient, "get", get)
+    answers = [manifest, {**manifest, "spec": {**manifest["spec"], "enableInTreeAutoscaling": False}}, None]
+    got = reach.cluster_reach(True, "H100")
+    assert {name: n for name, (n, _) in got.added.items()} == {"gpu-h100-8x": 8}, got
+    assert got.said()[0].endswith("(maxReplicas in RayCluster team-a/raytrain-hybrid)"), got.said()
+    assert reach.cluster_reach(True, "H100") == reach.Reach([HEAD])  # autoscaling off: nothing said
+    refused = reach.cluster_reach(True, "H100")
+    assert refused.added == {} and refused.said() == [
+        "RayCluster team-a/raytrain-hybrid unreadable (HTTPError: 403 Client Error: Forbidden for url: "
+        "https://10.0.0.1/rayclusters/raytrain-hybrid); picking for the live nodes"
+    ], refused.said()
+    assert asked == [("team-a", "rayclusters/raytrain-hybrid")] * 3

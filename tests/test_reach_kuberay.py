@@ -2,7 +2,8 @@
 autoscaler may add, read as that autoscaler reads them, from the Kubernetes API (a stand-in server
 on loopback, tests/k8s_server.py, serving the shipped cluster_configs/kuberay-raycluster.yaml as
 the API returns it). The CLI joins the session's cluster through RAY_ADDRESS, as a `ray job submit`
-driver runs on the head, with the variables a KubeRay pod has."""
+driver runs on the head, with the variables a KubeRay pod has. A RayCluster without its autoscaler,
+or one the API refuses: tests/test_autolayout.py."""
 
 from __future__ import annotations
 
@@ -53,20 +54,3 @@ def test_layout_auto_on_a_kuberay_head_picks_for_the_worker_groups_it_may_scale(
     assert "on nodes holding [8, 8, 8, 8, 8, 8, 8, 8] workers (H100-80GB SXM)" in picked, out
     assert "layout auto: the live nodes alone hold no layout yet" in out, out
     assert "layout ok: dp=" in out and " on 8 node(s) [8, 8, 8, 8, 8, 8, 8, 8]" in out, out
-
-
-def test_a_raycluster_without_its_autoscaler_or_out_of_reach_is_said_and_the_pick_is_for_the_live_nodes(
-    ray_local, tmp_path
-):
-    """In-tree autoscaling off: nothing to add (the job, which needs GPUs, is refused for the live
-    CPU node). A RayCluster the API does not have (or lets the pod read): said, then the same."""
-    with api_server({PATH: _raycluster(autoscaling=False)}, tmp_path) as (env, seen):
-        off = _check(ray_local, {**env, "RAY_CLUSTER_NAME": "raytrain-hybrid", "RAY_CLUSTER_NAMESPACE": "team-a"},
-                     "parallelism.layout=auto")  # fmt: skip
-        other = _check(ray_local, {**env, "RAY_CLUSTER_NAME": "elsewhere", "RAY_CLUSTER_NAMESPACE": "team-a"},
-                       "parallelism.layout=auto")  # fmt: skip
-    assert seen == [PATH, PATH.replace("raytrain-hybrid", "elsewhere")], seen
-    for done in (off, other):
-        assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
-        assert "the autoscaler may add" not in done.stdout
-    assert "RayCluster team-a/elsewhere unreadable (HTTPError: 404" in other.stdout + other.stderr, other.stdout
