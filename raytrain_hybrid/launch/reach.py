@@ -93,15 +93,17 @@ def cluster_reach(connected: bool, accelerator_type: str = "") -> Reach:
 
     live = live_node_totals()
     path = Path(os.path.expanduser(BOOTSTRAP))
+    from_file = path.is_file()
     kuberay = os.environ.get("RAY_CLUSTER_NAME") and os.environ.get("KUBERNETES_SERVICE_HOST")
-    if not connected or not (path.is_file() or kuberay) or not _on_head():
+    if not connected or not (from_file or kuberay) or not _on_head():
         return Reach(live)
-    if path.is_file():
+    if from_file:
         source, bound = BOOTSTRAP, "max_workers"
     else:
-        source, bound = f"RayCluster {_namespace()}/{os.environ['RAY_CLUSTER_NAME']}", "maxReplicas"
+        namespace, name = _namespace(), os.environ["RAY_CLUSTER_NAME"]
+        source, bound = f"RayCluster {namespace}/{name}", "maxReplicas"
     try:
-        config = (yaml.safe_load(path.read_text()) or {}) if path.is_file() else _raycluster_config()
+        config = (yaml.safe_load(path.read_text()) or {}) if from_file else _raycluster_config(namespace, name)
         if config is None:  # a RayCluster without its autoscaler: the live nodes are all there is
             return Reach(live)
         added = may_add(config, live, accelerator_type)
@@ -121,7 +123,7 @@ def _namespace() -> str:
         return "default"
 
 
-def _raycluster_config() -> dict | None:
+def _raycluster_config(namespace: str, name: str) -> dict | None:
     """This pod's RayCluster as the config Ray's autoscaler derives from it (one node type per
     worker group, maxReplicas its max_workers, resources from rayStartParams and the container
     limits), read as the KubeRay autoscaler reads it (in-cluster token and CA, or the client
@@ -129,7 +131,7 @@ def _raycluster_config() -> dict | None:
     from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
     from ray.autoscaler._private.kuberay.node_provider import KubernetesHttpApiClient
 
-    cr = KubernetesHttpApiClient(_namespace()).get(f"rayclusters/{os.environ['RAY_CLUSTER_NAME']}")
+    cr = KubernetesHttpApiClient(namespace).get(f"rayclusters/{name}")
     if not cr["spec"].get("enableInTreeAutoscaling"):
         return None
     return _derive_autoscaling_config_from_ray_cr(cr)
