@@ -9,9 +9,11 @@ them spent theirs waiting on other things. Started when the session's tests are 
 the session's own Ray, see conftest.py), they run side by side with the rest of the suite; their
 tests, last in the order, wait for the result (or start the work then, alone).
 
-A module takes part by defining ``background(workdir: Path, env: dict) -> data``; conftest.py
-names those modules (BACKGROUND) and the one each waits for first, so that at most one cluster
-of this kind runs beside the tests at a time.
+A module takes part by defining ``background(workdir: Path, env: dict, cases: set | None) -> data``;
+conftest.py names those modules (BACKGROUND) and the one each waits for first, so that at most one
+cluster of this kind runs beside the tests at a time. A module whose tests read parts of its work
+marks each with ``@pytest.mark.needs("case", ...)``: a selection of its tests (``-k``, node ids)
+then runs only the cases they read; ``cases`` is None (all) when a selected test has no mark.
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ _STOPS: list[Callable[[], None]] = []  # what ends a job's processes early (a se
 _ROOT = Path(tempfile.mkdtemp(prefix="rt-background-"))
 
 
-def start(name: str, fn: Callable[[Path, dict], object], after: str | None = None) -> None:
-    """Run ``fn(its own work dir, the environment now)`` in the background, once ``after``'s job
-    (if started) has ended. The environment is taken now, before any test changes it."""
+def start(name: str, fn: Callable[..., object], after: str | None = None, cases: set[str] | None = None) -> None:
+    """Run ``fn(its own work dir, the environment now, cases)`` in the background, once ``after``'s
+    job (if started) has ended. The environment is taken now, before any test changes it; ``cases``
+    are those the selected tests need (their ``needs`` marks), None for all."""
     env = dict(os.environ)
     before = _JOBS.get(after) if after else None
 
@@ -40,12 +43,12 @@ def start(name: str, fn: Callable[[Path, dict], object], after: str | None = Non
             before.exception()  # wait; its own test reports its failure
         workdir = _ROOT / name
         workdir.mkdir()
-        return fn(workdir, env)
+        return fn(workdir, env, cases)
 
     _JOBS[name] = _POOL.submit(job)
 
 
-def result(name: str, fn: Callable[[Path, dict], object]):
+def result(name: str, fn: Callable[..., object]):
     """The background job's result (waiting for it), or ``fn`` run now when none was started
     (the module was not selected at collection, e.g. run by node id)."""
     if name not in _JOBS:

@@ -73,6 +73,8 @@ def pytest_collection_modifyitems(items):
 def pytest_collection_finish(session):
     import background
 
+    if session.config.option.collectonly:  # nothing runs: start no cluster
+        return
     modules = {item.module.__name__: item.module for item in session.items if getattr(item, "module", None)}
     if any(name in modules for name in BACKGROUND) and any("ray_local" in item.fixturenames for item in session.items):
         # The session's Ray first: its raylet must register within 30 s (Ray's fixed wait), which
@@ -80,7 +82,20 @@ def pytest_collection_finish(session):
         start_session_ray()
     for name, after in BACKGROUND.items():
         if name in modules:
-            background.start(name, modules[name].background, after)
+            selected = [item for item in session.items if getattr(item, "module", None) is modules[name]]
+            background.start(name, modules[name].background, after, needed_cases(selected))
+
+
+def needed_cases(items) -> set[str] | None:
+    """The background cases the selected tests read (their `needs` marks), so that `pytest -k` or a
+    node id runs only those; None (every case) if one of them says nothing."""
+    cases: set[str] = set()
+    for item in items:
+        marks = list(item.iter_markers("needs"))
+        if not marks:
+            return None
+        cases.update(arg for mark in marks for arg in mark.args)
+    return cases
 
 
 def pytest_sessionfinish(session):

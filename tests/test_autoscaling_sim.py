@@ -300,7 +300,7 @@ def reach_runs(cluster: FakeCluster, out: Path) -> dict:
     }  # fmt: skip
 
 
-def background(workdir: Path, env: dict) -> dict:
+def background(workdir: Path, env: dict, cases: set[str] | None = None) -> dict:
     """One head per config (their node types cannot share one: a demand would be served by any
     config's type), each running its documented job at once; the GCP head also gets the job asking
     for an accelerator no type declares, with no start-up timeout (it would wait forever but for

@@ -229,7 +229,7 @@ CUT = ["train.steps=6", "checkpoint.interval=2", "data.path=memory", "run.max_fa
 SMALL = ["parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=2"]
 
 
-def background(workdir: Path, env: dict) -> dict:
+def background(workdir: Path, env: dict, cases: set[str] | None = None) -> dict:
     """Every job of this file on one head of its own, beside the suite's other tests
     (tests/background.py), its S3 output in a bucket of its own: the jobs that must fail
     submitted first and left running; meanwhile the job at (1,1,2) loses a worker after its first

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from background import on_stop
 from background import result as background_result
-from conftest import reference_history
+from conftest import needed_cases, reference_history
 from s3_server import fresh_buckets
 
 STEPS = 3
@@ -55,9 +55,10 @@ def _layout(dp, tp, pp, m):
     return [f"parallelism.dp={dp}", f"parallelism.tp={tp}", f"parallelism.pp={pp}", f"parallelism.microbatches={m}"]
 
 
-def background(workdir: Path, env: dict) -> dict:
-    """The cases on their cluster, a subprocess; it runs beside the suite's other tests
-    (tests/background.py), its output on S3 in a bucket of its own."""
+def background(workdir: Path, env: dict, wanted: set[str] | None = None) -> dict:
+    """The cases (those ``wanted`` by the selected tests, or all) on their cluster, a subprocess;
+    it runs beside the suite's other tests (tests/background.py), its output on S3 in a bucket of
+    its own."""
     cases = {
         "tp4": [*COMMON, *_layout(1, 4, 1, 1)],
         # A directory on the driver's disk, not declared shared: each node would keep its own part.
@@ -83,6 +84,7 @@ def background(workdir: Path, env: dict) -> dict:
                     "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5"},
         },
     }  # fmt: skip
+    cases = {name: case for name, case in cases.items() if wanted is None or name in wanted}
     (workdir / "disks").mkdir()
     (workdir / "cwd").mkdir()
     spec = {"nodes": [2, 2], "cases": cases, "tmp_root": str(workdir / "disks")}
@@ -105,10 +107,12 @@ def background(workdir: Path, env: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def two_nodes():
+def two_nodes(request):
     # The oracle tests' references (cached) while the cluster runs, then its results.
-    reference_history(NODE_LOSS)
-    reference_history(ELASTIC_MODEL)
+    wanted = needed_cases([item for item in request.session.items if item.module is request.module])
+    for case, reference in (("node_loss", NODE_LOSS), ("elastic", ELASTIC_MODEL)):
+        if wanted is None or case in wanted:
+            reference_history(reference)
     return background_result("test_topology_ray", background)
 
 
@@ -119,6 +123,7 @@ def _groups(per_rank, key_axes):
     return groups
 
 
+@pytest.mark.needs("node_loss")
 def test_tp_inside_node_pp_across_nodes(two_nodes):
     """The node-loss run's (1,2,2) group after its restart (more layouts: tests/test_layout.py)."""
     result = two_nodes["node_loss"]
@@ -129,17 +134,20 @@ def test_tp_inside_node_pp_across_nodes(two_nodes):
     assert all(len(nodes) == 2 for nodes in _groups(per_rank, ("dp", "tp")).values())  # PP groups
 
 
+@pytest.mark.needs("tp4")
 def test_tp_larger_than_a_node_fails_with_workers_per_node(two_nodes):
     error = two_nodes["tp4"].get("error", "")
     assert "tp=4" in error and "[2, 2]" in error, error
 
 
+@pytest.mark.needs("local_out")
 def test_a_local_output_dir_on_two_nodes_is_refused_naming_the_fix(two_nodes):
     error = two_nodes["local_out"].get("error", "")
     assert "run.output_dir" in error and "the cluster has" in error, error
     assert "s3://" in error and "run.shared_fs=true" in error, error
 
 
+@pytest.mark.needs("node_loss")
 def test_a_node_lost_mid_run_restarts_from_storage_with_identical_losses(two_nodes):
     result = two_nodes["node_loss"]
     assert "error" not in result, result
@@ -162,6 +170,7 @@ def test_a_node_lost_mid_run_restarts_from_storage_with_identical_losses(two_nod
     assert f"step_{LOSS_STEPS}" in result["checkpoints"], result["checkpoints"]
 
 
+@pytest.mark.needs("node_loss")
 def test_after_a_node_loss_each_node_read_the_checkpoint_from_storage_into_its_own_disk(two_nodes):
     """Each node's temp dir is its own "local disk"; the lost node's was deleted with it. The
     restarted ranks on each node found the checkpoint in the bucket and copied it to their own
@@ -175,6 +184,7 @@ def test_after_a_node_loss_each_node_read_the_checkpoint_from_storage_into_its_o
     assert two_nodes["cwd"] == [], "the run wrote into the working directory"
 
 
+@pytest.mark.needs("elastic")
 def test_an_elastic_run_follows_the_nodes_and_trains_the_oracle_model(two_nodes):
     """`raytrain-hybrid train --set parallelism.dp=3 --set parallelism.min_dp=1 ...` on three
     nodes: a node drained for preemption after step_2 -> the run saves at the notice, and at the
@@ -205,6 +215,7 @@ def test_an_elastic_run_follows_the_nodes_and_trains_the_oracle_model(two_nodes)
     assert "resize: dp 3 -> 2, continuing from step" in out and "resize: dp 2 -> 3" in out, out
 
 
+@pytest.mark.needs("elastic")
 def test_a_preempted_node_is_saved_at_the_notice_and_counted_apart_from_failures(two_nodes):
     """The elastic run's drained node: once Ray Train's watcher saw the drain, every rank saved
     the next step's checkpoint (in the foreground) before the deadline; the group restarted
@@ -226,6 +237,7 @@ def test_a_preempted_node_is_saved_at_the_notice_and_counted_apart_from_failures
     assert "restart 1 after the preemption: the worker group continues from step" in out, out
 
 
+@pytest.mark.needs("elastic")
 def test_layout_auto_picks_for_the_connected_cluster(two_nodes):
     """`check --set parallelism.layout=auto` through RAY_ADDRESS on the three one-GPU nodes: the
     tiny model's step on H100s is all latency, so one GPU (the session's CPU node picks dp=2:
@@ -238,6 +250,7 @@ def test_layout_auto_picks_for_the_connected_cluster(two_nodes):
     assert "layout ok: dp=1 tp=1 pp=1 on 1 node(s) [1]" in out, out
 
 
+@pytest.mark.needs("elastic")
 def test_an_elastic_auto_run_picks_a_layout_at_each_start_and_trains_the_oracle_model(two_nodes):
     """`train` with parallelism.layout=auto and min_dp=1 (dp at most 3 replicas of one worker) on
     the three one-GPU nodes: Ray starts 3 workers, which take the planner's pick for all three
