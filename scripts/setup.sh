@@ -12,11 +12,12 @@ PIP=".venv/bin/python -m pip"
 # resolution, parallel downloads and unpacking; the suite's time is counted with setup). pip
 # stays the fallback: where uv cannot be installed, or fails, pip does the same install.
 # uv does not read pip's configuration, so the wheel directories pip is told of (find-links,
-# where a machine keeps a local torch build) are handed on to it.
+# where a machine keeps a local torch build) are handed on to it. --compile-bytecode as pip does:
+# with PYTHONDONTWRITEBYTECODE set (CI's environment) every process would compile what it imports.
 if [ "${RAYTRAIN_SETUP_PIP_ONLY:-0}" != 1 ] && $PIP install -q uv >/dev/null 2>&1; then
   links=$($PIP config list 2>/dev/null | sed -n "s/^[^.]*\.find-links='\(.*\)'$/\1/p" | tr ' \n' ',,' | sed 's/,*$//')
   install() {
-    UV_FIND_LINKS="${UV_FIND_LINKS:-$links}" .venv/bin/uv pip install --python .venv/bin/python "$@" \
+    UV_FIND_LINKS="${UV_FIND_LINKS:-$links}" .venv/bin/uv pip install --compile-bytecode --python .venv/bin/python "$@" \
       || { echo "setup: uv failed; installing with pip"; $PIP install "$@"; }
   }
 else
