@@ -27,6 +27,7 @@ from pathlib import Path
 
 _POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="background")
 _JOBS: dict[str, Future] = {}
+_CASES: dict[str, set[str] | None] = {}  # per job, the cases it runs (None: all)
 _STOPS: list[Callable[[], None]] = []  # what ends a job's processes early (a session cut short)
 _ROOT = Path(tempfile.mkdtemp(prefix="rt-background-"))
 
@@ -37,6 +38,7 @@ def start(name: str, fn: Callable[..., object], after: str | None = None, cases:
     are those the selected tests need (their ``needs`` marks), None for all."""
     env = dict(os.environ)
     before = _JOBS.get(after) if after else None
+    _CASES[name] = cases
 
     def job():
         if before is not None:
@@ -46,6 +48,11 @@ def start(name: str, fn: Callable[..., object], after: str | None = None, cases:
         return fn(workdir, env, cases)
 
     _JOBS[name] = _POOL.submit(job)
+
+
+def cases(name: str) -> set[str] | None:
+    """The cases the job ``name`` runs (or will, when started by ``result``): None for all."""
+    return _CASES.get(name)
 
 
 def result(name: str, fn: Callable[..., object]):

@@ -16,9 +16,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from background import cases as background_cases
 from background import on_stop
 from background import result as background_result
-from conftest import needed_cases, reference_history
+from conftest import reference_history
 from s3_server import fresh_buckets
 
 STEPS = 3
@@ -107,9 +108,9 @@ def background(workdir: Path, env: dict, wanted: set[str] | None = None) -> dict
 
 
 @pytest.fixture(scope="module")
-def two_nodes(request):
+def two_nodes():
     # The oracle tests' references (cached) while the cluster runs, then its results.
-    wanted = needed_cases([item for item in request.session.items if item.module is request.module])
+    wanted = background_cases("test_topology_ray")
     for case, reference in (("node_loss", NODE_LOSS), ("elastic", ELASTIC_MODEL)):
         if wanted is None or case in wanted:
             reference_history(reference)
