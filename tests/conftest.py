@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import json
 import os
 import sys
 from pathlib import Path
@@ -137,24 +136,6 @@ def ray_local():
     start_session_ray()
     yield ray
     ray.shutdown()
-
-
-@pytest.fixture(scope="session")
-def run_layout(ray_local, tmp_path_factory):
-    """Run a config (overrides on the defaults) through the launcher; return (history, summary)."""
-    from raytrain_hybrid.config import load_config
-    from raytrain_hybrid.launch.driver import run
-
-    def _run(overrides: list[str], name: str):
-        out = tmp_path_factory.mktemp(name)
-        cfg = load_config(None, [*overrides, f"run.output_dir={out}", "run.progress=false"])
-        summary = run(cfg)
-        history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        on_disk = json.loads((out / "summary.json").read_text())
-        assert on_disk == json.loads(json.dumps(summary))
-        return history, summary
-
-    return _run
 
 
 @functools.lru_cache(maxsize=8)

@@ -164,12 +164,13 @@ def _buffer_shuffle(items: list, size: int, seed: int) -> list:
 
 def ray_data_batches(cfg, steps: int) -> list[torch.Tensor]:
     """Per step, the global batch of the Ray Data input: each epoch's documents joined and cut
-    into consecutive windows of seq_len+1 tokens (the tail dropped), B windows a batch."""
+    into consecutive windows of seq_len+1 tokens (the tail dropped), B windows a batch; fewer
+    than ``steps`` batches when data.epochs ends the data first (its last partial batch dropped)."""
     width, gb = cfg.model.seq_len + 1, cfg.train.global_batch_size
     column = "input_ids" if cfg.data.text_column else cfg.data.token_column
     windows: list[np.ndarray] = []
     epoch = 0
-    while len(windows) < steps * gb:
+    while len(windows) < steps * gb and not (cfg.data.epochs and epoch >= cfg.data.epochs):
         stored = [
             np.asarray(ids, dtype=np.int64)
             for batch in _ray_documents(cfg, 64, "pyarrow")
@@ -179,7 +180,7 @@ def ray_data_batches(cfg, steps: int) -> list[torch.Tensor]:
         flat = np.concatenate(parts)
         windows += list(flat[: flat.size // width * width].reshape(-1, width))
         epoch += 1
-    return [torch.from_numpy(np.stack(windows[k * gb : (k + 1) * gb])) for k in range(steps)]
+    return [torch.from_numpy(np.stack(windows[k * gb : (k + 1) * gb])) for k in range(min(steps, len(windows) // gb))]
 
 
 # ----------------------------------------------------------------- the training loop
@@ -197,12 +198,13 @@ def _set_lr(opt, t, step: int) -> float:
     return t.lr * factor
 
 
-def _train(cfg, model: nn.Module, to_engine, loss_of) -> list[dict]:
-    """``loss_of(model, step)`` -> the step's loss; ``to_engine`` maps the model's names to the engine's."""
+def _train(cfg, model: nn.Module, to_engine, loss_of, steps: int | None = None) -> list[dict]:
+    """``loss_of(model, step)`` -> the step's loss; ``to_engine`` maps the model's names to the engine's.
+    ``steps``: fewer than train.steps when the data ends first (the LR schedule stays train.steps')."""
     t = cfg.train
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=t.weight_decay)
     out = []
-    for step in range(t.steps):
+    for step in range(t.steps if steps is None else steps):
         lr = _set_lr(opt, t, step)
         loss = loss_of(model, step)
         loss.backward()
@@ -240,7 +242,7 @@ def reference_run(cfg, windows: list | None = None, keep_model: list | None = No
         logits = model(input_ids=inputs).logits
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
-    out = _train(cfg, model, gpt2_to_engine if gpt2 else dict, loss_of)
+    out = _train(cfg, model, gpt2_to_engine if gpt2 else dict, loss_of, steps=min(cfg.train.steps, len(windows)))
     out[0]["initial"] = start
     if keep_model is not None:
         keep_model.append(model)

@@ -3,10 +3,14 @@ restarts the worker group (run.max_failures=1), it continues from that checkpoin
 per-step losses equal the uninterrupted single-process run's on the same Ray Data input.
 
 This is also the oracle case of (2,1,2), 1F1B, 4 micro-batches through the launcher on Ray Data
-(4 workers started twice: (2,2,2) on Ray Data is the raw-text CLI test's)."""
+(4 workers started twice: (2,2,2) on Ray Data is the raw-text CLI test's), and the epoch test of
+the launcher's feed: over one epoch of a row-id data set each replica's two ranks (the leader at
+pp=0, the last stage it hands the labels to) train on exactly the rows the stream assigns that
+replica, from the checkpoint's position on, and the run stops at the epoch's end."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -14,13 +18,18 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import psutil
 import pytest
 from conftest import reference_history
-from test_oracle import RTOL, SHORT, _noise_only, assert_matches, layout
+from test_data_ray import SEQ, _row_id_dataset, _stream
+from test_oracle import RTOL, _noise_only, layout
 
 from raytrain_hybrid.checkpoint.export import load_full_state_dict
-from raytrain_hybrid.config import Config
+from raytrain_hybrid.config import Config, load_config
+
+ROWS, BATCH = 80, 16  # one epoch: 5 steps of 16 rows
+STEPS = ROWS // BATCH
 
 
 def _train_worker_pids() -> list[int]:
@@ -35,14 +44,17 @@ def _train_worker_pids() -> list[int]:
 
 @pytest.mark.slow
 def test_killed_worker_recovers_from_checkpoint_with_identical_losses(ray_local, tmp_path, monkeypatch):
-    from raytrain_hybrid.config import load_config
     from raytrain_hybrid.launch import progress
     from raytrain_hybrid.launch.driver import run
 
+    data = _row_id_dataset(tmp_path / "epoch", rows=ROWS)
+    # train.steps beyond the epoch: data.epochs=1 ends the run (the LR schedule stays 100 steps').
+    model = ("model.num_layers=4", f"train.global_batch_size={BATCH}", f"model.seq_len={SEQ}", "train.steps=100",
+             f"data.path={data}", "data.epochs=1", "data.shuffle_seed=5")  # fmt: skip
     out = tmp_path / "run"
     cfg = load_config(
         None,
-        [*SHORT, *layout(2, 1, 2, "1F1B", 4), "checkpoint.interval=2", "checkpoint.keep=1",
+        [*model, *layout(2, 1, 2, "1F1B", 4), "checkpoint.interval=2", "checkpoint.keep=1",
          "run.max_failures=1", f"run.output_dir={out}", "run.progress=false"],
     )  # fmt: skip
     killed: dict = {}
@@ -75,31 +87,52 @@ def test_killed_worker_recovers_from_checkpoint_with_identical_losses(ray_local,
     killer = threading.Thread(target=kill_after_first_checkpoint, daemon=True)
     killer.start()
     with ThreadPoolExecutor(1) as pool:  # the reference meanwhile: the run mostly waits on its workers
-        reference = pool.submit(reference_history, SHORT, "ray")
+        reference = pool.submit(reference_history, model, "ray")
         summary = run(cfg)
     killer.join(timeout=5)
     assert "pid" in killed, "the worker was never killed"
     assert not psutil.pid_exists(killed["pid"]) or psutil.Process(killed["pid"]).status() == psutil.STATUS_ZOMBIE
-    assert summary["restarts"] == 1
+    assert summary["restarts"] == 1 and len(summary["restarted_from"]) == 1, summary["restarted_from"]
+    assert json.loads((out / "summary.json").read_text()) == json.loads(json.dumps(summary))
     history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert_matches(history, reference.result())  # every step once, as if never interrupted
-    # After the restart too, the 2 ranks of each replica trained on identical rows, and the two
-    # replicas on different ones.
-    digests = {r["dp"]: set() for r in summary["per_rank"]}
-    for r in summary["per_rank"]:
-        digests[r["dp"]].add(r["input_digest"])
-    assert all(len(d) == 1 for d in digests.values()) and len(set.union(*digests.values())) == 2
+    want = reference.result()
+    assert summary["steps"] == len(history) == len(want) == STEPS  # every step once; the epoch's end stops it
+    for got, ref in zip(history, want, strict=True):
+        assert got["step"] == ref["step"]
+        assert got["loss"] == pytest.approx(ref["loss"], rel=RTOL), f"loss at step {ref['step']}"
+        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=RTOL), f"grad_norm at step {ref['step']}"
+        assert got["lr"] == pytest.approx(ref["lr"], rel=1e-9)
+    # The position each step reports is where the stream stood after that step's rows, not
+    # where the leader's reader thread has read ahead to (what a checkpoint records).
+    assert [(h["data_epoch"], h["data_windows_in_epoch"]) for h in history] == [
+        (0, BATCH * (k + 1)) for k in range(STEPS)
+    ]
     assert summary["world_size"] == 4 and summary["layout"]["pp"] == 2
+    # After the restart, each replica's 2 ranks trained on exactly the rows the stream assigns
+    # that replica from the checkpoint's position on; the replicas' rows are the epoch once.
+    (resumed,) = summary["restarted_from"]
+    done = next(h["data_windows_in_epoch"] for h in history if h["step"] == resumed - 1) // BATCH
+    expected, rows_seen = {}, []
+    for r in range(2):
+        digest, batches = hashlib.sha256(), list(_stream(cfg, 2, r))
+        assert len(batches) == STEPS
+        for batch in batches[done:]:
+            digest.update(np.ascontiguousarray(batch[:, :-1]).astype(np.int64).tobytes())
+        rows_seen += [int(w[0]) for batch in batches for w in batch]
+        expected[r] = digest.hexdigest()[:16]
+    assert sorted(rows_seen) == list(range(ROWS)) and expected[0] != expected[1]
+    for rank in summary["per_rank"]:
+        assert rank["input_digest"] == expected[rank["dp"]], (rank, resumed)
+        assert rank["input_rows"] == (STEPS - done) * BATCH // 2
     # checkpoint.keep=1: only the newest (after the last step) is left, and it is intact
-    assert [p.name for p in (out / "checkpoints").glob("step_*")] == ["step_5"]
+    assert [p.name for p in (out / "checkpoints").glob("step_*")] == [f"step_{STEPS}"]
     # After the last step every parameter, gathered from that checkpoint's shards, is the
     # reference's (relative to its norm, as the gloo oracle cases compare them).
-    final = out / "checkpoints" / "step_5"
+    final = out / "checkpoints" / f"step_{STEPS}"
     params = load_full_state_dict(final, Config.from_dict(json.loads((final / "manifest.json").read_text())["config"]))
-    want = reference.result()[-1]["params"]
-    assert sorted(params) == sorted(want)
-    noise = _noise_only(reference.result())
-    for name, w in want.items():
+    assert sorted(params) == sorted(want[-1]["params"])
+    noise = _noise_only(want)
+    for name, w in want[-1]["params"].items():
         if name not in noise:
             diff = float((params[name] - w).norm() / w.norm().clamp_min(1e-12))
             assert diff <= RTOL, f"final value of {name} differs by {diff:.2e} of its norm"

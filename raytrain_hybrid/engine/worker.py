@@ -184,7 +184,9 @@ class StepLoop:
             t0 = time.perf_counter()
             batch = self.next_batch(step)
             wait = time.perf_counter() - t0
-            if batch is None:  # data.epochs ran out before train.steps
+            if batch is None:  # data.epochs ran out before train.steps: the run ends here,
+                if self.writer is not None and self.history and self.last_started != step:
+                    self.start_save(step, self.history[-1])  # and keeps its last step, as at train.steps
                 break
             mark(self.marks, "first_batch")
             self.digest.update(batch.input_ids.numpy().tobytes())
