@@ -207,15 +207,19 @@ class FakeCluster:
         ours (PACKAGE_LOST): the fake nodes of a head share its session directory, where each
         node's runtime-env agent unpacks and evicts packages as if it were alone (a cloud node has
         its own disk). Seen once in ten suite runs; anything else fails the test as it is."""
-        submit = [
-            "job", "submit", "--address", self.address, *([] if wait else ["--no-wait"]),
-            "--working-dir", ".", "--runtime-env", "jobs/runtime_env_local.yaml",
-            "--", "python", "-m", "raytrain_hybrid.cli", *args,
-        ]  # fmt: skip
-        done = self.ray(*submit[:2], *(["--submission-id", job_id] if job_id else []), *submit[2:])
+
+        def submit(job_id: str) -> subprocess.CompletedProcess:
+            return self.ray(
+                "job", "submit", "--address", self.address, *([] if wait else ["--no-wait"]),
+                *(["--submission-id", job_id] if job_id else []),
+                "--working-dir", ".", "--runtime-env", "jobs/runtime_env_local.yaml",
+                "--", "python", "-m", "raytrain_hybrid.cli", *args,
+            )  # fmt: skip
+
+        done = submit(job_id)
         if wait and done.returncode != 0 and any(s in done.stdout + done.stderr for s in PACKAGE_LOST):
             print(f"{self.name}: Ray lost the working-dir package, submitting again: {done.stdout[-600:]}")
-            done = self.ray(*submit)
+            done = submit("")  # a submission id is used once
         return done
 
     def stop(self) -> None:

@@ -23,13 +23,13 @@ import psutil
 import pytest
 from conftest import reference_history
 from test_data_ray import SEQ, _row_id_dataset, _stream
-from test_oracle import RTOL, _noise_only, layout
+from test_oracle import RTOL, STEPS, _noise_only, assert_matches, layout
 
 from raytrain_hybrid.checkpoint.export import load_full_state_dict
 from raytrain_hybrid.config import Config, load_config
 
-ROWS, BATCH = 80, 16  # one epoch: 5 steps of 16 rows
-STEPS = ROWS // BATCH
+BATCH = 16
+ROWS = STEPS * BATCH  # one epoch: the oracle's steps
 
 
 def _train_worker_pids() -> list[int]:
@@ -97,11 +97,7 @@ def test_killed_worker_recovers_from_checkpoint_with_identical_losses(ray_local,
     history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     want = reference.result()
     assert summary["steps"] == len(history) == len(want) == STEPS  # every step once; the epoch's end stops it
-    for got, ref in zip(history, want, strict=True):
-        assert got["step"] == ref["step"]
-        assert got["loss"] == pytest.approx(ref["loss"], rel=RTOL), f"loss at step {ref['step']}"
-        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=RTOL), f"grad_norm at step {ref['step']}"
-        assert got["lr"] == pytest.approx(ref["lr"], rel=1e-9)
+    assert_matches(history, want)
     # The position each step reports is where the stream stood after that step's rows, not
     # where the leader's reader thread has read ahead to (what a checkpoint records).
     assert [(h["data_epoch"], h["data_windows_in_epoch"]) for h in history] == [
@@ -110,8 +106,7 @@ def test_killed_worker_recovers_from_checkpoint_with_identical_losses(ray_local,
     assert summary["world_size"] == 4 and summary["layout"]["pp"] == 2
     # After the restart, each replica's 2 ranks trained on exactly the rows the stream assigns
     # that replica from the checkpoint's position on; the replicas' rows are the epoch once.
-    (resumed,) = summary["restarted_from"]
-    done = next(h["data_windows_in_epoch"] for h in history if h["step"] == resumed - 1) // BATCH
+    (done,) = summary["restarted_from"]  # step_<N>: N steps done, at the position asserted above
     expected, rows_seen = {}, []
     for r in range(2):
         digest, batches = hashlib.sha256(), list(_stream(cfg, 2, r))
@@ -122,7 +117,7 @@ def test_killed_worker_recovers_from_checkpoint_with_identical_losses(ray_local,
         expected[r] = digest.hexdigest()[:16]
     assert sorted(rows_seen) == list(range(ROWS)) and expected[0] != expected[1]
     for rank in summary["per_rank"]:
-        assert rank["input_digest"] == expected[rank["dp"]], (rank, resumed)
+        assert rank["input_digest"] == expected[rank["dp"]], (rank, done)
         assert rank["input_rows"] == (STEPS - done) * BATCH // 2
     # checkpoint.keep=1: only the newest (after the last step) is left, and it is intact
     assert [p.name for p in (out / "checkpoints").glob("step_*")] == [f"step_{STEPS}"]
