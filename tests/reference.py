@@ -400,7 +400,7 @@ def classifier_reference_run(cfg, batches: list | None = None, val_rows: dict | 
         # Weighted by class, averaged over rows (not over weights): independent of the split.
         return (weights[y] * F.cross_entropy(logits, y, reduction="none")).sum() / len(y)
 
-    out = _train(cfg, model, lambda sd: classifier_to_engine(sd, layers), loss_of)
+    out = _train(cfg, model, lambda sd: classifier_to_engine(sd, layers), loss_of, steps=len(batches))
     out[0]["initial"] = start
     if val_rows is not None:
         with torch.no_grad():

@@ -180,7 +180,8 @@ def labelled_rows(tmp_path_factory) -> tuple[Path, Path]:
             )
     out = tmp_path_factory.mktemp("labelled")
     names = ["summary", "signature", "doc_chars", "n_params", "is_class", "mentions_return"]
-    for file, part in (("train.parquet", rows[: len(rows) * 4 // 5]), ("val.parquet", rows[len(rows) * 4 // 5 :])):
+    # Training rows for three global batches of 8 and 5 rows over: one pass (data.epochs=1) is 3 steps.
+    for file, part in (("train.parquet", rows[:29]), ("val.parquet", rows[len(rows) * 4 // 5 :])):
         pq.write_table(pa.table(dict(zip(names, map(list, zip(*part, strict=True)), strict=True))), out / file)
     return out / "train.parquet", out / "val.parquet"
 
@@ -194,7 +195,8 @@ MULTIMODAL = (
     "model.vocab_size=30522",
     "model.seq_len=24",
     "model.class_weights=[1, 3]",
-    "train.steps=3",
+    "train.steps=10",  # the LR schedule's; the data's one pass ends the run after step 3
+    "data.epochs=1",
     "train.global_batch_size=8",
     "train.lr=1e-3",
     "train.eval_interval=2",
@@ -233,7 +235,9 @@ def test_multimodal_classifier_from_the_cli_matches_single_process_and_evaluates
     reference = classifier_reference_run(cfg, ray_data_rows(cfg, 3), val_rows=read_parquet_rows(val, cfg))
     stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
+    assert "data.epochs=1: the rows hold 3 global batches of 8; the run ends after step 3 " in stdout, stdout
     steps = [ln for ln in stdout.splitlines() if ln.startswith("step ")]
+    assert [ln.split()[1] for ln in steps] == ["1/3", "2/3", "3/3"], steps
     assert ["val acc" in ln for ln in steps] == [False, True, True], steps  # every 2 steps and after the last
     history = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((out / "summary.json").read_text())

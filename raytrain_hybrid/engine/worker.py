@@ -66,13 +66,15 @@ def run_worker(
     marks: dict | None = None,
     notice: Callable[[], bool] | None = None,
     on_notice: Callable[[int, bool | None], None] | None = None,
+    end: int | None = None,
 ) -> dict:
     """Train up to ``cfg.train.steps`` steps; returns per-step metrics and this rank's memory stats.
 
     ``dataset_fn`` returns this rank's Ray Data iterator (called by replica leaders only);
     without it the input is the shipped corpus, windowed in memory (engine tests without Ray),
     or for classifiers the shipped rows. ``val_fn``, likewise, the validation rows' iterator
-    (classifiers evaluate every ``train.eval_interval`` steps and after the last).
+    (classifiers evaluate every ``train.eval_interval`` steps and after the last: step ``end``
+    when the driver knows that the data ends there, before ``train.steps``; see launch.inputs.steps_to_train).
     ``resume`` is a verified checkpoint directory to continue from (model, optimizer, LR
     schedule, RNG, data position); with ``checkpoint.interval`` the run saves its own, and
     ``on_checkpoint(steps_done, directory, metrics)`` runs on every rank, at the same step
@@ -117,6 +119,7 @@ def run_worker(
         marks=marks,
         notice=notice,
         on_notice=on_notice,
+        end=end or cfg.train.steps,
     )
     loop.run(start)
     if feed is not None:
@@ -178,6 +181,7 @@ class StepLoop:
     on_notice: Callable[[int, bool | None], None] | None = None
     noticed_at: int | None = None  # the step boundary where the ranks agreed on a notice
     last_started: int = -1  # the step of the newest save started
+    end: int = 0  # the steps the run trains, when known (data.epochs may end it before train.steps)
 
     def run(self, start: int) -> None:
         for step in range(start, self.cfg.train.steps):
@@ -214,7 +218,7 @@ class StepLoop:
 
     def evaluates(self, step: int) -> bool:
         every = self.cfg.train.eval_interval
-        return bool(every and (step + 1) % every == 0) or step + 1 == self.cfg.train.steps
+        return bool(every and (step + 1) % every == 0) or step + 1 == (self.end or self.cfg.train.steps)
 
     def checkpoint_if_due(self, done: int, metrics: dict) -> None:
         if self.writer is None:

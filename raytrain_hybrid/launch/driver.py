@@ -26,7 +26,7 @@ from raytrain_hybrid.launch.autolayout import choose_layout, use_gpu_for
 from raytrain_hybrid.launch.autoscale import POLL_S, ScalerProbe, StartupTimeout, StartupWatchdog
 from raytrain_hybrid.launch.elastic import make_torch_trainer, scaling_workers, start_line, worker_counts
 from raytrain_hybrid.launch.entry import train_loop_per_worker
-from raytrain_hybrid.launch.inputs import build_datasets, prepare_input, reader_env
+from raytrain_hybrid.launch.inputs import build_datasets, prepare_input, reader_env, steps_to_train
 from raytrain_hybrid.launch.placement import worker_resources
 from raytrain_hybrid.launch.preflight import check_placement, waiting_for
 from raytrain_hybrid.launch.progress import RunLog
@@ -99,6 +99,12 @@ def run(cfg: Config, resume: str | None = None, stream=None, driver_log: Path | 
     cfg, use_gpu, resources, layout_hw = open_session(cfg, marks, say)
     open_store(cfg.run.output_dir).makedirs()  # only now: a refused run leaves nothing behind
     cfg = prepare_input(cfg, say=say)
+    end = steps_to_train(cfg)
+    if end < cfg.train.steps:
+        say(
+            f"data.epochs={cfg.data.epochs}: the rows hold {end} global batches of {cfg.train.global_batch_size}; "
+            f"the run ends after step {end} (the LR schedule is train.steps={cfg.train.steps}'s)"
+        )
     if is_elastic(cfg.parallelism):
         say(start_line(cfg))
     marks["input_checked"] = time.time()
@@ -106,14 +112,21 @@ def run(cfg: Config, resume: str | None = None, stream=None, driver_log: Path | 
     tracked = TrackedRun()  # run.tracking: its run is opened before any worker starts
     tracking = tracked.open(cfg)
     trainer = make_trainer(
-        cfg, sink=sink, use_gpu=use_gpu, resources=resources, resume=resume, tracking=tracking, layout_hw=layout_hw
+        cfg,
+        sink=sink,
+        use_gpu=use_gpu,
+        resources=resources,
+        resume=resume,
+        tracking=tracking,
+        layout_hw=layout_hw,
+        end=end,
     )
     run_dir = RunDir.open(cfg.run.output_dir, fresh=True)
     # config.json from the start: it reaches the output URI with the first checkpoint.
     (run_dir.local / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     run_log = RunLog(
         run_dir.local,
-        steps=cfg.train.steps,
+        steps=end,
         progress=cfg.run.progress,
         history=kept_history,
         stream=stream,
@@ -174,6 +187,7 @@ def make_trainer(
     resume: str | None,
     tracking=None,
     layout_hw: Hardware | None = None,
+    end: int | None = None,
 ):
     """The run's TorchTrainer, with its Ray Datasets (unless data.path is "memory")."""
     use_train_v2()  # before the driver first imports ray.train (below, and data.ray_data in build_datasets)
@@ -191,6 +205,7 @@ def make_trainer(
             "use_gpu": use_gpu,
             "resume": resume,
             "launch_id": uuid.uuid4().hex,
+            "end": end,  # the steps the run trains (launch.inputs.steps_to_train)
             "data_env": data_env,
             "tracking": tracking,  # rank 0's tracker run (launch.tracking.TrackerRun), or None
             # An elastic run with layout=auto: the profile each start's pick is priced on.

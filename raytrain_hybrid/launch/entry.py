@@ -84,6 +84,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             marks=marks,
             notice=preemption_notice(),
             on_notice=on_notice,
+            end=loop_config.get("end"),
         )
     if rank == 0 and sink is not None:
         sink.put(("done", {"memory": result["memory"], "marks": result["marks"]}))

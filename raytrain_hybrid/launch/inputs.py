@@ -74,3 +74,18 @@ def prepare_input(cfg: Config, say=print) -> Config:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=builtin_dataset(cfg)))
     schema_check(cfg, say)
     return cfg
+
+
+def steps_to_train(cfg: Config) -> int:
+    """train.steps, or fewer where data.epochs passes over a classifier's rows hold fewer global
+    batches (each pass drops the rows that do not fill a last one, as data.stream.RowStream
+    does): known before the run, so that the last step evaluates and the progress counts to it.
+    A language model's windows are known only as its documents are tokenized and packed; its
+    run ends at the first step with no batch (engine.worker.StepLoop)."""
+    d = cfg.data
+    if not (d.epochs and d.text_columns and d.path != "memory"):
+        return cfg.train.steps
+    import pyarrow.dataset as pads
+
+    rows = pads.dataset(d.path, format="parquet").count_rows()
+    return min(cfg.train.steps, d.epochs * (rows // cfg.train.global_batch_size))
