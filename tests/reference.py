@@ -128,6 +128,8 @@ def memory_windows(cfg, steps: int) -> list[torch.Tensor]:
     i*seq_len; one permutation of the windows per epoch, drawn from (seed, epoch)."""
     tokens, s, gb = corpus_tokens(cfg.data.tokenizer), cfg.model.seq_len, cfg.train.global_batch_size
     count = (len(tokens) - 1) // s
+    if cfg.data.epochs:  # the passes' windows end the data (a batch may span two passes)
+        steps = min(steps, cfg.data.epochs * count // gb)
     out = []
     for step in range(steps):
         ids: list[int] = []
@@ -351,6 +353,8 @@ def memory_row_batches(cfg, rows: dict, steps: int) -> list[dict]:
     """Per step, the global batch: the step's slice of one permutation of the rows per epoch
     (an epoch's rows that do not fill a last batch wait for the next epoch's order)."""
     gb, n = cfg.train.global_batch_size, len(rows["label"])
+    if cfg.data.epochs:  # the passes end the data
+        steps = min(steps, cfg.data.epochs * (n // gb))
     out = []
     for step in range(steps):
         epoch, k = divmod(step, n // gb)

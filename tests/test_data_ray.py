@@ -123,6 +123,45 @@ def test_the_shuffle_does_not_depend_on_how_the_read_is_cut_into_blocks():
         np.testing.assert_array_equal(labelled_rows(sizes), want)
 
 
+def test_data_epochs_end_the_in_memory_data_as_they_end_the_streams():
+    """data.path=memory (the shipped corpus or rows, no Ray): data.epochs passes end the data
+    where the reference's derivation of the same windows and rows ends it (the corpus's 5,533
+    windows of 32 tokens: 10 global batches of 1,024 in two passes, one spanning both; 2,000
+    rows: 3 batches of 512 in one pass); a classifier's count is known before the run."""
+    from types import SimpleNamespace
+
+    import torch
+    from reference import memory_row_batches, memory_windows
+
+    from raytrain_hybrid.data.rows import BUILTIN_TRAIN, read_parquet_rows
+    from raytrain_hybrid.engine.worker import in_memory_batches
+    from raytrain_hybrid.launch.inputs import steps_to_train
+
+    common = ("data.path=memory", "train.steps=100", "parallelism.dp=2", "parallelism.tp=1", "parallelism.pp=1")
+    lm = load_config(None, [*common, "model.seq_len=32", "train.global_batch_size=1024", "data.epochs=2"])
+    rows = load_config(None, [*common, "model.arch=multimodal-bert", "model.pretrained=none",
+                              "train.global_batch_size=512", "data.epochs=1"])  # fmt: skip
+    for cfg, task, want in ((lm, "lm", memory_windows(lm, 100)), (rows, "classify", None)):
+        if want is None:
+            want = memory_row_batches(rows, read_parquet_rows(BUILTIN_TRAIN, rows), 100)
+        replicas = [
+            in_memory_batches(
+                cfg, SimpleNamespace(spec=SimpleNamespace(task=task), dims=SimpleNamespace(dp=2), dp_rank=r)
+            )
+            for r in range(2)
+        ]
+        assert len(want) == (10 if task == "lm" else 3)
+        last = len(want) - 1
+        assert all(next_batch(len(want)) is None for next_batch in replicas)
+        got = [next_batch(last) for next_batch in replicas]
+        labels = torch.cat([b.labels for b in got])
+        if task == "lm":  # the last batch, from the second pass's order
+            torch.testing.assert_close(labels, want[last][:, 1:])
+        else:
+            torch.testing.assert_close(labels, torch.as_tensor(want[last]["label"]))
+    assert steps_to_train(rows) == 3 and steps_to_train(lm) == 100  # an LM's windows: as they are read
+
+
 def test_short_documents_are_packed(ray_local, tmp_path):
     docs = [[7] * 5 for _ in range(40)]  # 200 tokens, each document shorter than a window
     path = _write(tmp_path / "short", pa.table({"input_ids": pa.array(docs, type=pa.list_(pa.int32()))}), files=1)

@@ -84,6 +84,10 @@ class TokenWindows:
             out.extend(self._order(epoch)[offset : offset + take])
         return np.asarray(out)
 
+    def steps_in(self, epochs: int, global_batch: int) -> int:
+        """Global batches in ``epochs`` passes (a batch may span two passes' orders)."""
+        return epochs * self.num_windows // global_batch
+
     def rows_to_batch(self, rows: np.ndarray) -> Batch:
         starts = rows * self.seq_len
         win = np.stack([self.tokens[s : s + self.seq_len + 1] for s in starts]).astype(np.int64)

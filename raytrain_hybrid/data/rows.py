@@ -133,6 +133,10 @@ class RowBatches:
         order = np.random.default_rng([self.seed, epoch]).permutation(self.rows)
         return order[k * global_batch : (k + 1) * global_batch]
 
+    def steps_in(self, epochs: int, global_batch: int) -> int:
+        """Global batches in ``epochs`` passes (each drops the rows that do not fill a last one)."""
+        return epochs * (self.rows // global_batch)
+
     def take(self, rows: np.ndarray) -> dict:
         return {k: v[rows] for k, v in self.arrays.items()}
 

@@ -145,7 +145,8 @@ def join_mesh(cfg: Config, node_id: str, use_gpu: bool, device: torch.device | N
 
 def in_memory_batches(cfg: Config, trainer: Trainer) -> NextBatch:
     """Without Ray Data: the shipped corpus in token windows (LMs), or the shipped rows; chat or
-    prompt/completion examples (data.format) from data.path, read in this process."""
+    prompt/completion examples (data.format) from data.path, read in this process. With
+    data.epochs, None once the passes' global batches are trained, as the streams end."""
     if cfg.data.format != "text":
         from raytrain_hybrid.data.examples import in_memory_examples
 
@@ -154,7 +155,15 @@ def in_memory_batches(cfg: Config, trainer: Trainer) -> NextBatch:
         data = TokenWindows(tokenize_corpus(tokenizer=cfg.data.tokenizer), cfg.model.seq_len, cfg.train.seed)
     else:
         data = RowBatches(read_parquet_rows(BUILTIN_TRAIN, cfg), cfg.train.seed)
-    return lambda step: data.replica_batch(step, cfg.train.global_batch_size, trainer.dims.dp, trainer.dp_rank)
+    gb = cfg.train.global_batch_size
+    end = data.steps_in(cfg.data.epochs, gb) if cfg.data.epochs else None
+
+    def next_batch(step: int) -> Batch | None:
+        if end is not None and step >= end:
+            return None
+        return data.replica_batch(step, gb, trainer.dims.dp, trainer.dp_rank)
+
+    return next_batch
 
 
 @dataclass

@@ -79,13 +79,16 @@ def prepare_input(cfg: Config, say=print) -> Config:
 def steps_to_train(cfg: Config) -> int:
     """train.steps, or fewer where data.epochs passes over a classifier's rows hold fewer global
     batches (each pass drops the rows that do not fill a last one, as data.stream.RowStream
-    does): known before the run, so that the last step evaluates and the progress counts to it.
+    and data.rows.RowBatches in memory do): known before the run, so that the last step
+    evaluates and the progress counts to it.
     A language model's windows are known only as its documents are tokenized and packed; its
     run ends at the first step with no batch (engine.worker.StepLoop)."""
     d = cfg.data
-    if not (d.epochs and d.text_columns and d.path != "memory"):
+    if not (d.epochs and d.text_columns):
         return cfg.train.steps
     import pyarrow.dataset as pads
 
-    rows = pads.dataset(d.path, format="parquet").count_rows()
+    from raytrain_hybrid.data.rows import BUILTIN_TRAIN  # data.path="memory": the shipped rows
+
+    rows = pads.dataset(str(BUILTIN_TRAIN) if d.path == "memory" else d.path, format="parquet").count_rows()
     return min(cfg.train.steps, d.epochs * (rows // cfg.train.global_batch_size))
