@@ -144,13 +144,11 @@ def test_data_epochs_end_the_in_memory_data_as_they_end_the_streams():
     for cfg, task, want in ((lm, "lm", memory_windows(lm, 100)), (rows, "classify", None)):
         if want is None:
             want = memory_row_batches(rows, read_parquet_rows(BUILTIN_TRAIN, rows), 100)
-        replicas = [
-            in_memory_batches(
-                cfg, SimpleNamespace(spec=SimpleNamespace(task=task), dims=SimpleNamespace(dp=2), dp_rank=r)
-            )
-            for r in range(2)
+        trainers = [
+            SimpleNamespace(spec=SimpleNamespace(task=task), dims=SimpleNamespace(dp=2), dp_rank=r) for r in (0, 1)
         ]
-        assert len(want) == (10 if task == "lm" else 3)
+        replicas, ends = zip(*(in_memory_batches(cfg, trainer) for trainer in trainers), strict=True)
+        assert len(want) == (10 if task == "lm" else 3) and set(ends) == {len(want)}  # known up front
         last = len(want) - 1
         assert all(next_batch(len(want)) is None for next_batch in replicas)
         got = [next_batch(last) for next_batch in replicas]

@@ -74,7 +74,8 @@ def run_worker(
     without it the input is the shipped corpus, windowed in memory (engine tests without Ray),
     or for classifiers the shipped rows. ``val_fn``, likewise, the validation rows' iterator
     (classifiers evaluate every ``train.eval_interval`` steps and after the last: step ``end``
-    when the driver knows that the data ends there, before ``train.steps``; see launch.inputs.steps_to_train).
+    when the driver knows that data.epochs end the data there, before ``train.steps``
+    (launch.inputs.steps_to_train), or the data in memory does).
     ``resume`` is a verified checkpoint directory to continue from (model, optimizer, LR
     schedule, RNG, data position); with ``checkpoint.interval`` the run saves its own, and
     ``on_checkpoint(steps_done, directory, metrics)`` runs on every rank, at the same step
@@ -103,7 +104,9 @@ def run_worker(
     if resume:
         load_checkpoint(trainer, cfg, resume)
         mark(marks, "checkpoint_loaded")
-    next_batch = (lambda step: feed.next()) if feed is not None else in_memory_batches(cfg, trainer)
+    # The data in memory knows where its passes (data.epochs) end; Ray Data's streams tell the driver.
+    next_batch, data_end = in_memory_batches(cfg, trainer) if feed is None else ((lambda step: feed.next()), None)
+    end = min(end or cfg.train.steps, data_end or cfg.train.steps)
     validation = None
     if trainer.spec.task != "lm":
         validation = ValidationSet.open(cfg, mesh, val_fn=val_fn, in_memory=feed is None)
@@ -119,7 +122,7 @@ def run_worker(
         marks=marks,
         notice=notice,
         on_notice=on_notice,
-        end=end or cfg.train.steps,
+        end=end,
     )
     loop.run(start)
     if feed is not None:
@@ -143,14 +146,15 @@ def join_mesh(cfg: Config, node_id: str, use_gpu: bool, device: torch.device | N
     return dims, dims.build_mesh(device.type, arrangement), device
 
 
-def in_memory_batches(cfg: Config, trainer: Trainer) -> NextBatch:
+def in_memory_batches(cfg: Config, trainer: Trainer) -> tuple[NextBatch, int | None]:
     """Without Ray Data: the shipped corpus in token windows (LMs), or the shipped rows; chat or
     prompt/completion examples (data.format) from data.path, read in this process. With
-    data.epochs, None once the passes' global batches are trained, as the streams end."""
+    data.epochs, None once the passes' global batches are trained, as the streams end; returned
+    with that step count (None: not known up front, or no data.epochs)."""
     if cfg.data.format != "text":
         from raytrain_hybrid.data.examples import in_memory_examples
 
-        return in_memory_examples(cfg, trainer.dims.dp, trainer.dp_rank)
+        return in_memory_examples(cfg, trainer.dims.dp, trainer.dp_rank), None
     if trainer.spec.task == "lm":
         data = TokenWindows(tokenize_corpus(tokenizer=cfg.data.tokenizer), cfg.model.seq_len, cfg.train.seed)
     else:
@@ -163,7 +167,7 @@ def in_memory_batches(cfg: Config, trainer: Trainer) -> NextBatch:
             return None
         return data.replica_batch(step, gb, trainer.dims.dp, trainer.dp_rank)
 
-    return next_batch
+    return next_batch, end
 
 
 @dataclass
