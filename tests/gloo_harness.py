@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 import multiprocessing as mp
 import os
-import socket
 
 import numpy as np
 
@@ -38,10 +37,23 @@ _PRELOAD = [
 _WRAPPED = "_checkpoint_wrapped_module."
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous():
+    """The store a launch's gloo ranks meet at, served by the test process on a port the OS
+    picks as it binds (ranks connect to ``store.port``; keep the object alive until they are
+    done). A port picked first and bound again later by rank 0 can be taken in between by
+    any of the suite's other processes (Ray's bind many): rank 0 then fails, and the other
+    ranks wait for it."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def join_group(rank: int, world: int, port: int) -> None:
+    """In a forked rank: the default gloo group, through the launch's store (rendezvous)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("gloo", rank=rank, world_size=world, store=store)
 
 
 def context():
@@ -177,9 +189,9 @@ def _rank(rank: int, world: int, port: int, body, args: tuple, env: dict, queue)
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **env)
+    os.environ.update(env)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_group(rank, world, port)
     try:
         status = ("ok", body(rank, world, *args))
         dist.barrier()
@@ -268,13 +280,16 @@ def launch_ranks(body, world: int, *args, env: dict | None = None):
     environment); returns rank 0's result, or fails the test with the first error."""
     ctx = context()
     queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, body, args, env or {}, queue)) for r in range(world)]
+    store = rendezvous()
+    procs = [ctx.Process(target=_rank, args=(r, world, store.port, body, args, env or {}, queue)) for r in range(world)]
     for p in procs:
         p.start()
     status, payload = _first_report(queue, procs)
     for p in procs:
+        if status != "ok":  # the others may wait on the failed rank in a collective: not for minutes
+            p.kill()
         p.join(timeout=120)
+    del store
     assert status == "ok", payload
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     return payload

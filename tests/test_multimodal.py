@@ -60,14 +60,14 @@ def _sharded_forward(rank: int, world: int, port: int, queue) -> None:
     import os
 
     import torch.distributed as dist
+    from gloo_harness import join_group
 
     from raytrain_hybrid.data.rows import encode, encoder_kwargs, to_batch
     from raytrain_hybrid.distributed.parallel_dims import ParallelDims, arrange_ranks
     from raytrain_hybrid.engine.trainer import Trainer
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_group(rank, world, port)
     try:
         cfg = load_config(None, [*PRETRAINED, "parallelism.dp=1", "parallelism.tp=2", "parallelism.pp=2"])
         dims = ParallelDims(dp=1, tp=2, pp=2, zero=0)
@@ -123,14 +123,14 @@ PRETRAINED = (
 
 
 def test_sharded_pretrained_encoders_match_transformers_bert():
-    from gloo_harness import context, free_port
+    from gloo_harness import context, rendezvous
     from transformers import BertModel
 
     from raytrain_hybrid.models.pretrained import checkpoint_dir
 
-    ctx, port, world = context(), free_port(), 4
+    ctx, store, world = context(), rendezvous(), 4
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_sharded_forward, args=(r, world, port, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_sharded_forward, args=(r, world, store.port, queue)) for r in range(world)]
     for p in procs:
         p.start()
     results = [queue.get(timeout=300) for _ in range(world)]

@@ -11,7 +11,6 @@ import dataclasses
 import json
 import multiprocessing as mp
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -43,9 +42,9 @@ def _peer(rank: int, port: int, nbytes: int, hidden: int, tokens: int, reps: int
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("gloo", rank=rank, world_size=2, store=store)
     times = _allreduce_times(nbytes)
     times.update(_tp_times(hidden, tokens, reps))
     if rank == 0:
@@ -104,17 +103,20 @@ def measure_pair(nbytes: int = 16 * 2**20, hidden: int = 128, tokens: int = 512,
     attention's projections) costs under TP=2 beyond half its local compute, forward and
     backward (DTensor dispatch plus the all-reduces: on CPUs with gloo this, not wire time, is
     what TP costs for small models)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    import torch.distributed as dist
+
+    # The pair's store, served here on a port the OS picks as it binds: a free port looked up
+    # first may be taken by another process before a peer binds it (the peers then never meet).
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_peer, args=(r, port, nbytes, hidden, tokens, reps, out)) for r in range(2)]
+    procs = [ctx.Process(target=_peer, args=(r, store.port, nbytes, hidden, tokens, reps, out)) for r in range(2)]
     for p in procs:
         p.start()
     times = out.get(timeout=300)
     for p in procs:
         p.join(timeout=60)
+    del store
     latency = times["small"]
     return {
         # A 2-rank all-reduce moves 2*(n-1)/n = 1x the buffer per rank.
