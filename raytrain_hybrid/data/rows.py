@@ -117,6 +117,12 @@ def read_parquet_rows(path: str | Path, cfg) -> dict:
     return arrays
 
 
+def steps_in_passes(rows: int, epochs: int, global_batch: int) -> int:
+    """Global batches in ``epochs`` passes over ``rows`` rows: each pass drops the rows that do not
+    fill a last one (RowBatches here, data.stream.RowStream on Ray Data)."""
+    return epochs * (rows // global_batch)
+
+
 class RowBatches:
     """Deterministic global batches over rows held in memory (engine runs without Ray)."""
 
@@ -134,8 +140,7 @@ class RowBatches:
         return order[k * global_batch : (k + 1) * global_batch]
 
     def steps_in(self, epochs: int, global_batch: int) -> int:
-        """Global batches in ``epochs`` passes (each drops the rows that do not fill a last one)."""
-        return epochs * (self.rows // global_batch)
+        return steps_in_passes(self.rows, epochs, global_batch)
 
     def take(self, rows: np.ndarray) -> dict:
         return {k: v[rows] for k, v in self.arrays.items()}

@@ -78,9 +78,8 @@ def prepare_input(cfg: Config, say=print) -> Config:
 
 def steps_to_train(cfg: Config) -> int:
     """train.steps, or fewer where data.epochs passes over a classifier's rows hold fewer global
-    batches (each pass drops the rows that do not fill a last one, as data.stream.RowStream
-    and data.rows.RowBatches in memory do): known before the run, so that the last step
-    evaluates and the progress counts to it.
+    batches (data.rows.steps_in_passes): known before the run, so that the last step evaluates
+    and the progress counts to it.
     A language model's windows are known only as its documents are tokenized and packed; its
     run ends at the first step with no batch (engine.worker.StepLoop)."""
     d = cfg.data
@@ -88,7 +87,7 @@ def steps_to_train(cfg: Config) -> int:
         return cfg.train.steps
     import pyarrow.dataset as pads
 
-    from raytrain_hybrid.data.rows import BUILTIN_TRAIN  # data.path="memory": the shipped rows
+    from raytrain_hybrid.data.rows import BUILTIN_TRAIN, steps_in_passes  # "memory": the shipped rows
 
     rows = pads.dataset(str(BUILTIN_TRAIN) if d.path == "memory" else d.path, format="parquet").count_rows()
-    return min(cfg.train.steps, d.epochs * (rows // cfg.train.global_batch_size))
+    return min(cfg.train.steps, steps_in_passes(rows, d.epochs, cfg.train.global_batch_size))
