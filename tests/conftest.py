@@ -65,17 +65,21 @@ BACKGROUND = {
 }
 
 
-# Modules whose tests mostly wait on Ray (CLI runs one after the other: Ray Train's start, Ray
-# Data, Tune) run first, while the background clusters' work fills the CPU they leave; last in
-# file order they ran alone, with the machine 20-40 % idle for their 2.5 minutes. The gloo cases,
+# Modules that leave a core idle run first, while the background clusters' work fills the CPU
+# they leave: those whose tests mostly wait on Ray (CLI runs one after the other: Ray Train's
+# start, Ray Data, Tune; a killed worker's restart) and those that work in one process (the
+# compiled single-rank case compiling, the pretrained references). Last in file order they ran
+# alone, with the machine 20-50 % idle (~75 s of CPU unused at the end of a run). The gloo cases,
 # which keep both cores busy, are then the ones that finish the session.
-WAITING_ON_RAY = ("test_storage_ray", "test_sweep_ray")
+FIRST = (
+    "test_storage_ray", "test_sweep_ray", "test_recovery_ray", "test_reach_kuberay", "test_speed", "test_pretrained",
+)  # fmt: skip
 
 
 def pytest_collection_modifyitems(items):
-    def order(item) -> tuple[bool, bool]:
+    def order(item) -> tuple[bool, int]:
         name = getattr(item.module, "__name__", "")
-        return name in BACKGROUND, name not in WAITING_ON_RAY
+        return name in BACKGROUND, FIRST.index(name) if name in FIRST else len(FIRST)
 
     items.sort(key=order)  # stable: the rest keep their order
 
