@@ -143,15 +143,19 @@ def _validate_task(cfg: Config, spec: ArchSpec) -> None:
             cfg.data.format,
             "needs data.path to name Parquet files with its columns; data.path=memory is the shipped text corpus",
         )
-    classifiers = ", ".join(arch_names("classify"))
+
+    # Named only in a refusal: listing them imports every spec's module (torch, transformers).
+    def classifiers() -> str:
+        return ", ".join(arch_names("classify"))
+
     if cfg.train.eval_interval:
         raise ConfigError(
-            "train.eval_interval", cfg.train.eval_interval, f"evaluation is for classifiers ({classifiers}); use 0"
+            "train.eval_interval", cfg.train.eval_interval, f"evaluation is for classifiers ({classifiers()}); use 0"
         )
     for key in ("text_columns", "tabular_columns", "val_path"):
         if getattr(cfg.data, key):
             raise ConfigError(
-                f"data.{key}", getattr(cfg.data, key), f"is for classifiers ({classifiers}), not {cfg.model.arch}"
+                f"data.{key}", getattr(cfg.data, key), f"is for classifiers ({classifiers()}), not {cfg.model.arch}"
             )
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch.distributed.pipelining as pipelining
-
 from raytrain_hybrid.config import SINGLE_STAGE_SCHEDULES, V_SCHEDULES
 
 _SCHEDULE_CLASSES = {
@@ -37,6 +35,9 @@ def stage_ids(schedule: str, pp_rank: int, pp: int, stages_per_rank: int) -> lis
 
 
 def build_schedule(schedule: str, stages: list, microbatches: int, loss_fn):
+    # Imported here: the planner reads the stage split above without torch (`plan`, `check`).
+    import torch.distributed.pipelining as pipelining
+
     cls = getattr(pipelining, _SCHEDULE_CLASSES[schedule])
     # scale_grads divides accumulated gradients by the micro-batch count, so a loss_fn
     # returning each micro-batch's mean gives the gradient of the batch mean.

@@ -27,7 +27,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     from raytrain_hybrid.engine.worker import mark, run_worker
     from raytrain_hybrid.models import get_arch
 
-    get_arch(cfg.model.arch)  # its transformers classes: imported here, counted with the imports
+    get_arch(cfg.model.arch).import_model_code()  # its transformers classes: counted with the imports
     marks = {"worker_entered": entered, "cpu_worker_entered": entered_cpu}
     mark(marks, "worker_imported")
 

@@ -9,12 +9,13 @@ engine attends over the whole causal window).
 from __future__ import annotations
 
 import functools
-
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from typing import TYPE_CHECKING
 
 from raytrain_hybrid.models.hf_checkpoint import checkpoint_config, is_set
-from raytrain_hybrid.models.spec import ArchSpec
+from raytrain_hybrid.models.spec import ArchSpec, TransformersClass
+
+if TYPE_CHECKING:  # imported where a model runs: the spec itself is data (see TransformersClass)
+    import torch
 
 
 def _hf_config(config_cls, cfg):
@@ -36,6 +37,8 @@ def _hf_config(config_cls, cfg):
 
 
 def stage_forward(stage, x: torch.Tensor) -> torch.Tensor:
+    import torch  # here, not with the spec (see TransformersClass); a dict lookup per call
+
     inner = stage.model
     first = inner.embed_tokens is not None
     h = inner.embed_tokens(x) if first else x
@@ -103,8 +106,10 @@ def matmul_params(m) -> int:
     return m.num_layers * per_layer + m.vocab_size * h  # the LM head is a matmul; the embedding lookup is not
 
 
-def family_spec(name: str, config_cls, model_cls, *, qkv_bias: bool = False) -> ArchSpec:
-    """The spec of a Llama-family architecture: Llama's, with its own transformers classes."""
+def family_spec(name: str, config_class: str, model_class: str, *, qkv_bias: bool = False) -> ArchSpec:
+    """The spec of a Llama-family architecture: Llama's, with its own transformers classes
+    (named: imported when a model is built)."""
+    config_cls, model_cls = TransformersClass(config_class), TransformersClass(model_class)
     return ArchSpec(
         name=name,
         hf_config=functools.partial(_hf_config, config_cls),
@@ -142,4 +147,4 @@ def family_spec(name: str, config_cls, model_cls, *, qkv_bias: bool = False) -> 
     )
 
 
-SPEC = family_spec("llama", LlamaConfig, LlamaForCausalLM)
+SPEC = family_spec("llama", "LlamaConfig", "LlamaForCausalLM")
