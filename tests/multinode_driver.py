@@ -160,31 +160,31 @@ def run_case(nodes: Nodes, spec: dict, name: str, case, tmp: str) -> dict:
     return result
 
 
+def replace_nodes(nodes: Nodes, sizes: list[int]) -> None:
+    """The nodes there are removed, then nodes of ``sizes`` GPUs each join (side by side)."""
+    for old in list(nodes.alive):
+        nodes.remove(old)
+    for gpus in sizes:
+        nodes.add(gpus, wait=False)
+    nodes.cluster.wait_for_nodes()
+
+
 def run_elastic(nodes: Nodes, name: str, case: dict, tmp: str) -> dict:
     """As a user: the CLI joins this cluster through RAY_ADDRESS, on fresh nodes of
     case["nodes"] GPUs each (the earlier cases' nodes removed, so the run's workers land only
-    there); `check` with case["check"] first, when given. Once case["drain_after"] is complete in
+    there). Once case["drain_after"] is complete in
     run.output_dir (and Ray Train's preemption watcher is up) a node with workers is drained for
     preemption, case["deadline_s"] ahead, and once the notice's checkpoint is saved drained again,
     case["sooner_s"] ahead; it is
     removed once that deadline passed and the group restarted without it. Once a checkpoint of
-    the smaller group is complete, a node of case["add_gpus"] joins. Then, with case["auto"], a
-    run of those overrides (parallelism.layout=auto) on the nodes there are."""
-    for old in list(nodes.alive):
-        nodes.remove(old)
-    for gpus in case["nodes"]:
-        nodes.add(gpus, wait=False)
-    nodes.cluster.wait_for_nodes()
+    the smaller group is complete, a node of case["add_gpus"] joins. Then, on fresh nodes of
+    case["auto_nodes"] GPUs each (when given; else the nodes there are), `check` with
+    case["check"] and a run of case["auto"]'s overrides (parallelism.layout=auto)."""
+    replace_nodes(nodes, case["nodes"])
     sets = ["cluster.use_gpu=true", "cluster.backend=gloo", "run.progress=true", *case["overrides"]]
     out = open_store(next(s.split("=", 1)[1] for s in sets if s.startswith("run.output_dir=")))
     env = {**os.environ, "RAY_ADDRESS": nodes.cluster.address, **case.get("env", {})}
     cli = str(Path(sys.executable).parent / "raytrain-hybrid")
-    checked = None
-    if "check" in case:  # what parallelism.layout=auto would pick on this cluster
-        sets_check = ["cluster.use_gpu=true", "cluster.backend=gloo", *case["check"]]
-        done = subprocess.run([cli, "check", *[a for s in sets_check for a in ("--set", s)]], env=env, cwd=tmp,
-                              capture_output=True, text=True, timeout=300)  # fmt: skip
-        checked = {"returncode": done.returncode, "stdout": done.stdout, "stderr": done.stderr[-3000:]}
     argv = [cli, "train", *[a for s in sets for a in ("--set", s)]]
     err = Path(tmp) / f"{name}.stderr"  # a file: a pipe nobody reads could fill and stall the CLI
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err.open("w"), text=True, env=env, cwd=tmp)
@@ -236,10 +236,17 @@ def run_elastic(nodes: Nodes, name: str, case: dict, tmp: str) -> dict:
     reader.join(timeout=60)
     stdout = "\n".join(line for _, line in lines)
     result = {"returncode": proc.returncode, "stdout": stdout, "lines": lines, "stderr": err.read_text()[-4000:]}
-    result.update(events, started=started, check=checked)
+    result.update(events, started=started)
     if proc.returncode == 0:
         result["history"] = [json.loads(line) for line in out.child("metrics.jsonl").read_text().splitlines()]
         result["summary"] = json.loads(out.child("summary.json").read_text())
+    if "auto_nodes" in case:
+        replace_nodes(nodes, case["auto_nodes"])
+    if "check" in case:  # what parallelism.layout=auto would pick on this cluster
+        sets_check = ["cluster.use_gpu=true", "cluster.backend=gloo", *case["check"]]
+        done = subprocess.run([cli, "check", *[a for s in sets_check for a in ("--set", s)]], env=env, cwd=tmp,
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        result["check"] = {"returncode": done.returncode, "stdout": done.stdout, "stderr": done.stderr[-3000:]}
     if "auto" in case:
         auto = case["auto"]
         result["auto"] = run_cli(
