@@ -49,3 +49,26 @@ def test_no_module_over_the_size_limit():
         if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
     assert not big, f"modules over {MAX_LINES} lines: {big}"
+
+
+def test_config_check_and_plan_import_neither_torch_nor_transformers(tmp_path):
+    """What a CLI command costs before it does anything: loading a config (every command, every
+    driver), `plan` and `check --json` (no cluster: the layout and its groups) read the
+    architectures' specs as data; importing torch and transformers' model code would add ~3 s of
+    CPU to each (`check` took 5.4 s, now ~1 s). A spec module that imports them at its top, or a
+    planner helper that pulls torch.distributed in, fails this."""
+    code = """
+import contextlib, io, sys
+from raytrain_hybrid import cli
+from raytrain_hybrid.config import load_config
+for arch in ("llama", "mistral", "qwen2"):
+    load_config(None, [f"model.arch={arch}", "parallelism.dp=2", "parallelism.pp=2"])
+with contextlib.redirect_stdout(io.StringIO()) as out:
+    assert cli.main(["plan", "--world-size", "8", "--gpus-per-node", "8", "--top", "2"]) == 0
+    assert cli.main(["check", "--set", "parallelism.pp=2", "--set", "parallelism.tp=2", "--topology", "4,4"]) == 0
+assert "layout" in out.getvalue(), out.getvalue()
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers")))
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]", done.stdout[-2000:]
