@@ -12,7 +12,8 @@ from raytrain_hybrid.errors import ConfigError
 from raytrain_hybrid.models.spec import ArchSpec
 
 # Architecture name -> the module that defines its SPEC. A module is imported when its
-# architecture is first asked for (they import torch and transformers), so the names cost nothing.
+# architecture is first asked for (GPT-2's and the classifier's import torch and transformers; the
+# Llama family's name its transformers classes, see spec.TransformersClass), so the names cost nothing.
 _MODULES = {
     "llama": "llama",
     "mistral": "mistral",
