@@ -9,6 +9,7 @@ from raytrain_hybrid.config import Config
 from raytrain_hybrid.errors import ConfigError
 
 _TRAIN_V2 = "RAY_TRAIN_V2_ENABLED"
+_ENV = "RAY_ADDRESS"
 
 
 def use_train_v2() -> None:
@@ -26,30 +27,70 @@ def use_train_v2() -> None:
 
 
 def ensure_ray(cfg: Config, world_size: int) -> None:
+    """Join the cluster ray_address(cfg) names, else start a private local Ray with enough logical
+    CPUs for every worker (plus one for Ray Train's controller), however few cores the machine has."""
+    join_ray(ray_address(cfg), need_cpus=math.ceil(world_size * cfg.cluster.cpus_per_worker) + 1)
+
+
+def join_ray(address: str, need_cpus: int = 0) -> None:
+    """ray.init on ``address`` (from join_address), or a private local Ray when it is ""."""
     import ray
 
     if ray.is_initialized():
         return
     # No runtime env of ours: the workers need no variable of this package's (a runtime env
     # would also start each worker process twice, see use_train_v2).
-    address = ray_address(cfg)
     if address:
         ray.init(address=address, log_to_driver=False)
         return
-    # No cluster: a private local one with enough logical CPUs for every worker
-    # (plus one for Ray Train's controller), however few cores the machine has.
-    need = math.ceil(world_size * cfg.cluster.cpus_per_worker) + 1
     ray.init(
         address="local",
-        num_cpus=max(need, os.cpu_count() or 1),
+        num_cpus=max(need_cpus, os.cpu_count() or 1),
         log_to_driver=False,
         include_dashboard=False,
     )
 
 
 def ray_address(cfg: Config) -> str:
-    """The cluster to join ("": a private local Ray)."""
-    return cfg.cluster.address or os.environ.get("RAY_ADDRESS", "")
+    """The cluster a run joins ("": a private local Ray); see join_address."""
+    return join_address(cfg.cluster.address)
+
+
+def join_address(explicit: str = "") -> str:
+    """The one place that decides which Ray cluster a driver joins: ``explicit`` (--address,
+    cluster.address), else $RAY_ADDRESS; "" (or an explicit "local") starts a private local Ray.
+
+    A driver joins through the cluster's GCS address (host:6379, or "auto" on one of its nodes).
+    The dashboard's job-server address (http://host:8265), which the cluster guides export as
+    RAY_ADDRESS for `ray job submit`, cannot be joined: Ray 2.60's ray.init refuses any http(s)
+    address, and Ray has no supported way to ask a dashboard for its GCS address. So it is refused
+    here, before ray.init, with what to set instead. An explicit address wins over such a
+    RAY_ADDRESS, which is then dropped from this process's environment (Ray's "auto" reads it)."""
+    explicit, env = explicit.strip(), os.environ.get(_ENV, "").strip()
+    if _is_http(explicit):
+        raise ConfigError("--address (cluster.address)", explicit, _dashboard_fix(explicit))
+    if explicit:
+        if _is_http(env):
+            del os.environ[_ENV]
+        return "" if explicit == "local" else explicit
+    if _is_http(env):
+        raise ConfigError(_ENV, env, _dashboard_fix(env))
+    return env
+
+
+def _is_http(address: str) -> bool:
+    return address.lower().startswith(("http://", "https://"))
+
+
+def _dashboard_fix(address: str) -> str:
+    return (
+        "is the Ray dashboard's job-server address, which `ray job submit` reads; a training driver joins a "
+        "cluster through its GCS address instead. To train on that cluster from here, submit the command as a "
+        f"job: `ray job submit --address {address} -- raytrain-hybrid train ...` (inside a job Ray sets "
+        "RAY_ADDRESS itself). On a node of that cluster, pass --address auto (or --address <head-ip>:6379, the "
+        "head's GCS port). Export the job-server address as RAY_API_SERVER_ADDRESS instead of RAY_ADDRESS "
+        "(Ray's job CLI reads it first) and both work from one shell; --address local starts a private local Ray"
+    )
 
 
 def resolve_use_gpu(cfg: Config, world_size: int, nodes: list[dict[str, float]]) -> bool:
