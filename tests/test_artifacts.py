@@ -305,6 +305,7 @@ def test_kuberay_rayjob_keeps_its_outputs_and_ships_its_code_on_storage():
 
 def test_image_and_gpu_runtime_env_pin_one_torch_inside_the_projects_range():
     import tomllib
+
     from packaging.requirements import Requirement
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]

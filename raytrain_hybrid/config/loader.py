@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from raytrain_hybrid.config.defaults import resolve_defaults
 from raytrain_hybrid.config.schema import Config
