@@ -1,4 +1,4 @@
-"""``raytrain-hybrid``: train | check. Thin: parse, load the config, hand over."""
+"""``raytrain-hybrid``: the command line. Parse, load the config, call one function per command."""
 
 from __future__ import annotations
 
@@ -6,29 +6,41 @@ import argparse
 import dataclasses
 import functools
 import json
-import os
 import sys
 
+from raytrain_hybrid.cli_help import ADDRESS_HELP, DESCRIPTION, EPILOG, count, csv, topology, version
 from raytrain_hybrid.config import LAYOUT_KEYS, load_config
 from raytrain_hybrid.errors import ConfigError, LayoutError
 
 
-def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", nargs="?", help="TOML config file (default: the embedded 3D-parallel example)")
+def _add_config_args(p: argparse.ArgumentParser, address: bool = True) -> None:
+    p.add_argument("config", nargs="?", help="TOML config file (default: the built-in tiny 3D-parallel example)")
     p.add_argument(
         "--set",
         dest="overrides",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override one key, e.g. --set parallelism.tp=2 (repeatable)",
+        help="override one config key, e.g. --set parallelism.tp=2 (repeatable)",
     )
+    if address:
+        p.add_argument("--address", default="", metavar="ADDRESS", help=f"{ADDRESS_HELP}; sets cluster.address")
+
+
+def _command(sub, name: str, text: str) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=text, description=text)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="raytrain-hybrid", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train on Ray (starts a local cluster when none is running)")
+    parser = argparse.ArgumentParser(
+        prog="raytrain-hybrid",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}", help="print the version")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
+    train = _command(sub, "train", "train on Ray: join a cluster, or start a local one when none is named")
     _add_config_args(train)
     train.add_argument(
         "--resume",
@@ -42,42 +54,59 @@ def _parser() -> argparse.ArgumentParser:
         help="show Ray's own output (start-up notices, raylet warnings, Ray Data progress) on the terminal; "
         "by default it goes to <run.output_dir>/driver.log",
     )
-    export = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
+    export = _command(sub, "export", "write a checkpoint as a Hugging Face model directory")
     export.add_argument("checkpoint", help="a checkpoints/step_<N> directory, or a run directory (its newest)")
     export.add_argument("out_dir", help="new directory for config.json + model.safetensors")
-    check = sub.add_parser("check", help="validate a config and show the rank layout, without training")
+    check = _command(sub, "check", "validate a config and show where each rank goes, without training")
     _add_config_args(check)
-    check.add_argument("--topology", help="workers per node, e.g. 4,4 (default: one node holding all workers)")
-    check.add_argument("--json", action="store_true", help="print the layout as JSON")
+    check.add_argument(
+        "--topology",
+        metavar="N,N,...",
+        type=topology,
+        help="workers per node, e.g. 4,4 (default: the joined cluster's placement, else one node holding all)",
+    )
+    check.add_argument("--json", action="store_true", help="print the ranks and groups as JSON on stdout")
     check.add_argument(
         "--hardware",
         default="",
         help="also print the planner's prediction on h100 | h100-96 | a100-80 | a100-40 | a profile",
     )
-    plan = sub.add_parser("plan", help="rank layouts of N ranks by predicted tokens/s (cost model)")
-    _add_config_args(plan)
-    plan.add_argument("--world-size", type=int, required=True)
-    plan.add_argument("--gpus-per-node", type=int, required=True)
+    plan = _command(sub, "plan", "rank the layouts of N ranks by predicted tokens/s (the planner's cost model)")
+    _add_config_args(plan, address=False)
+    plan.add_argument(
+        "--world-size", type=count(1), required=True, metavar="N", help="number of ranks (GPUs) to lay out"
+    )
+    plan.add_argument(
+        "--gpus-per-node",
+        type=count(1),
+        required=True,
+        metavar="N",
+        help="GPUs per node (TP groups stay inside a node)",
+    )
     plan.add_argument(
         "--hardware", default="h100", help="h100 | h100-96 | a100-80 | a100-40 | a profile file from calibrate"
     )
-    plan.add_argument("--top", type=int, default=0, help="show only the best K (0: all)")
-    plan.add_argument("--json", action="store_true")
-    cal = sub.add_parser("calibrate", help="measure this machine (matmul, gloo) as a planner profile")
+    plan.add_argument(
+        "--top", type=count(0), default=0, metavar="K", help="show only the best K layouts (default 0: all)"
+    )
+    plan.add_argument("--json", action="store_true", help="print the layouts as a JSON list instead of a table")
+    cal = _command(sub, "calibrate", "measure this machine (matmul, gloo) as a planner hardware profile")
     cal.add_argument("--out", default="", help="profile file (default: ~/.cache/raytrain_hybrid/local.json)")
-    cal.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    sw = sub.add_parser("sweep", help="run the planner's top layouts with Ray Tune and measure them")
+    cal.add_argument("--threads", type=count(1), default=1, metavar="N", help="torch threads per worker (default 1)")
+    sw = _command(sub, "sweep", "train the planner's top layouts briefly with Ray Tune and measure them")
     _add_config_args(sw)
-    sw.add_argument("--world-size", type=int, required=True)
-    sw.add_argument("--top", type=int, default=4)
-    sw.add_argument("--steps", type=int, default=8)
+    sw.add_argument("--world-size", type=count(1), required=True, metavar="N", help="number of workers each trial uses")
+    sw.add_argument(
+        "--top", type=count(1), default=4, metavar="K", help="how many of the best predicted layouts to run (4)"
+    )
+    sw.add_argument("--steps", type=count(1), default=8, metavar="N", help="training steps per trial (default 8)")
     sw.add_argument("--hardware", default="", help="profile (default: the calibrated local one, else h100)")
     sw.add_argument(
         "--out",
         default="runs/sweep",
         help="directory or URI (s3://, gs://) for sweep.csv, sweep.json, sweep.png and the trials' runs",
     )
-    prep = sub.add_parser("prepare-data", help="tokenize text files or Parquet into token Parquet (Ray Data)")
+    prep = _command(sub, "prepare-data", "tokenize text files or Parquet into token Parquet shards (Ray Data)")
     prep.add_argument("source", help="text files (documents split by blank lines), Parquet, a directory or a glob")
     prep.add_argument("out_dir", help="directory or URI (s3://, gs://) for the Parquet shards")
     prep.add_argument("--text-column", default="text", help="text column of Parquet input (default: text)")
@@ -87,20 +116,16 @@ def _parser() -> argparse.ArgumentParser:
         help="local tokenizer.json, or a Hugging Face tokenizer or model directory (its eos_token ends each "
         "document; default: the shipped BPE)",
     )
+    prep.add_argument("--address", default="", metavar="ADDRESS", help=ADDRESS_HELP)
     return parser
 
 
 def _prepare(args) -> int:
-    import ray
-
     from raytrain_hybrid.data.prepare import prepare_data
+    from raytrain_hybrid.launch.session import join_address, join_ray
 
     try:
-        if not ray.is_initialized():
-            address = os.environ.get("RAY_ADDRESS", "")
-            ray.init(
-                address=address or "local", log_to_driver=False, **({} if address else {"include_dashboard": False})
-            )
+        join_ray(join_address(args.address))
         stats = prepare_data(args.source, args.out_dir, text_column=args.text_column, tokenizer=args.tokenizer)
     except (FileNotFoundError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -109,49 +134,20 @@ def _prepare(args) -> int:
     return 0
 
 
-def _live_topology(cfg, world: int) -> list[int]:
-    """Workers per node that a placement on the running cluster would give; one node without one."""
-    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS", "")
-    if not address:
-        return [world]
-    import ray
-
-    from raytrain_hybrid.launch.placement import predict_workers_per_node, worker_resources
-    from raytrain_hybrid.launch.reach import cluster_reach
-    from raytrain_hybrid.launch.session import resolve_use_gpu
-
-    ray.init(address=address, log_to_driver=False)
-    reach = cluster_reach(True, cfg.cluster.accelerator_type)  # with the nodes an autoscaler may add
-    per_worker = worker_resources(cfg, resolve_use_gpu(cfg, world, reach.nodes))
-    counts = predict_workers_per_node(reach.nodes, world, per_worker, cfg.cluster.placement_strategy)
-    if counts is None:
-        more = " with the nodes its autoscaler may add" if reach.added else " now"
-        raise LayoutError(
-            f"the cluster at {address} cannot hold {world} workers of {per_worker}{more}; "
-            "pass --topology to check a placement you expect (e.g. 8,8)"
-        )
-    for line in reach.said():
-        print(f"placement: {line}")
-    return counts
-
-
 def _auto_layout(args, cfg):
     """check with parallelism.layout=auto: the planner's pick for --topology's nodes (the workers
     each holds) or the connected cluster's; (config at the pick, workers per node)."""
     from raytrain_hybrid.launch.autolayout import pick_for_check
+    from raytrain_hybrid.launch.session import join_ray, ray_address
 
-    held = None
-    if args.topology:
-        try:
-            held = [int(c) for c in args.topology.split(",")]
-        except ValueError:
-            raise ConfigError("--topology", args.topology, "must be workers per node, e.g. 4,4") from None
-    elif cfg.cluster.address or os.environ.get("RAY_ADDRESS"):
-        import ray
+    if not args.topology and ray_address(cfg):
+        join_ray(ray_address(cfg))
+    return pick_for_check(cfg, args.topology, _say(args))
 
-        ray.init(address=cfg.cluster.address or os.environ["RAY_ADDRESS"], log_to_driver=False)
-    say = functools.partial(print, file=sys.stderr if args.json else sys.stdout)  # --json: stdout is the JSON
-    return pick_for_check(cfg, held, say)
+
+def _say(args):
+    """print, on stderr with --json (its stdout is the JSON)."""
+    return functools.partial(print, file=sys.stderr if args.json else sys.stdout)
 
 
 def _check(args, cfg) -> int:
@@ -163,16 +159,15 @@ def _check(args, cfg) -> int:
     par = cfg.parallelism
     dims = ParallelDims.from_config(par)
     if counts is None and args.topology:
-        try:
-            counts = [int(c) for c in args.topology.split(",")]
-        except ValueError:
-            raise ConfigError("--topology", args.topology, "must be workers per node, e.g. 4,4") from None
+        counts = args.topology
         if sum(counts) != dims.world_size:
             raise ConfigError(
-                "--topology", args.topology, f"places {sum(counts)} workers; the layout needs {dims.world_size}"
+                "--topology", csv(counts), f"places {sum(counts)} workers; the layout needs {dims.world_size}"
             )
     elif counts is None:
-        counts = _live_topology(cfg, dims.world_size)
+        from raytrain_hybrid.launch.session import live_workers_per_node
+
+        counts = live_workers_per_node(cfg, dims.world_size, _say(args))
     report = placement_report(dims, counts)
     ranks, groups = report["ranks"], report["groups"]
     from raytrain_hybrid.config.elastic import describe, is_elastic, usable_dps
@@ -205,7 +200,9 @@ def _train(cfg, resume: str | None = None, verbose: bool = False) -> int:
     from raytrain_hybrid.launch.driver import run
     from raytrain_hybrid.launch.progress import quiet_driver
     from raytrain_hybrid.launch.rundir import RunDir, mirror_dir
+    from raytrain_hybrid.launch.session import ray_address
 
+    ray_address(cfg)  # an address that cannot be joined is refused before the run directory is made
     connected_before = ray.is_initialized()  # e.g. a notebook's or a test's own session
     log = mirror_dir(cfg.run.output_dir) / "driver.log"  # the run dir itself, unless it is a URI
     summary = None
@@ -266,13 +263,20 @@ def _plan(args, cfg) -> int:
 
 
 def _sweep(args, cfg) -> int:
+    from raytrain_hybrid.launch.session import ray_address
     from raytrain_hybrid.planner.calibrate import default_profile
     from raytrain_hybrid.planner.hardware import load_hardware
+    from raytrain_hybrid.planner.search import plan
     from raytrain_hybrid.storage import open_store
     from raytrain_hybrid.tools.sweep import OUT_KEY, set_line, sweep
 
+    ray_address(cfg)  # an address that cannot be joined is refused before anything is written
     profile = default_profile()
     hw = load_hardware(args.hardware or (str(profile) if profile.exists() else "h100"))
+    if not any(r["feasible"] for r in plan(cfg, args.world_size, hw)):
+        raise ConfigError(
+            "--world-size", args.world_size, f"no layout of that many ranks fits {hw.name}: see `raytrain-hybrid plan`"
+        )
     out = open_store(args.out, OUT_KEY)
     rows = sweep(cfg, args.world_size, hw, top=args.top, steps=args.steps, out_dir=out)
     for r in rows:
@@ -288,41 +292,56 @@ def _sweep(args, cfg) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def _calibrate(args) -> int:
+    import os
+    from pathlib import Path
+
+    from raytrain_hybrid.planner.calibrate import calibrate, default_profile
+
+    path = Path(args.out) if args.out else default_profile()
+    try:  # refused before the minute of measuring, not after
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError("--out", str(path), f"its directory cannot be made: {exc.strerror}") from None
+    if path.is_dir() or not os.access(path.parent, os.W_OK):
+        raise ConfigError("--out", str(path), "must be a file in a directory you can write to")
+    profile = calibrate(path, threads=args.threads)
+    print(
+        f"wrote {path}: {profile['peak_tflops'] * 1e3:.1f} GFLOP/s matmul, "
+        f"{profile['intra_node_gbps']:.2f} GB/s gloo all-reduce, {profile['latency_s'] * 1e6:.0f} us latency"
+    )
+    return 0
+
+
+def _command_run(args) -> int:
     if args.command == "prepare-data":
         return _prepare(args)
     if args.command == "export":
         from raytrain_hybrid.checkpoint.export import export_hf
 
-        try:
-            out = export_hf(args.checkpoint, args.out_dir)
-        except ConfigError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+        out = export_hf(args.checkpoint, args.out_dir)
         print(f"wrote {out} (config.json, model.safetensors, tokenizer.json)")
         return 0
     if args.command == "calibrate":
-        from pathlib import Path
+        return _calibrate(args)
+    overrides = args.overrides
+    if getattr(args, "address", ""):  # --address: cluster.address, over a --set of it
+        overrides = [*overrides, f"cluster.address={args.address}"]
+    cfg = load_config(args.config, overrides)
+    if args.command == "check":
+        return _check(args, cfg)
+    if args.command == "plan":
+        return _plan(args, cfg)
+    if args.command == "sweep":
+        return _sweep(args, cfg)
+    return _train(cfg, args.resume, args.verbose)
 
-        from raytrain_hybrid.planner.calibrate import calibrate, default_profile
 
-        path = Path(args.out) if args.out else default_profile()
-        profile = calibrate(path, threads=args.threads)
-        print(
-            f"wrote {path}: {profile['peak_tflops'] * 1e3:.1f} GFLOP/s matmul, "
-            f"{profile['intra_node_gbps']:.2f} GB/s gloo all-reduce, {profile['latency_s'] * 1e6:.0f} us latency"
-        )
-        return 0
+def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 success; 1 the run failed; 2 bad input (argparse's own errors are 2 too)."""
+    args = _parser().parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
-        if args.command == "check":
-            return _check(args, cfg)
-        if args.command == "plan":
-            return _plan(args, cfg)
-        if args.command == "sweep":
-            return _sweep(args, cfg)
-        return _train(cfg, args.resume, args.verbose)
+        return _command_run(args)
     except (ConfigError, LayoutError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

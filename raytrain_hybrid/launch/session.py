@@ -6,7 +6,7 @@ import math
 import os
 
 from raytrain_hybrid.config import Config
-from raytrain_hybrid.errors import ConfigError
+from raytrain_hybrid.errors import ConfigError, LayoutError
 
 _TRAIN_V2 = "RAY_TRAIN_V2_ENABLED"
 _ENV = "RAY_ADDRESS"
@@ -84,13 +84,37 @@ def _is_http(address: str) -> bool:
 
 def _dashboard_fix(address: str) -> str:
     return (
-        "is the Ray dashboard's job-server address, which `ray job submit` reads; a training driver joins a "
-        "cluster through its GCS address instead. To train on that cluster from here, submit the command as a "
-        f"job: `ray job submit --address {address} -- raytrain-hybrid train ...` (inside a job Ray sets "
-        "RAY_ADDRESS itself). On a node of that cluster, pass --address auto (or --address <head-ip>:6379, the "
-        "head's GCS port). Export the job-server address as RAY_API_SERVER_ADDRESS instead of RAY_ADDRESS "
-        "(Ray's job CLI reads it first) and both work from one shell; --address local starts a private local Ray"
+        "is the Ray dashboard's job-server address (for `ray job submit`); a driver joins a cluster at its GCS "
+        "address instead. Run this command on that cluster as a job: `ray job submit --address "
+        f"{address} --working-dir . -- raytrain-hybrid ...` (Ray sets RAY_ADDRESS inside the job); or, on one of "
+        "its nodes, add --address auto (or --address HOST:6379, the head's GCS address); --address local starts a "
+        "private local Ray. To keep the job-server address in this shell, export it as RAY_API_SERVER_ADDRESS "
+        "(which `ray job submit` reads first) and unset RAY_ADDRESS"
     )
+
+
+def live_workers_per_node(cfg: Config, world: int, say=print) -> list[int]:
+    """Workers per node that a placement on the cluster ray_address(cfg) names would give, with the
+    nodes its autoscaler may add (joined here); one node holding all without a cluster."""
+    address = ray_address(cfg)
+    if not address:
+        return [world]
+    from raytrain_hybrid.launch.placement import predict_workers_per_node, worker_resources
+    from raytrain_hybrid.launch.reach import cluster_reach
+
+    join_ray(address)
+    reach = cluster_reach(True, cfg.cluster.accelerator_type)
+    per_worker = worker_resources(cfg, resolve_use_gpu(cfg, world, reach.nodes))
+    counts = predict_workers_per_node(reach.nodes, world, per_worker, cfg.cluster.placement_strategy)
+    if counts is None:
+        more = " with the nodes its autoscaler may add" if reach.added else " now"
+        raise LayoutError(
+            f"the cluster at {address} cannot hold {world} workers of {per_worker}{more}; "
+            "pass --topology to check a placement you expect (e.g. 8,8)"
+        )
+    for line in reach.said():
+        say(f"placement: {line}")
+    return counts
 
 
 def resolve_use_gpu(cfg: Config, world_size: int, nodes: list[dict[str, float]]) -> bool:
