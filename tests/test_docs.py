@@ -1,0 +1,297 @@
+"""The documentation tells the truth, and keeps telling it as the code changes.
+
+- The site (mkdocs.yml, docs/) builds with ``mkdocs build --strict``: a broken link or anchor,
+  or a page left out of the navigation, fails.
+- docs/reference/config.md and docs/reference/cli.md are what scripts/gen_reference.py writes
+  from the schema and the CLI today, and every config key has a comment to document it.
+- Every ``raytrain-hybrid`` command in README.md and docs/**/*.md (fenced code blocks: every line
+  of a bash/sh block, the ``$ `` lines of other blocks; ``.venv/bin/raytrain-hybrid``,
+  ``raytrain-hybrid`` and ``python -m raytrain_hybrid.cli``, also after ``ray job submit ... --``)
+  parses with the CLI's own argparse parser. ``--version``, ``--help``, ``check`` and ``plan``
+  run for real through ``cli.main`` in this process, from the repository root, and must exit 0;
+  a command whose next line in the block starts with ``error:`` must be refused with exit 2
+  instead. ``train`` and ``sweep`` commands are not run here (a run takes minutes; the suite has no
+  room for one per command): their config file and ``--set`` overrides must load and validate as
+  ``check`` loads them, without a cluster (what cannot be read offline, a Hub model or a bucket,
+  is left unverified as ``check`` leaves it). The quick start's command itself,
+  ``raytrain-hybrid train`` with the built-in config, is not run by the suite either: its layout
+  and model (2x2x2, 1F1B, 4 micro-batches, 8 Ray Train workers) train in
+  tests/test_notebooks.py (the quick-start notebook, against the single-process reference), and
+  the ``raytrain-hybrid`` executable trains through Ray Data in tests/test_cli_ray.py (2x2x1).
+  Placeholders such as ``<your-bucket>`` are filled in with a sample value first, as a reader
+  would. A local path the reader supplies or an earlier command creates (``model.pretrained``,
+  ``data.path``, ...) that does not exist here is the one refusal accepted.
+- docs/performance.md quotes each figure's date and command as its benchmarks/results/*.json
+  records them, and quotes every result file.
+- README.md stays short, keeps the two setup-contract commands (.ci/run runs the second exactly),
+  and its status box says a GPU result exists exactly when one is committed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import pytest
+
+from raytrain_hybrid import cli
+from raytrain_hybrid.config import Config, load_config
+from raytrain_hybrid.errors import ConfigError, LayoutError
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+RUN = {"check", "plan"}  # commands cheap enough to run for real (no Ray, no model)
+LOADS = {"train", "sweep", "check", "plan"}  # commands that take a config and --set overrides
+# Keys whose value is a file or directory the reader brings (or an earlier command makes).
+READER_PATHS = {"model.pretrained", "data.path", "data.val_path", "data.tokenizer", "config file"}
+SETUP_TRAIN = "bash scripts/setup.sh && .venv/bin/raytrain-hybrid train"
+SETUP_TEST = "bash scripts/setup.sh && .venv/bin/python -m pytest -q"
+
+
+def _generator():
+    spec = importlib.util.spec_from_file_location("gen_reference", ROOT / "scripts" / "gen_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_site_builds_strictly(tmp_path):
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    site = tmp_path / "site"
+    argv = [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"), "-d", str(site)]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    for page in DOCS[1:]:  # every page of docs/ became a page of the site
+        html = site / page.relative_to(ROOT / "docs").with_suffix("") / "index.html"
+        assert html.exists() or page.name == "index.md", f"{page.relative_to(ROOT)} is not in the site"
+
+
+def test_the_reference_pages_are_generated_from_todays_code():
+    gen = _generator()
+    for path, text in gen.pages().items():
+        name = path.relative_to(ROOT)
+        fix = "run `.venv/bin/python scripts/gen_reference.py` and commit the result"
+        assert path.exists(), f"{name} is missing: {fix}"
+        assert path.read_text() == text, f"{name} differs from the code (schema or CLI changed): {fix}"
+
+
+def test_every_config_key_is_documented_by_its_comment():
+    gen = _generator()
+    page = gen.config_page()
+    for section in fields(Config):
+        docs = gen._field_docs(section.default_factory)
+        for f in fields(section.default_factory):
+            assert docs[f.name][1], f"{section.name}.{f.name} has no comment above it in config/schema.py"
+            assert f"### {section.name}.{f.name}\n" in page
+
+
+# ---- the commands shown in README.md and docs/ ----
+
+
+@dataclass(frozen=True)
+class Shown:
+    where: str  # file:line
+    args: tuple[str, ...]  # what follows `raytrain-hybrid`
+    fails: bool  # the block shows it refused (its next line starts with "error:")
+
+
+_FENCE = re.compile(r"^\s*(```+|~~~+)\s*([\w+-]*)")
+_SHELLS = {"bash", "sh", "shell", "zsh"}
+_REDIRECT = re.compile(r"^\d?>>?(&\d)?$|^&>$")
+_PLACEHOLDER = re.compile(r"<([A-Za-z][\w .-]*)>")
+
+
+def _fill(text: str) -> str:
+    """Placeholders filled in as a reader does: <your-bucket> -> your-bucket."""
+    return _PLACEHOLDER.sub(lambda m: re.sub(r"\W+", "-", m.group(1)).lower(), text)
+
+
+def _blocks(text: str):
+    """(language, [(line number, line)]) for each fenced code block."""
+    block, fence, lang = None, "", ""
+    for number, line in enumerate(text.splitlines(), 1):
+        m = _FENCE.match(line)
+        if block is None and m:
+            block, fence, lang = [], m.group(1), m.group(2).lower()
+        elif block is not None and line.strip().startswith(fence[:3]) and line.strip().strip(fence[0]) == "":
+            yield lang, block
+            block = None
+        elif block is not None:
+            block.append((number, line))
+
+
+def _invocation(tokens: list[str]) -> list[str] | None:
+    """The arguments after raytrain-hybrid (or python -m raytrain_hybrid.cli) in one simple
+    command, or None when it does not run the CLI (e.g. `pip install raytrain-hybrid`)."""
+    for i, tok in enumerate(tokens):
+        lead = all(re.match(r"^[A-Za-z_]\w*=", t) or t in ("time", "exec") for t in tokens[:i]) or tokens[i - 1] == "--"
+        if Path(tok).name == "raytrain-hybrid" and lead:
+            return tokens[i + 1 :]
+        if tok == "-m" and i + 1 < len(tokens) and tokens[i + 1] == "raytrain_hybrid.cli":
+            return tokens[i + 2 :]
+    return None
+
+
+def _commands(path: Path) -> list[Shown]:
+    shown = []
+    for lang, lines in _blocks(path.read_text()):
+        logical: list[tuple[int, str]] = []  # continuation lines joined
+        for number, line in lines:
+            if logical and logical[-1][1].endswith("\\"):
+                logical[-1] = (logical[-1][0], logical[-1][1][:-1] + " " + line.strip())
+            else:
+                logical.append((number, line.rstrip()))
+        for i, (number, line) in enumerate(logical):
+            text = line.strip()
+            if text.startswith("$ "):
+                text = text[2:]
+            elif lang not in _SHELLS:
+                continue  # output, not a command
+            try:
+                tokens = shlex.split(text, comments=True)
+            except ValueError:
+                continue  # not shell (a snippet of another language in the block)
+            segments, current = [], []
+            for tok in tokens:  # `a && b`, `a | b`, `a; b`: each its own command
+                if tok in ("&&", "||", "|", ";"):
+                    segments.append(current)
+                    current = []
+                else:
+                    current.append(tok)
+            segments.append(current)
+            following = logical[i + 1][1].strip() if i + 1 < len(logical) else ""
+            for segment in segments:
+                cut = next((j for j, t in enumerate(segment) if _REDIRECT.match(t)), len(segment))
+                args = _invocation(segment[:cut])
+                if args is not None:
+                    where = f"{path.relative_to(ROOT)}:{number}"
+                    shown.append(Shown(where, tuple(_fill(a) for a in args), following.startswith("error:")))
+    return shown
+
+
+SHOWN = [cmd for path in DOCS for cmd in _commands(path)]
+
+
+def test_the_commands_are_collected():
+    """The collector finds what the README shows (so the test below cannot pass on nothing)."""
+    readme = {c.args for c in SHOWN if c.where.startswith("README.md")}
+    assert ("train",) in readme
+    assert ("train", "--set", "parallelism.tp=3") in readme
+    assert [c.fails for c in SHOWN if c.args == ("train", "--set", "parallelism.tp=3")][0]
+
+
+def _reader_path(exc: ConfigError) -> bool:
+    """The refusal names a local file or directory the reader is to bring, absent here."""
+    value = str(getattr(exc, "value", ""))
+    return getattr(exc, "key", "") in READER_PATHS and "://" not in value and not (ROOT / value).exists()
+
+
+@pytest.fixture
+def as_a_reader(monkeypatch):
+    """A shell in the repository root, no cluster named, no network: Hub ids resolve offline and
+    no bucket answers (refused at once), as on a laptop without credentials."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # the discard port: nothing listens
+
+
+def _filled_config(args: list[str], config: str | None, tmp: Path) -> list[str]:
+    """The arguments with a config file whose text holds placeholders replaced by a filled copy
+    (the docs tell the reader to fill them in; refusing them as they are is check's job)."""
+    if not config or not (ROOT / config).is_file() or not _PLACEHOLDER.search((ROOT / config).read_text()):
+        return args
+    copy = tmp / Path(config).name
+    copy.write_text(_fill((ROOT / config).read_text()))
+    return [str(copy) if a == config else a for a in args]
+
+
+@pytest.mark.parametrize("shown", SHOWN, ids=[c.where for c in SHOWN])
+def test_a_documented_command_works_as_pasted(shown, as_a_reader, capsys, tmp_path):
+    args = list(shown.args)
+    try:
+        parsed = cli._parser().parse_args(args)
+    except SystemExit as exc:  # --help, --version: they print and exit; a bad flag exits 2
+        assert exc.code == (2 if shown.fails else 0), f"{shown.where}: {args} -> {capsys.readouterr()}"
+        return
+    command = parsed.command
+    args = _filled_config(args, getattr(parsed, "config", None), tmp_path)
+    parsed = cli._parser().parse_args(args)
+    if command in LOADS:
+        try:
+            load_config(getattr(parsed, "config", None), parsed.overrides, unverified=[])
+        except (ConfigError, LayoutError) as exc:
+            if shown.fails or (isinstance(exc, ConfigError) and _reader_path(exc)):
+                return
+            pytest.fail(f"{shown.where}: {' '.join(args)}\n  the config does not load: {exc}")
+    if command in RUN:
+        if getattr(parsed, "address", None):  # checked on one node here, as without a cluster
+            i = args.index("--address")
+            del args[i : i + 2]
+        code = cli.main(args)
+        out = capsys.readouterr()
+        assert code == (2 if shown.fails else 0), f"{shown.where}: {' '.join(args)} -> {code}\n{out.out}\n{out.err}"
+    else:
+        assert not shown.fails, f"{shown.where}: {' '.join(args)} is shown failing but loads and validates"
+
+
+# ---- performance figures and the README ----
+
+_MEASURED = re.compile(
+    r"Measured on (\d{4}-\d{2}-\d{2}) with `([^`]+)` \(`benchmarks/results/([\w.]+\.json)`(?:, `(\w+)`)?\)"
+)
+
+
+def test_performance_figures_quote_their_results():
+    text = (ROOT / "docs" / "performance.md").read_text()
+    quoted = _MEASURED.findall(text)
+    assert quoted, "docs/performance.md quotes no result"
+    for date, command, name, key in quoted:
+        result = json.loads((ROOT / "benchmarks" / "results" / name).read_text())
+        record = result[key] if key else result
+        assert (record["date"], record["command"]) == (date, command), f"{name} {key}: the page and the file disagree"
+    results = {p.name for p in (ROOT / "benchmarks" / "results").glob("*.json")}
+    results -= {"suite_time.json", "local_profile.json"}  # CONTRIBUTING.md's; a planner profile, not a result
+    assert results <= {name for _, _, name, _ in quoted}, "a result in benchmarks/results/ is not on the page"
+
+
+def test_the_readme_is_short_and_keeps_the_setup_contract():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200
+    shell_lines = {line.strip() for lang, block in _blocks(readme) if lang in _SHELLS for _, line in block}
+    assert {SETUP_TRAIN, SETUP_TEST} <= shell_lines
+    assert (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1] == SETUP_TEST
+
+
+def test_the_status_box_says_what_ran_on_a_gpu():
+    """The README says no GPU result is committed exactly while benchmarks/results/ holds none."""
+    status = "\n".join(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith(">"))
+    assert "Not yet run" in status and "NCCL" in status
+    gpu = [p for p in (ROOT / "benchmarks" / "results").glob("*.json") if re.search(r"gpu|h100", p.name, re.I)]
+    says_none = "no GPU measurement is committed yet" in status
+    assert says_none == (not gpu), f"the README's status box is out of date with {[p.name for p in gpu]}"
+
+
+def test_user_text_has_no_issue_numbers_or_commit_hashes():
+    """History belongs in CHANGELOG.md: no "issue 19", no commit of this repository named (a
+    hexadecimal word is a commit when git knows it: node ids and digests are not)."""
+    git = subprocess.run(["git", "rev-list", "--all"], cwd=ROOT, capture_output=True, text=True)
+    commits = git.stdout.split() if git.returncode == 0 else []
+    for path in DOCS:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            where = f"{path.relative_to(ROOT)}:{number}"
+            assert not re.search(r"\bissues? #?\d+", line, re.I), (
+                f"{where}: an issue number; history belongs in CHANGELOG.md"
+            )
+            for word in re.findall(r"\b[0-9a-f]{7,40}\b", line):
+                assert not any(c.startswith(word) for c in commits), (
+                    f"{where}: commit {word}; history belongs in CHANGELOG.md"
+                )
