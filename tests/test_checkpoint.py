@@ -24,7 +24,6 @@ from gloo_harness import run_gloo
 from test_oracle import assert_oracle
 
 from raytrain_hybrid.checkpoint import manifest as checkpoint
-from raytrain_hybrid.checkpoint.reader import SafeFileSystemReader
 from raytrain_hybrid.cli import main as cli
 
 STEPS = 4
@@ -201,23 +200,118 @@ def test_a_finished_run_or_an_earlier_runs_directory_is_not_overwritten(saved_ru
     assert code == 2 and "has done 4 steps already; raise train.steps" in capsys.readouterr().err
 
 
-def test_metadata_pickle_with_foreign_objects_is_not_loaded(saved_run, tmp_path):
-    """DCP's .metadata is a pickle; a crafted one must not run code when read."""
-    out, _ = saved_run
-    bad = tmp_path / "bad"
-    shutil.copytree(out / "checkpoints" / "step_4", bad)
+# ------------------------------------------------------------------ planted checkpoints
+# Anyone who can write the bucket can rewrite a checkpoint and its manifest to match. Two plants
+# that ran a command before the reader was hardened: a .metadata whose pickle names
+# os.system through a DCP module (protocol 4 follows dotted names), and a tensor re-marked as a
+# "bytes" entry, which DCP's default planner hands to torch.load(weights_only=False).
 
-    class Exploit:  # os.system, not print: Ray replaces builtins.print in a process that ran Ray Train
+
+def _global_pickle(module: str, name: str, arg: str | None = None) -> bytes:
+    """Protocol 4 by hand: STACK_GLOBAL(module, name), called with ``arg`` if one is given."""
+    import struct
+
+    def s(text: str) -> bytes:
+        raw = text.encode()
+        return b"\x8c" + struct.pack("<B", len(raw)) + raw  # SHORT_BINUNICODE
+
+    call = b"" if arg is None else s(arg) + b"\x85R"  # TUPLE1, REDUCE
+    return b"\x80\x04" + s(module) + s(name) + b"\x93" + call + b"."
+
+
+def _plant_gadget(step: Path, marker: Path) -> None:
+    gadget = _global_pickle("torch.distributed.checkpoint.filesystem", "os.system", f"touch {marker}")
+    (step / ".metadata").write_bytes(gadget)
+
+
+def _plant_bytes_entry(step: Path, marker: Path) -> None:
+    import io
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    class Payload:
         def __reduce__(self):
-            return (os.system, ("echo pwned",))
+            return (os.system, (f"touch {marker}",))
 
-    (bad / ".metadata").write_bytes(pickle.dumps(Exploit()))
-    reader = SafeFileSystemReader(str(bad))
-    with pytest.raises(pickle.UnpicklingError, match=r"posix\.system"):
-        reader.read_metadata()
-    meta = SafeFileSystemReader(str(out / "checkpoints" / "step_4")).read_metadata()
-    assert "model.model.embed_tokens.weight" in meta.state_dict_metadata
-    assert json.loads((out / "checkpoints" / "step_4" / "manifest.json").read_text())["step"] == 4
+    md = pickle.loads((step / ".metadata").read_bytes())  # the test trusts its own fixture
+    key = "model.model.norm.weight"
+    buf = io.BytesIO()
+    torch.save(Payload(), buf)
+    (step / "__9_0.distcp").write_bytes(buf.getvalue())
+    md.state_dict_metadata[key] = BytesStorageMetadata()
+    md.storage_data = {i: v for i, v in md.storage_data.items() if i.fqn != key}
+    md.storage_data[MetadataIndex(key)] = _StorageInfo("__9_0.distcp", 0, len(buf.getvalue()))
+    (step / ".metadata").write_bytes(pickle.dumps(md))
+
+
+def _rewrite_manifest(step: Path) -> None:
+    """As an attacker would: every file's size and digest made to match."""
+    manifest = json.loads((step / "manifest.json").read_text())
+    names = [p.name for p in step.iterdir() if p.name != "manifest.json"]
+    manifest["files"] = {n: checkpoint.file_digest(step / n) for n in names}
+    (step / "manifest.json").write_text(json.dumps(manifest))
+
+
+PLANTS = {"gadget metadata": _plant_gadget, "bytes entry": _plant_bytes_entry}
+
+
+@pytest.mark.parametrize("plant", list(PLANTS))
+def test_a_planted_checkpoint_runs_no_code_on_resume_export_or_restart(saved_run, tmp_path, plant, capsys):
+    out, _ = saved_run
+    run_dir, marker = tmp_path / "run", tmp_path / "marker"
+    shutil.copytree(out, run_dir)
+    step = run_dir / "checkpoints" / "step_4"
+    PLANTS[plant](step, marker)
+    _rewrite_manifest(step)
+
+    # train --resume: refused on the driver before anything starts.
+    target = tmp_path / "resumed"
+    code = cli(["train", "--resume", str(step), "--set", f"run.output_dir={target}", "--set", "train.steps=6"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"--resume='{step}': is refused: its .metadata" in err, err
+    assert not target.exists()
+    # export: refused the same way, nothing written.
+    assert cli(["export", str(step), str(tmp_path / "hf")]) == 2
+    assert "is refused: its .metadata" in capsys.readouterr().err and not (tmp_path / "hf").exists()
+    # A worker group's start (a restart, an elastic resize) loads without the driver's check:
+    # the workers' own check refuses it, and the reader's planner would refuse a bytes entry anyway.
+    with pytest.raises(AssertionError, match=r"is refused: its \.metadata"):
+        run_gloo([*COMMON, *RESUME_AT["1x1x1"], "train.steps=6", f"run.output_dir={target}"], resume=str(step))
+    if plant == "bytes entry":
+        from types import SimpleNamespace
+
+        from raytrain_hybrid.checkpoint.reader import SafeLoadPlanner, UnsafeCheckpoint, safe_load
+
+        with pytest.raises(UnsafeCheckpoint, match="BytesStorageMetadata, which a checkpoint never holds"):
+            safe_load({"model": {"model.model.norm.weight": torch.zeros(128)}}, step, no_dist=True)
+        # Were a bytes entry to get past the metadata check, the planner would not unpickle it.
+        item = SimpleNamespace(dest_index=SimpleNamespace(fqn="model.model.norm.weight"))
+        with pytest.raises(UnsafeCheckpoint, match="never unpickles"):
+            SafeLoadPlanner().load_bytes(item, (step / "__9_0.distcp").open("rb"))
+    assert not marker.exists()
+    # A run directory whose newest checkpoint is planted resumes from the one before it.
+    path, manifest = checkpoint.resolve(run_dir)
+    assert path.name == "step_3" and manifest["step"] == 3
+
+
+def test_metadata_reader_admits_exact_pairs_only(saved_run):
+    """The unpickler's list is (module, name) pairs: no prefix of a module, no dotted name."""
+    from raytrain_hybrid.checkpoint.reader import ALLOWED, UnsafeCheckpoint, parse_metadata
+
+    out, _ = saved_run
+    md = parse_metadata((out / "checkpoints" / "step_4" / ".metadata").read_bytes())
+    assert "model.model.embed_tokens.weight" in md.state_dict_metadata
+    assert all("." not in name for _, name in ALLOWED)
+    refused = [
+        ("torch.distributed.checkpoint.filesystem", "os.system"),
+        ("posix", "system"),
+        ("torch.distributed.checkpoint.metadata", "Metadata.__class__"),
+        ("builtins", "eval"),
+    ]
+    for module, name in refused:
+        with pytest.raises(UnsafeCheckpoint, match="which a checkpoint never holds"):
+            parse_metadata(_global_pickle(module, name))
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
@@ -235,3 +329,88 @@ def test_a_save_that_fails_half_way_fails_the_run_and_keeps_the_previous_checkpo
     assert not (ckpts / "step_2.partial" / "manifest.json").exists()
     path, manifest = checkpoint.resolve(out)
     assert path.name == "step_1" and manifest["step"] == 1
+
+
+# ------------------------------------------------------------------ a resume continues its run
+
+CHANGES = {
+    "train.global_batch_size=32": ("train.global_batch_size", "train.global_batch_size=16"),
+    "train.lr=0.01": ("train.lr", "train.lr=0.0"),
+    "train.warmup_steps=5": ("train.warmup_steps", "train.warmup_steps=2"),
+    "train.seed=7": ("train.seed", "train.seed=0"),
+    "data.shuffle_seed=3": ("data.shuffle_seed", "data.shuffle_seed=0"),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_resume_that_changes_the_trajectory_is_refused_naming_the_key(saved_run, tmp_path, change, capsys):
+    out, _ = saved_run
+    key, was = CHANGES[change]
+    target = tmp_path / "r"
+    sets = [*COMMON[1:], change, "train.steps=6", f"run.output_dir={target}"]
+    code = cli(["train", "--resume", str(out), *[a for s in sets for a in ("--set", s)]])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"{change.split('=')[0]}=" in err and f"was trained with {was}" in err, err
+    assert f"--allow-change {key}" in err and not target.exists()
+
+
+def test_allowed_changes_and_new_data_are_said_and_checked(saved_run, tmp_path):
+    """--allow-change lets a key differ (a data change starts the data over); a changed
+    tokenizer or data set is refused by content, whatever its path."""
+    from raytrain_hybrid.config import load_config
+    from raytrain_hybrid.data.tokenizer import DEFAULT_TOKENIZER
+    from raytrain_hybrid.errors import ConfigError
+    from raytrain_hybrid.launch.driver import check_resume
+
+    out, _ = saved_run
+    said: list[str] = []
+    cfg = load_config(None, [*COMMON, "train.steps=6", "train.lr=0.01", f"run.output_dir={tmp_path / 'a'}"])
+    point = check_resume(cfg, str(out), ["train.lr"], said.append)
+    assert point.data_origin == 0 and said == [
+        "resume: train.lr differs from the checkpoint's (allowed by --allow-change)"
+    ]
+    cfg = load_config(None, [*COMMON, "train.steps=6", "train.global_batch_size=8", f"run.output_dir={tmp_path / 'b'}"])
+    point = check_resume(cfg, str(out), ["train.global_batch_size"], said.append)
+    assert point.data_origin == 4 and said[-1] == "resume: the data starts from its beginning at step 5"
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text(DEFAULT_TOKENIZER.read_text().replace('"unk_token":null', '"unk_token": null'))
+    tok.write_bytes(tok.read_bytes() + b"\n")  # another file, however small the difference
+    cfg = load_config(None, [*COMMON, "train.steps=6", f"data.tokenizer={tok}", f"run.output_dir={tmp_path / 'c'}"])
+    with pytest.raises(ConfigError, match="data.tokenizer=.*its tokenizer.json differ.*--allow-change data.tokenizer"):
+        check_resume(cfg, str(out))
+    with pytest.raises(ConfigError, match="--allow-change='train.steps': is not a key a resume compares"):
+        check_resume(cfg, str(out), ["train.steps"])
+
+
+def test_the_skipped_stream_stands_where_the_checkpoint_recorded(tmp_path):
+    """After skipping a resumed run's steps, the stream's position is the one the run recorded at
+    that step (what ReplicaFeed compares with the manifest); other data gives another one."""
+    import numpy as np
+    import pyarrow as pa
+
+    from raytrain_hybrid.data.stream import ReplicaStream
+
+    class Rows:
+        def __init__(self, docs):
+            self.docs = docs
+
+        def iter_batches(self, batch_size, batch_format):
+            for i in range(0, len(self.docs), batch_size):
+                yield pa.table({"input_ids": self.docs[i : i + batch_size]})
+
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 100, rng.integers(5, 40)).tolist() for _ in range(200)]
+
+    def stream(d, skip):
+        return ReplicaStream(Rows(d), "input_ids", 16, 100, global_batch=4, dp=1, dp_rank=0, seed=0, skip_steps=skip)
+
+    full = stream(docs, 0)
+    recorded = [full.position.manifest_entry() for _ in zip(range(3), full, strict=False)][-1]  # after step 3
+    resumed = stream(docs, 3)
+    first = next(iter(resumed))
+    assert resumed.position.skipped_to == recorded and resumed.position.steps == 4
+    assert np.array_equal(first, next(iter(stream(docs, 3))))
+    other = stream(docs[1:], 3)
+    next(iter(other))
+    assert other.position.skipped_to != recorded

@@ -11,8 +11,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import posixpath
 import re
 from pathlib import Path
+
+import pyarrow.fs as pafs
 
 from raytrain_hybrid.config import layout_dict
 from raytrain_hybrid.errors import ConfigError
@@ -64,8 +67,12 @@ def step_dirs(root: str | Path | Store) -> list[Store]:
     return [p for _, p in sorted(found) if p.is_dir()]
 
 
-def verify(path: str | Path | Store, key: str = "--resume") -> dict:
-    """The manifest of a checkpoint whose every file is there, whole and unchanged."""
+def verify(path: str | Path | Store, key: str = "--resume", digests: bool = True) -> dict:
+    """The manifest of a checkpoint whose every file is there, whole and unchanged, and whose
+    DCP metadata is data this trainer reads (checkpoint.reader: tensors only, no code).
+
+    ``digests``: also compare every file's SHA-256 (the driver's check before a run or an
+    export); without, sizes only (a worker group's restart: a listing, no reads)."""
     path = as_store(path, key)
     manifest_path = path.child(MANIFEST)
     if not manifest_path.is_file():
@@ -76,22 +83,43 @@ def verify(path: str | Path | Store, key: str = "--resume") -> dict:
         manifest = json.loads(manifest_path.read_text())
         files = manifest["files"]
         int(manifest["step"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(key, str(path), f"has an unreadable {MANIFEST}: {exc}") from exc
+        sizes = {str(name): int(want["size"]) for name, want in files.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ConfigError(key, str(path), f"has an unreadable {MANIFEST}: {exc!r}") from exc
     if manifest.get("format") != FORMAT:
         raise ConfigError(
             key, str(path), f"has checkpoint format {manifest.get('format')}; this version reads {FORMAT}"
         )
+    for name in sorted(files):
+        if name != posixpath.basename(name) or name in ("", ".", ".."):
+            raise ConfigError(key, str(path), f"has a {MANIFEST} naming {name!r}, not a file of the checkpoint")
+    # One listing for the sizes (on object storage one request, not one per file).
+    on_storage = {i.base_name: i for i in path.fs.get_file_info(pafs.FileSelector(path.path)) if i.is_file}
     for name, want in sorted(files.items()):
-        f = path.child(name)
-        if not f.is_file():
+        got = on_storage.get(name)
+        if got is None:
             raise ConfigError(key, str(path), f"is missing the shard {name} (of {len(files)} files)")
-        got = file_digest(f)
-        if got["size"] != want["size"]:
-            raise ConfigError(key, str(path), f"has a truncated {name}: {got['size']} bytes, {want['size']} written")
-        if got["sha256"] != want["sha256"]:
+        if got.size != sizes[name]:
+            raise ConfigError(key, str(path), f"has a truncated {name}: {got.size} bytes, {sizes[name]} written")
+        if digests and file_digest(path.child(name))["sha256"] != want.get("sha256"):
             raise ConfigError(key, str(path), f"has a corrupted {name}: its SHA-256 differs from the one written")
+    _check_metadata(path, files, key)
     return manifest
+
+
+def _check_metadata(path: Store, files: dict, key: str) -> None:
+    """DCP's .metadata read as data (never as code), and naming only shards the manifest lists."""
+    from raytrain_hybrid.checkpoint.reader import METADATA, UnsafeCheckpoint, parse_metadata
+
+    if METADATA not in files:
+        raise ConfigError(key, str(path), f"has a {MANIFEST} that does not list {METADATA}")
+    try:
+        md = parse_metadata(path.child(METADATA).read_bytes())
+    except UnsafeCheckpoint as exc:
+        raise ConfigError(key, str(path), f"is refused: its {METADATA} {exc} (nothing was loaded)") from None
+    unlisted = sorted({info.relative_path for info in md.storage_data.values()} - set(files))
+    if unlisted:
+        raise ConfigError(key, str(path), f"has a {METADATA} naming shards its {MANIFEST} does not list: {unlisted}")
 
 
 def resolve(path: str | Path | Store, key: str = "--resume") -> tuple[Store, dict]:
