@@ -151,7 +151,7 @@ def _argument(action: argparse.Action, prog: str) -> str:
     if action.choices and not isinstance(action.choices, dict):
         line += " Choices: " + ", ".join(f"`{c}`" for c in action.choices) + "."
     shown = action.default not in (None, False, [], "", argparse.SUPPRESS) and action.nargs != 0
-    if shown and "default" not in help_text:
+    if shown and "default" not in help_text.lower() and f"({action.default})" not in help_text:
         line += f" Default: `{action.default}`."
     return line + "\n"
 

@@ -295,3 +295,14 @@ def test_user_text_has_no_issue_numbers_or_commit_hashes():
                 assert not any(c.startswith(word) for c in commits), (
                     f"{where}: commit {word}; history belongs in CHANGELOG.md"
                 )
+
+
+def test_the_top_level_pages_link_to_files_that_exist():
+    """README.md, CONTRIBUTING.md and CHANGELOG.md are read on the forge, outside the site's
+    strict build: each relative link of theirs must name a file of the repository."""
+    for name in ("README.md", "CONTRIBUTING.md", "CHANGELOG.md"):
+        text = (ROOT / name).read_text()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if "://" in target or target.startswith("#"):
+                continue
+            assert (ROOT / target.split("#")[0]).exists(), f"{name} links to {target}, which does not exist"
