@@ -4,6 +4,7 @@ the same calls, the same results, the endpoint and keys from the environment onl
 from __future__ import annotations
 
 import pytest
+import torch
 from s3_server import s3_server
 
 from raytrain_hybrid.errors import ConfigError
@@ -101,13 +102,17 @@ def test_a_save_cut_short_on_s3_is_passed_over_and_does_not_block_the_resume(s3,
     run = f"s3://bucket/{tmp_path.name}/cut"
     cfg = load_config(None, ["train.steps=6", f"run.output_dir={run}"])
     root = open_store(run)
+    files = _dcp_files(tmp_path / "dcp", {"x": torch.zeros(4)})
     manifest = {"format": FORMAT, "step": 2, "launch_id": "a", "world_size": 1, "layout": layout_of(cfg),
-                "config": cfg.to_dict(), "data_position": {}, "files": {}}  # fmt: skip
+                "config": cfg.to_dict(), "data_position": {}, "files": files}  # fmt: skip
+    root.child("checkpoints", "step_2").upload(str(tmp_path / "dcp"))
     root.child("checkpoints", "step_2", "manifest.json").write_text(json.dumps(manifest))
     root.child("checkpoints", "step_4", "__0_0.distcp").write_bytes(b"shard")  # the save that was cut short
     root.child("metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(3)))
-    path, history = check_resume(cfg, run)
+    point = check_resume(cfg, run)
+    path, history = point.path, point.history
     assert path == f"{run}/checkpoints/step_2" and [h["step"] for h in history] == [0, 1]
+    root.child("checkpoints", "step_4").upload(str(tmp_path / "dcp"))
     root.child("checkpoints", "step_4", "manifest.json").write_text(json.dumps({**manifest, "step": 4}))
     with pytest.raises(ConfigError, match="would overwrite the later step_4"):  # a complete one is kept
         check_resume(cfg, f"{run}/checkpoints/step_2")
@@ -149,20 +154,33 @@ def test_the_driver_files_reach_the_uri_when_a_checkpoint_completes(s3, tmp_path
         shutil.rmtree(run_dir.local)
 
 
-def test_a_checkpoint_rewritten_at_the_same_uri_is_downloaded_again(s3, tmp_path):
-    """Nodes keep a downloaded checkpoint in their temp dir for the ranks after the first; when
-    the URI holds another checkpoint later (a run continuing in place, a rerun into the same
-    output directory), the old copy must not be loaded (it passes its own digests)."""
-    from raytrain_hybrid.checkpoint.state import local_copy
+def _dcp_files(directory, state: dict) -> dict:
+    """A real DCP checkpoint of ``state`` in ``directory`` (one process); its manifest's files."""
+    import torch.distributed.checkpoint as dcp
+
+    from raytrain_hybrid.checkpoint.manifest import file_digest
+
+    dcp.save(state, checkpoint_id=str(directory), no_dist=True)
+    return {p.name: file_digest(p) for p in directory.iterdir()}
+
+
+def test_a_checkpoint_on_s3_is_read_by_byte_range_not_copied(s3, tmp_path):
+    """A rank loading from object storage reads the byte ranges of the entries it loads, straight
+    from the bucket: nothing is copied to the node's disk, and a checkpoint rewritten at the same
+    URI (a run continuing in place) is read as it is now."""
+    from raytrain_hybrid.checkpoint.reader import safe_load
 
     step = open_store(f"s3://bucket/{tmp_path.name}/checkpoints/step_2")
-    for version in (b"first", b"second"):
-        shards = tmp_path / version.decode()
-        shards.mkdir()
-        (shards / "__0_0.distcp").write_bytes(version * 100)
-        (shards / "manifest.json").write_text(f'{{"step": 2, "files": {{"__0_0.distcp": "{version.decode()}"}}}}')
+    for version in (1.0, 2.0):
+        local = tmp_path / f"v{version}"
+        state = {f"w{i}": torch.full((256, 256), version + i) for i in range(8)}
+        _dcp_files(local, state)
         step.delete()
-        step.upload(str(shards))
-        copy = local_copy(step.uri)
-        assert (copy / "__0_0.distcp").read_bytes() == version * 100, version
-    assert local_copy(step.uri) == copy  # unchanged on storage: the copy is reused
+        step.upload(str(local))
+        want = {"w3": torch.zeros(256, 256)}
+        reader = safe_load(want, step.uri, no_dist=True)
+        assert torch.equal(want["w3"], state["w3"]), version
+        total = sum(p.stat().st_size for p in local.iterdir())
+        metadata = (local / ".metadata").stat().st_size
+        # One entry of eight, and the metadata: about an eighth of the shard, not the file.
+        assert reader.bytes_read < metadata + 1.1 * (total - metadata) / 8, (reader.bytes_read, total)

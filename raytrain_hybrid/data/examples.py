@@ -70,8 +70,7 @@ class ExampleStream:
                     continue
                 self.position.samples_in_epoch += self.global_batch
                 self.position.documents_in_epoch = self.position.samples_in_epoch
-                self.position.steps += 1
-                if self.position.steps > self.skip_steps:
+                if self.position.step_done(self.skip_steps):
                     mine = held[lo:hi]
                     yield {"tokens": np.stack([t for t, _ in mine]), "label_mask": np.stack([m for _, m in mine])}
                 held = []

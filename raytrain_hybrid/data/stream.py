@@ -65,6 +65,17 @@ class StreamPosition:
     documents_in_epoch: int = 0
     steps: int = 0
 
+    # Where the stream stood after the last step it skipped (a resumed run), as manifest_entry.
+    skipped_to: dict | None = field(default=None, compare=False)
+
+    def step_done(self, skip_steps: int) -> bool:
+        """Count a global batch; True when it is one to train on, past the ``skip_steps`` a
+        resumed run has done already (at the last of those, remember where the stream stood)."""
+        self.steps += 1
+        if self.steps == skip_steps:
+            self.skipped_to = self.manifest_entry()
+        return self.steps > skip_steps
+
     def manifest_entry(self) -> dict:
         """The checkpoint manifest's ``data_position``. Its keys predate the name "sample" (it
         was "window" for both kinds) and stay, so that every manifest reads alike."""
@@ -146,8 +157,7 @@ class ReplicaStream:
         for window in self._windows():
             batch.append(window)
             if len(batch) == self.global_batch:
-                self.position.steps += 1
-                if self.position.steps > self.skip_steps:
+                if self.position.step_done(self.skip_steps):
                     yield np.stack(batch[lo:hi])
                 batch = []
 
@@ -195,8 +205,7 @@ class RowStream:
                     held = []
                     self.position.samples_in_epoch += self.global_batch
                     self.position.documents_in_epoch = self.position.samples_in_epoch
-                    self.position.steps += 1
-                    if self.position.steps > self.skip_steps:
+                    if self.position.step_done(self.skip_steps):
                         yield {k: v[lo:hi] for k, v in step_rows.items()}
             if self.position.samples_in_epoch == 0:
                 raise ValueError(

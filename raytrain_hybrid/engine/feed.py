@@ -28,7 +28,18 @@ class ReplicaFeed:
 
     OK, END, ERROR = 1, 0, 2
 
-    def __init__(self, cfg: Config, meshes, dims: ParallelDims, dp_rank: int, dataset_fn, skip_steps: int = 0) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        meshes,
+        dims: ParallelDims,
+        dp_rank: int,
+        dataset_fn,
+        skip_steps: int = 0,
+        expect: dict | None = None,
+    ) -> None:
+        """``expect``: where the stream must stand after skipping ``skip_steps`` (the resumed
+        checkpoint's data_position, which replica 0's leader recorded; checked there)."""
         from raytrain_hybrid.data.examples import example_stream
         from raytrain_hybrid.data.stream import replica_stream
 
@@ -44,6 +55,7 @@ class ReplicaFeed:
             # Chat / prompt_completion: one example a row, with its label mask (data.examples).
             make = example_stream if cfg.data.format != "text" else replica_stream
             self.stream = make(cfg, dataset_fn(), dp=dims.dp, dp_rank=dp_rank, skip_steps=skip_steps)
+        self.expect = expect if (skip_steps and dp_rank == 0 and expect) else None
         self._pending = None
         if self.leader:
             # Read in a thread from the start: Ray Data's executor spins up while the model builds.
@@ -53,10 +65,21 @@ class ReplicaFeed:
     def _read(self) -> None:
         try:
             for rows in self.stream:
+                if self.expect is not None:
+                    self._check_skip()
                 self._queue.put((rows, dataclasses.replace(self.stream.position)))
             self._queue.put(StopIteration())
         except Exception as exc:  # handed to the training thread, which broadcasts it
             self._queue.put(exc)
+
+    def _check_skip(self) -> None:
+        got, self.expect, want = self.stream.position.skipped_to, None, self.expect
+        if got != want:
+            raise ValueError(
+                f"after skipping the steps the checkpoint has done, the data stands at {got}, but the checkpoint "
+                f"recorded {want}: the data under data.path is not what it was trained on (or is read in another "
+                "order); resume with the same data, or start it from its beginning with --allow-change data.path"
+            )
 
     def _post(self):
         status = torch.zeros(1, dtype=torch.int64, device=self.device)

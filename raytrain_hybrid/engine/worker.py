@@ -67,6 +67,8 @@ def run_worker(
     notice: Callable[[], bool] | None = None,
     on_notice: Callable[[int, bool | None], None] | None = None,
     end: int | None = None,
+    data_origin: int | None = None,
+    trajectory: dict | None = None,
 ) -> dict:
     """Train up to ``cfg.train.steps`` steps; returns per-step metrics and this rank's memory stats.
 
@@ -81,6 +83,10 @@ def run_worker(
     ``on_checkpoint(steps_done, directory, metrics)`` runs on every rank, at the same step
     boundary, once a save is complete (a background save: a step or more after it started;
     ``metrics`` are those of the step it saved, with the save's timings).
+    ``data_origin``: the step at which this run's data began (0; a resume that starts a new
+    data set from its beginning: the step it resumed at), so the stream skips the steps since
+    then; None: the resumed checkpoint's own. ``trajectory``: what the driver recorded of the
+    run's trajectory (checkpoint.trajectory), written into every manifest.
     ``marks`` collects the wall-clock times and process CPU of the start-up phases (:func:`mark`;
     rank 0's are reported).
     ``notice()``: whether this rank has heard that a node of the group is about to go (a
@@ -94,10 +100,15 @@ def run_worker(
     # each replica accumulating more or fewer micro-batches (config.elastic).
     cfg = at_world(cfg, dist.get_world_size())
     dims, mesh, device = join_mesh(cfg, node_id, use_gpu, device, marks)
-    start = read_manifest(resume)["step"] if resume else 0
+    manifest = read_manifest(resume) if resume else {}
+    start = manifest.get("step", 0)
+    origin = manifest.get("data_origin", 0) if data_origin is None else data_origin
+    # Where the skipped stream must stand: the checkpoint's own position, if its data goes on.
+    expect = manifest.get("data_position") if origin == manifest.get("data_origin", 0) else None
     feed = None
     if dataset_fn is not None:  # before the model: the reader starts while the model builds
-        feed = ReplicaFeed(cfg, mesh, dims, mesh.dp.get_local_rank(), dataset_fn, skip_steps=start)
+        dp_rank = mesh.dp.get_local_rank()
+        feed = ReplicaFeed(cfg, mesh, dims, dp_rank, dataset_fn, skip_steps=start - origin, expect=expect)
     mark(marks, "mesh_built")
     trainer = Trainer(cfg, dims, mesh, device)
     mark(marks, "model_built")
@@ -118,7 +129,7 @@ def run_worker(
         validation=validation,
         on_step=on_step if dist.get_rank() == 0 else None,
         on_checkpoint=on_checkpoint,
-        writer=CheckpointWriter(cfg, launch_id) if cfg.checkpoint.interval else None,
+        writer=CheckpointWriter(cfg, launch_id, trajectory, origin) if cfg.checkpoint.interval else None,
         marks=marks,
         notice=notice,
         on_notice=on_notice,

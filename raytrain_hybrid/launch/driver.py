@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import os
 import sys
 import threading
 import time
@@ -18,7 +19,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from raytrain_hybrid.checkpoint.manifest import MANIFEST, check_compatible, resolve, step_dirs, step_number
+from raytrain_hybrid.checkpoint.manifest import check_compatible, resolve, step_dirs, step_number, verify
+from raytrain_hybrid.checkpoint.trajectory import check_allowed, check_trajectory, data_restarts, describe
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.config.elastic import is_elastic
 from raytrain_hybrid.errors import ConfigError
@@ -27,6 +29,7 @@ from raytrain_hybrid.launch.autoscale import POLL_S, ScalerProbe, StartupTimeout
 from raytrain_hybrid.launch.elastic import make_torch_trainer, scaling_workers, start_line, worker_counts
 from raytrain_hybrid.launch.entry import train_loop_per_worker
 from raytrain_hybrid.launch.inputs import build_datasets, prepare_input, reader_env, steps_to_train
+from raytrain_hybrid.launch.lease import acquire
 from raytrain_hybrid.launch.placement import worker_resources
 from raytrain_hybrid.launch.preflight import check_placement, waiting_for
 from raytrain_hybrid.launch.progress import RunLog
@@ -39,10 +42,22 @@ from raytrain_hybrid.planner.hardware import Hardware
 from raytrain_hybrid.storage import open_store
 
 
-def check_resume(cfg: Config, resume: str | None) -> tuple[str | None, list[dict]]:
-    """Before anything starts: the checkpoint to resume is intact and fits this config, and no
-    earlier run's checkpoints in run.output_dir would be overwritten. Returns the checkpoint
-    (path or URI) and the metrics history to keep (the resumed run's, when it continues in place)."""
+@dataclasses.dataclass(frozen=True)
+class ResumePoint:
+    """Where a run starts: the checkpoint (None: from scratch), the metrics history to keep,
+    the run's trajectory record (checkpoint.trajectory) and the step its data began at."""
+
+    path: str | None
+    history: list[dict]
+    trajectory: dict
+    data_origin: int = 0
+
+
+def check_resume(cfg: Config, resume: str | None, allow_change: list[str] | None = None, say=print) -> ResumePoint:
+    """Before anything starts: the checkpoint to resume is intact, fits this config and continues
+    its trajectory (or the change is allowed: ``allow_change``), and no earlier run's checkpoints
+    in run.output_dir would be overwritten. The history kept is the resumed run's, when it
+    continues in place."""
     out = open_store(cfg.run.output_dir)
     ckpt_root = out.child("checkpoints")
     existing = step_dirs(ckpt_root)
@@ -55,12 +70,28 @@ def check_resume(cfg: Config, resume: str | None) -> tuple[str | None, list[dict
                 f"--resume {out.uri}, or choose another run.output_dir",
             )
         ckpt_root.child("checkpoint_manager_snapshot.json").delete()  # Ray's, of a run with none
-        return None, []
+        return ResumePoint(None, [], describe(cfg))
+    allowed = check_allowed(allow_change or [])
     path, manifest = resolve(resume)
     check_compatible(cfg, manifest, path)
+    changed = check_trajectory(cfg, manifest, path, allowed)
+    origin = manifest.get("data_origin", 0)
+    for key in changed:
+        say(f"resume: {key} differs from the checkpoint's (allowed by --allow-change)")
+    if data_restarts(changed):
+        origin = manifest["step"]
+        say(f"resume: the data starts from its beginning at step {origin + 1}")
     # Only complete ones: on object storage a save cut short (a lost node, a killed job) leaves
     # step_<N>/ without its manifest, which the next save of step N replaces.
-    later = [p for p in existing if step_number(p) > manifest["step"] and p.child(MANIFEST).exists()]
+    if existing and path.parent.uri != ckpt_root.uri:
+        raise ConfigError(
+            "run.output_dir",
+            out.uri,
+            f"holds checkpoints of another run ({existing[-1].name}); resuming {path} there would mix and prune "
+            "them: resume into an empty run.output_dir (--set run.output_dir=...), or continue that run with "
+            f"--resume {out.uri}",
+        )
+    later = [p for p in existing if step_number(p) > manifest["step"] and _intact(p)]
     if later:
         raise ConfigError(
             "run.output_dir",
@@ -72,30 +103,62 @@ def check_resume(cfg: Config, resume: str | None) -> tuple[str | None, list[dict
     metrics = out.child("metrics.jsonl")
     if path.parent.uri == ckpt_root.uri and metrics.exists():  # continuing in place: keep the steps before
         history = [h for h in map(json.loads, metrics.read_text().splitlines()) if h["step"] < manifest["step"]]
-    return path.uri, history
+    return ResumePoint(path.uri, history, describe(cfg), origin)
 
 
-def run(cfg: Config, resume: str | None = None, stream=None, driver_log: Path | None = None) -> dict:
+def _intact(path) -> bool:
+    """A complete checkpoint by its sizes and metadata (a broken one is not "later" than a resume)."""
+    try:
+        verify(path, digests=False)
+    except ConfigError:
+        return False
+    return True
+
+
+def run(
+    cfg: Config,
+    resume: str | None = None,
+    stream=None,
+    driver_log: Path | None = None,
+    allow_change: list[str] | None = None,
+) -> dict:
     """Train on Ray; write metrics.jsonl and summary.json to run.output_dir; return the summary.
 
     ``resume``: a checkpoint directory, or a run directory meaning its newest checkpoint.
     ``stream``: where progress goes (default sys.stdout).
     ``driver_log``: the driver's log as it is written (the CLI's), kept as driver.log at every
     checkpoint and at the end.
+    ``allow_change``: trajectory keys a resume may change on purpose (checkpoint.trajectory).
     """
-    import ray
-    from ray.util.queue import Queue
-
     marks = {"launched": time.time()}
     check_tracking(cfg)  # run.tracking's package, before Ray starts
     use_train_v2()  # refused before Ray starts when a user turned Ray Train V2 off
-    cfg, resume, kept_history = prepare_run_dir(cfg, resume)
     said: list[str] = []  # what is printed before the run (RunLog does not repeat it)
 
     def say(line: str) -> None:
         said.append(line)
         print(line, file=stream or sys.stdout, flush=True)
 
+    cfg, point = prepare_run_dir(cfg, resume, allow_change, say)
+    out = open_store(cfg.run.output_dir)
+    fresh = not out.exists()
+    lease = acquire(out.uri)  # one run per output directory, from here to the end (launch.lease)
+    try:
+        lease.start_renewing()
+        return _run_leased(cfg, point, marks, say, said, stream, driver_log)
+    finally:
+        lease.release()
+        if fresh and out.local:  # a run refused after the lease leaves no empty directory behind
+            with contextlib.suppress(OSError):
+                os.rmdir(out.path)
+
+
+def _run_leased(cfg: Config, point: ResumePoint, marks: dict, say, said: list[str], stream, driver_log) -> dict:
+    """The run, once its checks passed and it holds run.output_dir's lease."""
+    import ray
+    from ray.util.queue import Queue
+
+    resume, kept_history = point.path, point.history
     cfg, use_gpu, resources, layout_hw = open_session(cfg, marks, say)
     open_store(cfg.run.output_dir).makedirs()  # only now: a refused run leaves nothing behind
     cfg = prepare_input(cfg, say=say)
@@ -120,6 +183,7 @@ def run(cfg: Config, resume: str | None = None, stream=None, driver_log: Path | 
         tracking=tracking,
         layout_hw=layout_hw,
         end=end,
+        point=point,
     )
     run_dir = RunDir.open(cfg.run.output_dir, fresh=True)
     # config.json from the start: it reaches the output URI with the first checkpoint.
@@ -153,13 +217,14 @@ def sink_options() -> dict:
     return {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=False)}
 
 
-def prepare_run_dir(cfg: Config, resume: str | None) -> tuple[Config, str | None, list[dict]]:
+def prepare_run_dir(
+    cfg: Config, resume: str | None, allow_change: list[str] | None = None, say=print
+) -> tuple[Config, ResumePoint]:
     """run.output_dir as workers on any node reach it (a local path made absolute, a URI as
     it is), and the resume checked (see check_resume)."""
     out = open_store(cfg.run.output_dir)
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, output_dir=out.uri))
-    resume, kept_history = check_resume(cfg, resume)
-    return cfg, resume, kept_history
+    return cfg, check_resume(cfg, resume, allow_change, say)
 
 
 def open_session(cfg: Config, marks: dict, say=print) -> tuple[Config, bool, dict[str, float], Hardware | None]:
@@ -188,6 +253,7 @@ def make_trainer(
     tracking=None,
     layout_hw: Hardware | None = None,
     end: int | None = None,
+    point: ResumePoint | None = None,
 ):
     """The run's TorchTrainer, with its Ray Datasets (unless data.path is "memory")."""
     use_train_v2()  # before the driver first imports ray.train (below, and data.ray_data in build_datasets)
@@ -206,6 +272,9 @@ def make_trainer(
             "resume": resume,
             "launch_id": uuid.uuid4().hex,
             "end": end,  # the steps the run trains (launch.inputs.steps_to_train)
+            # The trajectory every manifest records, and the step this run's data began at.
+            "trajectory": point.trajectory if point else None,
+            "data_origin": point.data_origin if point else None,
             "data_env": data_env,
             "tracking": tracking,  # rank 0's tracker run (launch.tracking.TrackerRun), or None
             # An elastic run with layout=auto: the profile each start's pick is priced on.

@@ -7,9 +7,10 @@ import posixpath
 import time
 from typing import Any
 
-from raytrain_hybrid.checkpoint.manifest import MANIFEST, read_manifest, step_dirs
+from raytrain_hybrid.checkpoint.manifest import MANIFEST, read_manifest, step_dirs, verify
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.config.elastic import at_world
+from raytrain_hybrid.errors import ConfigError
 from raytrain_hybrid.launch.tracking import StepLogger
 from raytrain_hybrid.storage import open_store
 
@@ -85,6 +86,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             notice=preemption_notice(),
             on_notice=on_notice,
             end=loop_config.get("end"),
+            data_origin=loop_config.get("data_origin"),
+            trajectory=loop_config.get("trajectory"),
         )
     if rank == 0 and sink is not None:
         sink.put(("done", {"memory": result["memory"], "marks": result["marks"]}))
@@ -152,8 +155,14 @@ def _restart_point(cfg: Config, loop_config: dict) -> tuple[str | None, bool]:
     latest = ray.train.get_checkpoint()
     heard = posixpath.basename(latest.path.rstrip("/")) if latest is not None else None
     for path in reversed(step_dirs(open_store(cfg.run.output_dir).child("checkpoints"))):
-        if path.child(MANIFEST).exists() and read_manifest(path).get("launch_id") == loop_config["launch_id"]:
-            return path.uri, path.name != heard
+        if not path.child(MANIFEST).exists() or read_manifest(path).get("launch_id") != loop_config["launch_id"]:
+            continue
+        try:  # sizes and metadata (a listing and one small file): a damaged one falls back to the one before
+            verify(path, digests=False)
+        except ConfigError as exc:
+            print(f"restart: skipping {path.name}: {exc}", flush=True)
+            continue
+        return path.uri, path.name != heard
     return loop_config.get("resume"), False
 
 

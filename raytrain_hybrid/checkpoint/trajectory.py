@@ -1,0 +1,141 @@
+"""What defines a run's trajectory, recorded in every checkpoint and compared on resume.
+
+A resumed run must continue the run it resumes: the same batches in the same order at the same
+learning rate. Today's config is compared with the checkpoint's before any worker starts; a
+difference is refused, naming the key, both values and the flag that allows it on purpose
+(``train --allow-change KEY``). Raising train.steps to continue is not a difference.
+
+Data is compared by what it is, not where it is: a digest of the listing of data.path (file
+names relative to it, and sizes), and of the tokenizer file raw text goes through, so moving
+the same files to another bucket resumes, and replacing them does not, silently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pyarrow.fs as pafs
+
+from raytrain_hybrid.errors import ConfigError
+from raytrain_hybrid.storage import as_store
+
+# Config keys whose value shapes the batches, their order or the learning rate at each step.
+CONFIG_KEYS = (
+    "train.global_batch_size",
+    "train.seed",
+    "train.lr",
+    "train.min_lr_ratio",
+    "train.warmup_steps",
+    "data.shuffle_seed",
+    "data.shuffle_buffer",
+    "data.format",
+    "data.epochs",
+)
+# Recorded digests: the data files under data.path, and the tokenizer (None: could not be read).
+DATA_KEY, TOKENIZER_KEY = "data.path", "data.tokenizer"
+# The keys that say which data, in which order.
+DATA_KEYS = (DATA_KEY, TOKENIZER_KEY, "data.shuffle_seed", "data.shuffle_buffer", "data.format", "data.epochs")
+ALLOWABLE = (*CONFIG_KEYS, DATA_KEY, TOKENIZER_KEY)
+# Allowed changes after which the data starts from its beginning: skipping the steps done means
+# nothing in another data set, order or batch size.
+RESTARTS_DATA = (*DATA_KEYS, "train.global_batch_size")
+
+
+def _value(cfg, dotted: str):
+    section, key = dotted.split(".")
+    return getattr(getattr(cfg, section), key)
+
+
+def _digest(parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def data_digest(path: str) -> str | None:
+    """The listing of data.path (names relative to it, sizes), as a digest; "memory" as itself."""
+    if path in ("memory", "builtin", ""):
+        return path
+    try:
+        store = as_store(path, DATA_KEY)
+        info = store.fs.get_file_info(store.path)
+        if info.type == pafs.FileType.File:
+            return _digest([[info.base_name, info.size]])
+        infos = store.fs.get_file_info(pafs.FileSelector(store.path, recursive=True))
+    except (OSError, ConfigError):
+        return None
+    root = store.path.rstrip("/") + "/"
+    return _digest(sorted([i.path.removeprefix(root), i.size] for i in infos if i.type == pafs.FileType.File))
+
+
+def tokenizer_digest(cfg) -> str | None:
+    """The tokenizer.json raw text goes through (the shipped one by default), as a digest."""
+    from raytrain_hybrid.data.tokenizer import DEFAULT_TOKENIZER, tokenizer_source
+
+    if cfg.data.text_columns:  # classifiers: the pretrained model's tokenizer is part of model.pretrained
+        return None
+    source = tokenizer_source(cfg) or str(DEFAULT_TOKENIZER)
+    try:
+        store = as_store(source, TOKENIZER_KEY)
+        if not source.endswith(".json"):
+            store = store.child("tokenizer.json")
+        return hashlib.sha256(store.read_bytes()).hexdigest()
+    except (OSError, ConfigError):
+        return None
+
+
+def describe(cfg) -> dict:
+    """The trajectory of a run with this (resolved) config, as the manifest records it."""
+    return {
+        **{key: _value(cfg, key) for key in CONFIG_KEYS},
+        DATA_KEY: data_digest(cfg.data.path),
+        TOKENIZER_KEY: tokenizer_digest(cfg),
+    }
+
+
+def recorded(manifest: dict) -> dict:
+    """A checkpoint's trajectory: its own record, else (older checkpoints) its config's keys."""
+    if "trajectory" in manifest:
+        return manifest["trajectory"]
+    saved = manifest["config"]
+    return {key: saved.get(key.split(".")[0], {}).get(key.split(".")[1]) for key in CONFIG_KEYS}
+
+
+def check_allowed(allowed: list[str]) -> list[str]:
+    """``--allow-change`` values, split at commas, each a key of the trajectory."""
+    keys = [k.strip() for item in allowed for k in item.split(",") if k.strip()]
+    for key in keys:
+        if key not in ALLOWABLE:
+            raise ConfigError("--allow-change", key, f"is not a key a resume compares; one of {', '.join(ALLOWABLE)}")
+    return keys
+
+
+def check_trajectory(cfg, manifest: dict, path, allowed: list[str]) -> list[str]:
+    """Refuse a resume that would change the run's trajectory unless the key is allowed;
+    returns the changes that were allowed (said to the user, and the data ones restart the data)."""
+    saved, now = recorded(manifest), describe(cfg)
+    changed = []
+    for key, before in saved.items():
+        after = now.get(key)
+        if before is None or after is None or before == after:  # a digest that could not be read: no claim
+            continue
+        if key in allowed:
+            changed.append(key)
+            continue
+        if key in CONFIG_KEYS:
+            was = f"the checkpoint {path} was trained with {key}={before!r}"
+        else:
+            what = "the files under it" if key == DATA_KEY else "its tokenizer.json"
+            was = f"{what} differ from those the checkpoint {path} was trained with"
+        then = "the data from its beginning" if key in RESTARTS_DATA else "the new value from the next step on"
+        raise ConfigError(
+            key,
+            _value(cfg, key),
+            f"{was}; resuming would change the run silently. Resume with the checkpoint's value, or give "
+            f"--allow-change {key} to take {then}",
+        )
+    return changed
+
+
+def data_restarts(changed: list[str]) -> bool:
+    """Whether an allowed change starts the data from its beginning (a new data set or order)."""
+    return any(key in RESTARTS_DATA for key in changed)
