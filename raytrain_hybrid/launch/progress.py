@@ -34,7 +34,7 @@ _MEMORY = ("param_bytes", "grad_bytes", "optimizer_bytes", "max_rss_bytes", "max
 
 
 @contextlib.contextmanager
-def quiet_driver(log_path: Path, *, quiet: bool = True):
+def quiet_driver(log_path: Path, *, quiet: bool = True, keep=lambda: True):
     """Send what Ray prints on the driver to ``log_path`` and keep the terminal for the run.
 
     Ray writes start-up notices and Ray Data progress through loggers bound to stderr,
@@ -44,7 +44,8 @@ def quiet_driver(log_path: Path, *, quiet: bool = True):
     own messages, and the log file as it is written (None when not quiet), which the run copies
     into its files at every checkpoint (RunDir.sync). The log is written in the temp dir and
     moved to ``log_path`` at the end if its directory exists (a refused run creates nothing in
-    run.output_dir).
+    run.output_dir), and only if ``keep()``: a run refused by its checks leaves the directory as
+    it was, which may be another run's (one on the same run.output_dir).
     """
     if not quiet:
         yield sys.stdout, sys.stderr, None
@@ -67,7 +68,7 @@ def quiet_driver(log_path: Path, *, quiet: bool = True):
         os.close(saved_fd)
         terminal_err.close()
         log.close()
-        if log_path.parent.is_dir():
+        if log_path.parent.is_dir() and keep():
             shutil.move(tmp, log_path)
         else:
             os.unlink(tmp)

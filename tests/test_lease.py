@@ -1,0 +1,102 @@
+"""One run per output directory: the lease a run takes, on a local disk and on the S3 server.
+
+A second run on the same run.output_dir is refused, naming the holder; a holder that died
+leaves a lease that expires (at once when its process is gone on this host), so a resume of a
+crashed run needs no manual step; of many drivers starting at once on one directory, one wins.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from s3_server import s3_server
+
+from raytrain_hybrid.cli import main as cli
+from raytrain_hybrid.errors import ConfigError
+from raytrain_hybrid.launch.lease import LEASE, acquire
+from raytrain_hybrid.storage import open_store
+
+
+@pytest.fixture(scope="module")
+def s3():
+    with s3_server() as env:
+        yield env
+
+
+@pytest.fixture(params=["local", "s3"])
+def out(request, tmp_path):
+    if request.param == "local":
+        return str(tmp_path / "run")
+    request.getfixturevalue("s3")
+    return f"s3://bucket/{tmp_path.name}/run"
+
+
+def test_a_second_run_is_refused_naming_the_holder_until_the_first_ends(out, monkeypatch):
+    monkeypatch.setenv("RAY_JOB_SUBMISSION_ID", "raysubmit_first")
+    first = acquire(out)
+    with pytest.raises(ConfigError, match="is in use by another run") as refused:
+        acquire(out)
+    message = str(refused.value)
+    assert f"host {socket.gethostname()}, process {os.getpid()}" in message and "job raysubmit_first" in message
+    assert (
+        first.renew()
+        and json.loads(open_store(out).child(LEASE).read_text())["renewed_at"] >= first.body["renewed_at"] - 1e-6
+    )
+    first.release()
+    assert not open_store(out).child(LEASE).exists()
+    acquire(out).release()
+
+
+def test_a_dead_holders_lease_is_taken_over(out):
+    """A lease whose process is gone (this host), or not renewed within its ttl (any host)."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    lease = open_store(out).child(LEASE)
+    holder = {"host": socket.gethostname(), "pid": int(dead.stdout), "started_at": "x", "job": "", "token": "t1"}
+    lease.write_text(json.dumps({"holder": holder, "renewed_at": time.time(), "ttl_s": 120}))
+    taken = acquire(out)
+    assert json.loads(lease.read_text())["holder"]["token"] == taken.token
+    taken.release()
+    elsewhere = {**holder, "host": "another-node", "pid": 1, "token": "t2"}
+    lease.write_text(json.dumps({"holder": elsewhere, "renewed_at": time.time() - 121, "ttl_s": 120}))
+    acquire(out).release()
+    lease.write_text(json.dumps({"holder": elsewhere, "renewed_at": time.time(), "ttl_s": 120}))  # alive elsewhere
+    with pytest.raises(ConfigError, match="host another-node, process 1"):
+        acquire(out)
+
+
+def test_of_drivers_starting_at_once_one_holds_the_directory(out):
+    won, refused = [], []
+
+    def start() -> None:
+        try:
+            won.append(acquire(out))
+        except ConfigError:
+            refused.append(1)
+
+    threads = [threading.Thread(target=start) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(won) == 1 and len(refused) == 5
+    won[0].release()
+
+
+def test_the_cli_refuses_a_run_on_a_directory_in_use(tmp_path, capsys):
+    """As a user meets it: `train` on a directory another driver holds exits 2 before Ray starts
+    and leaves the other run's lease as it was."""
+    out = tmp_path / "run"
+    holder = acquire(str(out))
+    before = (out / LEASE).read_bytes()
+    code = cli(["train", "--set", f"run.output_dir={out}", "--set", "train.steps=2"])
+    assert code == 2
+    assert f"run.output_dir='{out}': is in use by another run (host {socket.gethostname()}" in capsys.readouterr().err
+    assert (out / LEASE).read_bytes() == before and sorted(p.name for p in out.iterdir()) == [LEASE]
+    holder.release()
