@@ -10,8 +10,9 @@
   parses with the CLI's own argparse parser. ``--version``, ``--help``, ``check`` and ``plan``
   run for real through ``cli.main`` in this process, from the repository root, and must exit 0;
   a command whose next line in the block starts with ``error:`` must be refused with exit 2
-  instead. ``train`` and ``sweep`` commands are not run here (a run takes minutes; the suite has no
-  room for one per command): their config file and ``--set`` overrides must load and validate as
+  instead. The lines a console block shows after a command are lines it prints ("..." elides).
+  ``train`` and ``sweep`` commands are not run here (a run takes minutes; the suite has no room
+  for one per command): their config file and ``--set`` overrides must load and validate as
   ``check`` loads them, without a cluster (what cannot be read offline, a Hub model or a bucket,
   is left unverified as ``check`` leaves it). The quick start's command itself,
   ``raytrain-hybrid train`` with the built-in config, is not run by the suite either: its layout
@@ -24,7 +25,9 @@
 - docs/performance.md quotes each figure's date and command as its benchmarks/results/*.json
   records them, and quotes every result file.
 - README.md stays short, keeps the two setup-contract commands (.ci/run runs the second exactly),
-  and its status box says a GPU result exists exactly when one is committed.
+  and its status box says a GPU result exists exactly when one is committed; README.md,
+  CONTRIBUTING.md and CHANGELOG.md link only to files that exist; user text names no issue or
+  commit.
 """
 
 from __future__ import annotations
@@ -99,7 +102,12 @@ def test_every_config_key_is_documented_by_its_comment():
 class Shown:
     where: str  # file:line
     args: tuple[str, ...]  # what follows `raytrain-hybrid`
-    fails: bool  # the block shows it refused (its next line starts with "error:")
+    output: tuple[str, ...] = ()  # the lines shown after it (a console block), up to the next `$ `
+
+    @property
+    def fails(self) -> bool:
+        """The block shows it refused: its first output line starts with "error:"."""
+        return bool(self.output) and self.output[0].startswith("error:")
 
 
 _FENCE = re.compile(r"^\s*(```+|~~~+)\s*([\w+-]*)")
@@ -166,13 +174,17 @@ def _commands(path: Path) -> list[Shown]:
                 else:
                     current.append(tok)
             segments.append(current)
-            following = logical[i + 1][1].strip() if i + 1 < len(logical) else ""
+            output = []  # what a console block shows the command print
+            for _, after in logical[i + 1 :] if lang not in _SHELLS else ():
+                if after.strip().startswith("$ "):
+                    break
+                output.append(after.strip())
             for segment in segments:
                 cut = next((j for j, t in enumerate(segment) if _REDIRECT.match(t)), len(segment))
                 args = _invocation(segment[:cut])
                 if args is not None:
                     where = f"{path.relative_to(ROOT)}:{number}"
-                    shown.append(Shown(where, tuple(_fill(a) for a in args), following.startswith("error:")))
+                    shown.append(Shown(where, tuple(_fill(a) for a in args), tuple(output)))
     return shown
 
 
@@ -220,7 +232,9 @@ def test_a_documented_command_works_as_pasted(shown, as_a_reader, capsys, tmp_pa
     try:
         parsed = cli._parser().parse_args(args)
     except SystemExit as exc:  # --help, --version: they print and exit; a bad flag exits 2
-        assert exc.code == (2 if shown.fails else 0), f"{shown.where}: {args} -> {capsys.readouterr()}"
+        out = capsys.readouterr()
+        assert exc.code == (2 if shown.fails else 0), f"{shown.where}: {args} -> {out}"
+        _shows_what_it_prints(shown, out.out + out.err)
         return
     command = parsed.command
     args = _filled_config(args, getattr(parsed, "config", None), tmp_path)
@@ -229,7 +243,10 @@ def test_a_documented_command_works_as_pasted(shown, as_a_reader, capsys, tmp_pa
         try:
             load_config(getattr(parsed, "config", None), parsed.overrides, unverified=[])
         except (ConfigError, LayoutError) as exc:
-            if shown.fails or (isinstance(exc, ConfigError) and _reader_path(exc)):
+            if shown.fails:
+                _shows_what_it_prints(shown, f"error: {exc}")
+                return
+            if isinstance(exc, ConfigError) and _reader_path(exc):
                 return
             pytest.fail(f"{shown.where}: {' '.join(args)}\n  the config does not load: {exc}")
     if command in RUN:
@@ -239,8 +256,22 @@ def test_a_documented_command_works_as_pasted(shown, as_a_reader, capsys, tmp_pa
         code = cli.main(args)
         out = capsys.readouterr()
         assert code == (2 if shown.fails else 0), f"{shown.where}: {' '.join(args)} -> {code}\n{out.out}\n{out.err}"
+        _shows_what_it_prints(shown, out.out + out.err)
     else:
         assert not shown.fails, f"{shown.where}: {' '.join(args)} is shown failing but loads and validates"
+
+
+def _shows_what_it_prints(shown: Shown, printed: str) -> None:
+    """Each output line the block shows is a line the command printed ("..." elides lines; a
+    line ending in "..." shows the start of one)."""
+    lines = [line.strip() for line in printed.splitlines()]
+    for want in shown.output:
+        if want in ("", "...", "…") or want in lines:
+            continue
+        head = want.rstrip(".…").rstrip()
+        if (want.endswith("...") or want.endswith("…")) and any(line.startswith(head) for line in lines):
+            continue
+        pytest.fail(f"{shown.where}: {' '.join(shown.args)} does not print\n  {want}\nbut\n{printed}")
 
 
 # ---- performance figures and the README ----
