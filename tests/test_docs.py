@@ -212,6 +212,9 @@ def as_a_reader(monkeypatch):
     monkeypatch.chdir(ROOT)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants  # it reads HF_HUB_OFFLINE once, at its import (maybe a test's before)
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # the discard port: nothing listens
 
