@@ -25,6 +25,7 @@ from test_oracle import assert_oracle
 
 from raytrain_hybrid.checkpoint import manifest as checkpoint
 from raytrain_hybrid.cli import main as cli
+from raytrain_hybrid.errors import ConfigError
 
 STEPS = 4
 COMMON = (f"train.steps={STEPS}", "model.num_layers=4", "train.global_batch_size=16", "model.seq_len=32")
@@ -178,6 +179,18 @@ def test_damaged_checkpoint_is_refused_and_nothing_is_written(saved_run, tmp_pat
     # The run directory still resumes: its newest intact checkpoint is step_3.
     path, manifest = checkpoint.resolve(run_dir)
     assert path.name == "step_3" and manifest["step"] == 3
+
+
+def test_a_checkpoint_over_the_digest_limit_is_checked_by_sizes_and_metadata(saved_run, tmp_path, monkeypatch):
+    """A 70B run's checkpoint is not streamed through the driver for its SHA-256 at every resume:
+    over the limit, sizes and the metadata are checked (a truncated shard is still refused)."""
+    run_dir = _damaged(saved_run, tmp_path, _flip)
+    monkeypatch.setattr(checkpoint, "DIGEST_LIMIT_BYTES", 0)
+    assert checkpoint.verify(run_dir / "checkpoints" / "step_4")["verified"] == "sizes"
+    assert checkpoint.verify(run_dir / "checkpoints" / "step_3", digests=True)["verified"] == "sha256"
+    _truncate(run_dir / "checkpoints" / "step_3")
+    with pytest.raises(ConfigError, match="has a truncated __3_0.distcp"):
+        checkpoint.verify(run_dir / "checkpoints" / "step_3")
 
 
 def test_checkpoint_of_another_model_is_refused_by_the_cli(saved_run, tmp_path):
@@ -360,7 +373,6 @@ def test_allowed_changes_and_new_data_are_said_and_checked(saved_run, tmp_path):
     tokenizer or data set is refused by content, whatever its path."""
     from raytrain_hybrid.config import load_config
     from raytrain_hybrid.data.tokenizer import DEFAULT_TOKENIZER
-    from raytrain_hybrid.errors import ConfigError
     from raytrain_hybrid.launch.driver import check_resume
 
     out, _ = saved_run

@@ -67,12 +67,19 @@ def step_dirs(root: str | Path | Store) -> list[Store]:
     return [p for _, p in sorted(found) if p.is_dir()]
 
 
-def verify(path: str | Path | Store, key: str = "--resume", digests: bool = True) -> dict:
+# Up to this many bytes, the driver's check reads every file for its SHA-256; a larger checkpoint
+# (a 70B run's is ~850 GB) is checked by sizes and metadata, which each rank's reads then rely on:
+# hashing it would stream the whole checkpoint through the driver's node at every resume.
+DIGEST_LIMIT_BYTES = 64 << 30
+
+
+def verify(path: str | Path | Store, key: str = "--resume", digests: bool | None = None) -> dict:
     """The manifest of a checkpoint whose every file is there, whole and unchanged, and whose
     DCP metadata is data this trainer reads (checkpoint.reader: tensors only, no code).
 
-    ``digests``: also compare every file's SHA-256 (the driver's check before a run or an
-    export); without, sizes only (a worker group's restart: a listing, no reads)."""
+    ``digests``: also compare every file's SHA-256 (None: when the checkpoint holds at most
+    DIGEST_LIMIT_BYTES; the manifest it returns then says ``verified: "sizes"``); False: sizes
+    only (a worker group's restart: a listing and the metadata, no reads of shards)."""
     path = as_store(path, key)
     manifest_path = path.child(MANIFEST)
     if not manifest_path.is_file():
@@ -95,6 +102,8 @@ def verify(path: str | Path | Store, key: str = "--resume", digests: bool = True
             raise ConfigError(key, str(path), f"has a {MANIFEST} naming {name!r}, not a file of the checkpoint")
     # One listing for the sizes (on object storage one request, not one per file).
     on_storage = {i.base_name: i for i in path.fs.get_file_info(pafs.FileSelector(path.path)) if i.is_file}
+    if digests is None:
+        digests = sum(sizes.values()) <= DIGEST_LIMIT_BYTES
     for name, want in sorted(files.items()):
         got = on_storage.get(name)
         if got is None:
@@ -104,7 +113,7 @@ def verify(path: str | Path | Store, key: str = "--resume", digests: bool = True
         if digests and file_digest(path.child(name))["sha256"] != want.get("sha256"):
             raise ConfigError(key, str(path), f"has a corrupted {name}: its SHA-256 differs from the one written")
     _check_metadata(path, files, key)
-    return manifest
+    return {**manifest, "verified": "sha256" if digests else "sizes"}
 
 
 def _check_metadata(path: Store, files: dict, key: str) -> None:

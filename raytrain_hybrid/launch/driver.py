@@ -73,6 +73,9 @@ def check_resume(cfg: Config, resume: str | None, allow_change: list[str] | None
         return ResumePoint(None, [], describe(cfg))
     allowed = check_allowed(allow_change or [])
     path, manifest = resolve(resume)
+    if manifest["verified"] != "sha256":
+        size = sum(f["size"] for f in manifest["files"].values()) / 2**30
+        say(f"resume: {path} holds {size:,.0f} GiB: its files' sizes and metadata are checked, not their SHA-256")
     check_compatible(cfg, manifest, path)
     changed = check_trajectory(cfg, manifest, path, allowed)
     origin = manifest.get("data_origin", 0)
