@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from typing import Any, Literal
 
-from raytrain_hybrid.errors import ConfigError
+from raytrain_hybrid.errors import ConfigError, has_credentials, redact
 
 
 def choices(values) -> str:
@@ -64,14 +65,19 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
                 pass
         raise ConfigError(key, value, "must be an integer")
     if annotation is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(key, value, "must be a number")
+        if number is None:
+            raise ConfigError(key, value, "must be a number")
+        if not math.isfinite(number):  # TOML's nan/inf, --set x=nan: a NaN trains to NaN weights
+            raise ConfigError(key, value, "must be a finite number (nan and inf are refused)")
+        return number
     if annotation is str:
         if isinstance(value, str):
             return value
@@ -87,6 +93,28 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     raise TypeError(f"unsupported annotation {annotation!r} for {key}")
 
 
+def refuse_credentials(key: str, value: Any) -> None:
+    """A URI holding credentials (``s3://KEY:SECRET@bucket``, ``?X-Amz-Signature=``) in any value,
+    nested ones included: refused naming the key, the URI shown without them. Credentials come
+    from the environment (AWS_ACCESS_KEY_ID, ..., instance roles), never from a config: a config
+    is copied into config.json, the checkpoint manifests, the tracker's params and errors."""
+    if isinstance(value, str) and has_credentials(value):
+        raise ConfigError(
+            key,
+            redact(value),
+            "holds credentials in the URI (user:password@ or a secret parameter), which would be copied into "
+            "logs and the files a run writes (config.json, checkpoint manifests); remove them and give them in "
+            "the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, an instance role, "
+            "GOOGLE_APPLICATION_CREDENTIALS)",
+        )
+    if isinstance(value, dict):
+        for k, v in value.items():
+            refuse_credentials(f"{key}.{k}", v)
+    elif isinstance(value, list):
+        for v in value:
+            refuse_credentials(key, v)
+
+
 def build_section(cls: type, data: dict[str, Any], prefix: str):
     if not isinstance(data, dict):
         raise ConfigError(prefix.rstrip(".") or "<config>", data, "must be a table of keys")
@@ -95,6 +123,7 @@ def build_section(cls: type, data: dict[str, Any], prefix: str):
     kwargs = {}
     for key, value in data.items():
         full = f"{prefix}{key}"
+        refuse_credentials(full, value)  # first: no other error may show the value
         if key not in known:
             raise ConfigError(full, value, f"is not a known key; known keys here: {choices(sorted(known))}")
         annotation = hints[key]

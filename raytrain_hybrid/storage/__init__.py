@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import os
 import posixpath
+import stat
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.fs as pafs
 
+from raytrain_hybrid.config.coerce import refuse_credentials
 from raytrain_hybrid.errors import ConfigError
 
 
@@ -26,6 +29,35 @@ def cache_dir() -> Path:
     """This machine's cache (the prepared builtin corpus, the calibrated profile):
     ``$RAYTRAIN_HYBRID_CACHE``, else ``~/.cache/raytrain_hybrid``; read when asked, not at import."""
     return Path(os.environ.get("RAYTRAIN_HYBRID_CACHE", "~/.cache/raytrain_hybrid")).expanduser()
+
+
+def private_dir(*parts: str) -> Path:
+    """A directory of this machine only this user can read or write, for caches and staging
+    (tokenizer files, checkpoint shards on their way, pretrained copies, run mirrors):
+    ``<tempdir>/raytrain-hybrid-<uid>/<parts>`` (tempdir: ``$TMPDIR``, else /tmp), the root made
+    with mode 0700. A name another user could predict and plant first in a shared /tmp is
+    checked: the root must be a real directory (not a link) this user owns that no one else
+    can write, else it is refused, naming it. Made when asked, not at import."""
+    root = Path(tempfile.gettempdir()) / f"raytrain-hybrid-{os.getuid()}"
+    try:
+        os.mkdir(root, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(root)
+    why = ""
+    if not stat.S_ISDIR(info.st_mode):
+        why = "is not a directory (a link or a file someone put there)"
+    elif info.st_uid != os.getuid():
+        why = f"belongs to another user (uid {info.st_uid}), who could plant files this user's runs would read"
+    elif info.st_mode & 0o022:
+        why = f"can be written by other users (mode {stat.S_IMODE(info.st_mode):o}): they could plant files in it"
+    if why:
+        raise ConfigError("cache directory", str(root), f"{why}; remove it, or set TMPDIR to a directory of your own")
+    if info.st_mode & 0o077:  # readable by others (a umask, or made before this check): make it private
+        os.chmod(root, 0o700)
+    path = root.joinpath(*parts)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return path
 
 
 def is_uri(location: str) -> bool:
@@ -142,6 +174,7 @@ def open_store(location: str, key: str = "run.output_dir") -> Store:
     URI pyarrow resolves. ``key`` names the setting in errors."""
     if not location:
         raise ConfigError(key, location, "is empty; give a directory or a URI such as s3://bucket/run")
+    refuse_credentials(key, location)  # shown without them; nothing below sees them
     if not is_uri(location):
         path = os.path.abspath(os.path.expanduser(location))
         return Store(pafs.LocalFileSystem(), path, path)
