@@ -13,11 +13,10 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from raytrain_hybrid.storage import Store, open_store
+from raytrain_hybrid.storage import Store, open_store, private_dir
 
 
 def mirror_dir(output_dir: str) -> Path:
@@ -25,12 +24,13 @@ def mirror_dir(output_dir: str) -> Path:
 
     One per driver process and URI: two drivers on one machine writing the same URI (two jobs
     on a head node, or tests against two S3 servers with the same bucket name) must not share,
-    and empty (RunDir.open fresh), each other's mirror."""
+    and empty (RunDir.open fresh), each other's mirror. Under this user's private directory
+    (storage.private_dir): the mirror holds the run's config and logs."""
     store = open_store(output_dir)
     if store.local:
         return Path(store.path)
     key = hashlib.sha256(f"{store.uri}\0{os.getpid()}".encode()).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / "raytrain-hybrid-runs" / key
+    return private_dir("runs") / key
 
 
 @dataclass(frozen=True)

@@ -24,13 +24,13 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from raytrain_hybrid.config import Config
-from raytrain_hybrid.errors import ConfigError
+from raytrain_hybrid.errors import ConfigError, redact
+from raytrain_hybrid.storage import private_dir
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,8 @@ class _Mlflow:
 
         tags = {"raytrain_hybrid.output_dir": cfg.run.output_dir}
         run = self.client.create_run(self._experiment_id(), run_name=run_name(cfg), tags=tags)
-        params = [Param(k, str(v)) for k, v in flatten(cfg.to_dict()).items()]
+        # redact: a config is refused with credentials in a URI at load; a config built otherwise is not.
+        params = [Param(k, redact(str(v))) for k, v in flatten(cfg.to_dict()).items()]
         self.client.log_batch(run.info.run_id, params=params)  # split into requests by MLflow
         return run.info.run_id
 
@@ -150,15 +151,15 @@ class _Wandb:
         return self.wandb.util.generate_id()  # rank 0 creates the run under this id
 
     def _init(self, handle: TrackerRun):
-        # The run's local files go to WANDB_DIR, else the temp dir: not into the working
-        # directory (where W&B would put ./wandb), which a run leaves alone.
+        # The run's local files go to WANDB_DIR, else this user's private directory: not into the
+        # working directory (where W&B would put ./wandb), which a run leaves alone.
         return self.wandb.init(
             project=os.environ.get("WANDB_PROJECT") or "raytrain-hybrid",
             id=handle.run_id,
             resume="allow",  # a restarted worker group, and the driver's end, continue it
             name=run_name(Config.from_dict(handle.config)),
             config=handle.config,
-            dir=os.environ.get("WANDB_DIR") or tempfile.gettempdir(),
+            dir=os.environ.get("WANDB_DIR") or str(private_dir("wandb")),
         )
 
     def attach(self, handle: TrackerRun) -> None:
