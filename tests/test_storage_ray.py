@@ -111,9 +111,11 @@ def test_prepare_data_writes_its_shards_into_the_bucket(s3, prepared):
     _, fs = s3
     done, cwd = prepared
     objects = _objects(fs, "bucket/prep")
+    marker = json.loads(objects.pop("_SUCCESS"))  # written last: the output is whole
     assert objects and all(name.endswith(".parquet") for name in objects), sorted(objects)
     tables = [pq.read_table(pa.BufferReader(data)) for data in objects.values()]
     tokens = sum(sum(t.column("num_tokens").to_pylist()) for t in tables)
+    assert marker == {"rows": sum(t.num_rows for t in tables), "tokens": tokens, "files": sorted(objects)}
     assert done.stdout.strip() == f"wrote {tokens:,} tokens to s3://bucket/prep"
     assert tables[0].schema.field("input_ids").type == pa.list_(pa.int32())
     assert list(cwd.iterdir()) == [], "prepare-data wrote into the working directory"

@@ -7,11 +7,17 @@ Text files hold documents separated by blank lines. ``data.path = "builtin"`` is
 shipped corpus prepared this way once, into a cache. SOURCE and OUT_DIR are local paths,
 shared mounts or URIs (s3://, gs://) opened through raytrain_hybrid.storage: the shards are
 written straight to OUT_DIR's filesystem, where ``data.path=<OUT_DIR>`` then reads them.
+
+OUT_DIR must be new or empty, and ``_SUCCESS`` (JSON: rows, tokens, files) is written into it
+last: a directory without it is an output that stopped part-way, which a re-run refuses (it
+would add its rows beside the first run's) instead of mixing them. Readers of Parquet skip
+names starting with ``_``.
 """
 
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 from pathlib import Path
@@ -27,9 +33,43 @@ from raytrain_hybrid.data.tokenizer import (
     resolve_tokenizer,
     tokenizer_json,
 )
+from raytrain_hybrid.errors import ConfigError
 from raytrain_hybrid.storage import Store, as_store, cache_dir, is_uri, open_store
 
 TEXT_SUFFIXES = (".txt", ".text", ".md")
+# Written into OUT_DIR last, with the output's counts: the output is whole.
+MARKER = "_SUCCESS"
+
+
+def _check_out_dir(out: Store) -> None:
+    """OUT_DIR: new, or an empty directory; anything else refused naming it, before any work."""
+    if out.is_file():
+        raise ConfigError("prepare-data OUT_DIR", out.uri, "is a file; give a new directory")
+    names = out.listdir()
+    if not names:
+        return
+    if MARKER in names:
+        what = "holds a finished prepare-data output already"
+    elif any(n.endswith(".parquet") for n in names):
+        what = f"holds an incomplete prepare-data output (no {MARKER}: a run that stopped part-way)"
+    else:
+        what = "is not empty"
+    raise ConfigError(
+        "prepare-data OUT_DIR",
+        out.uri,
+        f"{what}; give a new directory, or delete this one first (writing beside its files would mix them)",
+    )
+
+
+def prepared_marker(path: str | Store) -> dict | None:
+    """A prepare-data output's counts (its _SUCCESS), or None when it has none."""
+    marker = as_store(path, "data.path").child(MARKER)
+    if not marker.is_file():
+        return None
+    try:
+        return json.loads(marker.read_text())
+    except (ValueError, UnicodeDecodeError):
+        return None
 
 
 def tokenize_batch(batch: pa.Table, *, text_column: str, tokenizer: str, eos: str = EOT) -> pa.Table:
@@ -91,6 +131,7 @@ def prepare_data(
     import ray.data
 
     out = as_store(out_dir, "prepare-data OUT_DIR")
+    _check_out_dir(out)
     if not eos:
         eos = eos_token(tokenizer) if tokenizer and Path(tokenizer).is_dir() else EOT
     tokenizer = tokenizer_json(tokenizer)
@@ -112,8 +153,11 @@ def prepare_data(
     )
     # The store's own filesystem, given explicitly: the same one a run's data.path resolves to.
     ds.write_parquet(out.path, filesystem=out.fs)
-    stats = ray.data.read_parquet(out.path, filesystem=out.fs, columns=["num_tokens"]).sum("num_tokens")
-    return {"out_dir": out.uri, "tokens": int(stats or 0)}
+    written = ray.data.read_parquet(out.path, filesystem=out.fs, columns=["num_tokens"])
+    tokens, rows = int(written.sum("num_tokens") or 0), written.count()
+    files = sorted(n for n in out.listdir() if n.endswith(".parquet"))
+    out.child(MARKER).write_text(json.dumps({"rows": rows, "tokens": tokens, "files": files}, indent=1) + "\n")
+    return {"out_dir": out.uri, "tokens": tokens, "rows": rows}
 
 
 def builtin_dataset(cfg) -> str:
