@@ -150,9 +150,11 @@ def _say(args):
     return functools.partial(print, file=sys.stderr if args.json else sys.stdout)
 
 
-def _check(args, cfg) -> int:
+def _check(args, cfg, unverified: list[str] | None = None) -> int:
     from raytrain_hybrid.distributed.parallel_dims import ParallelDims, placement_report
 
+    for note in unverified or ():  # what could not be read here (no network, no credentials)
+        _say(args)(f"not verified: {note}")
     counts, asked = None, cfg
     if cfg.parallelism.layout == "auto":  # the planner's pick, printed; then the usual check of it
         cfg, counts = _auto_layout(args, cfg)
@@ -190,7 +192,10 @@ def _check(args, cfg) -> int:
         hw = load_hardware(args.hardware)
         if cfg.cluster.gpus_per_node:
             hw = dataclasses.replace(hw, gpus_per_node=cfg.cluster.gpus_per_node)
-        print(f"planner: {describe(cfg, hw)}")
+        if unverified:  # the model's sizes are the checkpoint's: a prediction without them would mislead
+            print("planner: not run: it needs the model sizes in the checkpoint's config.json, unread here")
+        else:
+            print(f"planner: {describe(cfg, hw)}")
     return 0
 
 
@@ -327,9 +332,11 @@ def _command_run(args) -> int:
     overrides = args.overrides
     if getattr(args, "address", ""):  # --address: cluster.address, over a --set of it
         overrides = [*overrides, f"cluster.address={args.address}"]
-    cfg = load_config(args.config, overrides)
+    # check validates what it can and says what it could not read; the other commands need it all.
+    unverified: list[str] | None = [] if args.command == "check" else None
+    cfg = load_config(args.config, overrides, unverified=unverified)
     if args.command == "check":
-        return _check(args, cfg)
+        return _check(args, cfg, unverified)
     if args.command == "plan":
         return _plan(args, cfg)
     if args.command == "sweep":

@@ -40,19 +40,30 @@ os.environ.setdefault("LOG_NAME_UPDATE_INTERVAL_S", "5")
 RAY_CPUS = 12
 
 
-def _serve_stand_in_checkpoints() -> None:
-    """jobs/finetune_llama3_8b_chat.toml fine-tunes a checkpoint in a bucket no test reaches;
-    resolving and checking the job reads only its config.json, which tests/assets holds (the
-    published file). Here the checkpoint listing of that URI reads the copy instead."""
-    from raytrain_hybrid.models import hf_checkpoint
-
-    here = Path(__file__).resolve().parent / "assets"
-    stand_ins = {"s3://my-bucket/models/Meta-Llama-3-8B-Instruct": here / "Meta-Llama-3-8B-Instruct"}
-    listing = hf_checkpoint._listing
-    hf_checkpoint._listing = lambda location: listing(str(stand_ins.get(location.rstrip("/"), location)))
+ASSETS = Path(__file__).resolve().parent / "assets"
 
 
-_serve_stand_in_checkpoints()
+def job_overrides(path) -> list[str]:
+    """The --set a test adds to a jobs/ config whose checkpoint is in a bucket no test reaches
+    (model.pretrained = s3://.../NAME): model.pretrained=tests/assets/NAME, the published
+    config.json of that model, which is all resolving, checking and planning the job read.
+    Without it the job's `check` runs too, saying it could not read the checkpoint
+    (tests/test_hub.py); its planner line needs the model's sizes."""
+    import tomllib
+
+    pretrained = tomllib.loads(Path(path).read_text()).get("model", {}).get("pretrained", "")
+    if "://" not in pretrained:
+        return []
+    copy = ASSETS / pretrained.rstrip("/").rsplit("/", 1)[-1]
+    assert (copy / "config.json").is_file(), f"{path}: tests/assets has no copy of the config.json of {pretrained}"
+    return [f"model.pretrained={copy}"]
+
+
+def load_job(path, overrides=()):
+    """A jobs/ config as a test loads it: job_overrides, then ``overrides``."""
+    from raytrain_hybrid.config import load_config
+
+    return load_config(path, [*job_overrides(path), *overrides])
 
 
 # Modules whose fixture runs a cluster of its own (tests/background.py): it starts when the

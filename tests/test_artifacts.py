@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import load_job
 
-from raytrain_hybrid.config import load_config
 from raytrain_hybrid.planner.hardware import load_hardware
 from raytrain_hybrid.planner.search import describe
 
@@ -104,7 +104,7 @@ def test_kuberay_rayjob_has_the_workers_its_layout_needs():
     doc = _manifests()["kuberay-rayjob.yaml"]
     entry = doc["spec"]["entrypoint"].split()
     config = ROOT / entry[entry.index("train") + 1]
-    cfg = load_config(config, [a for a in entry if a.startswith("data.")])
+    cfg = load_job(config, [a for a in entry if a.startswith("data.")])
     (group,) = doc["spec"]["rayClusterSpec"]["workerGroupSpecs"]
     pod = group["template"]["spec"]["containers"][0]["resources"]["limits"]
     gpus_per_pod = int(pod["nvidia.com/gpu"])
@@ -116,7 +116,7 @@ def test_kuberay_rayjob_has_the_workers_its_layout_needs():
 
 @pytest.mark.parametrize("path", JOB_CONFIGS, ids=lambda p: p.name)
 def test_job_config_loads_and_its_planner_line_is_current(path):
-    cfg = load_config(path)  # validation: layout against model, batch against micro-batches
+    cfg = load_job(path)  # validation: layout against model, batch against micro-batches
     text = path.read_text()
     match = re.search(r"^# planner \(`raytrain-hybrid check (\S+) --hardware (\S+)`\):\n#   (.+)$", text, re.M)
     if cfg.cluster.use_gpu is not True:
@@ -137,7 +137,7 @@ def test_job_readme_submit_lines_name_real_files():
     for env, config in lines:
         env_doc = yaml.safe_load((ROOT / env).read_text())
         assert ".venv" in env_doc["excludes"], "the working directory upload must leave out the venv"
-        load_config(ROOT / config)
+        load_job(ROOT / config)
 
 
 # Point 4 of issue 18: the configs provide what the jobs ask for, and give the nodes what a run
@@ -145,7 +145,7 @@ def test_job_readme_submit_lines_name_real_files():
 
 CLUSTER = ROOT / "cluster_configs"
 IMAGE = "raytrain-hybrid:0.1.0"  # cluster_configs/Dockerfile, pushed to the user's registry
-GPU_JOBS = [p for p in JOB_CONFIGS if load_config(p).cluster.use_gpu is True]
+GPU_JOBS = [p for p in JOB_CONFIGS if load_job(p).cluster.use_gpu is True]
 
 
 def _yaml(name: str) -> dict:
@@ -169,7 +169,7 @@ def test_every_gpu_job_fits_a_node_type_of_every_config(job):
     (the heads have none). tests/test_autoscaling_sim.py runs one job per config for real."""
     from test_autoscaling_sim import worker_demand
 
-    cluster = load_config(job).cluster
+    cluster = load_job(job).cluster
     per_node = {k: v * cluster.gpus_per_node for k, v in worker_demand(f"jobs/{job.name}").items()}
     for config, types in _worker_types().items():
         fits = [
@@ -336,7 +336,7 @@ def test_cluster_readme_says_how_a_client_gets_the_token():
 def test_every_gpu_job_checkpoints_to_object_storage_and_survives_failures(job):
     """On a cluster a run keeps its files only on storage every node reaches: the GPU jobs save
     checkpoints, keep a few, allow worker-group restarts, and write to an object-store URI."""
-    cfg = load_config(job)
+    cfg = load_job(job)
     assert cfg.run.output_dir.startswith(("s3://", "gs://")), cfg.run.output_dir
     assert cfg.checkpoint.interval > 0 and 0 < cfg.checkpoint.keep <= 5
     assert cfg.checkpoint.interval <= cfg.train.steps

@@ -25,8 +25,7 @@ import pytest
 import yaml
 from background import on_stop
 from background import result as background_result
-
-from raytrain_hybrid.config import load_config
+from conftest import load_job
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -96,7 +95,7 @@ def documented_job(config: str) -> str:
 def worker_demand(job: str) -> dict[str, float]:
     """What each worker of the job asks Ray for (Ray Train: resources_per_worker, GPU, and
     `accelerator_type:X: 0.001` for ScalingConfig(accelerator_type=X))."""
-    cluster = load_config(ROOT / job).cluster
+    cluster = load_job(ROOT / job).cluster
     demand = {"CPU": cluster.cpus_per_worker, "GPU": 1}
     if cluster.accelerator_type:
         demand[f"accelerator_type:{cluster.accelerator_type}"] = 0.001

@@ -22,7 +22,7 @@ from raytrain_hybrid.checkpoint.reader import SafeFileSystemReader
 from raytrain_hybrid.checkpoint.state import local_copy
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.errors import ConfigError
-from raytrain_hybrid.models import get_arch, hf_checkpoint
+from raytrain_hybrid.models import get_arch, hf_checkpoint, hub
 from raytrain_hybrid.models.common import build_stage
 from raytrain_hybrid.storage import Store, as_store
 
@@ -54,8 +54,11 @@ COMPANIONS = (
 )
 
 
-def copy_companions(pretrained: str, out: Path) -> None:
-    """Copy the checkpoint's tokenizer and generation files (local or on storage) into ``out``."""
+def copy_companions(pretrained: str, out: Path, revision: str = "") -> None:
+    """Copy the checkpoint's tokenizer and generation files (local, on storage, or a Hub id's,
+    fetched into this machine's Hugging Face cache without the weights) into ``out``."""
+    if hub.is_hub_id(pretrained):
+        pretrained = str(hub.snapshot(pretrained, revision, weights=False))
     store = as_store(pretrained, "model.pretrained")
     have = set(store.listdir())
     if "config.json" not in have:
@@ -93,7 +96,7 @@ def export_hf(source: str | Path, out_dir: str | Path) -> Path:
     model.save_pretrained(tmp, safe_serialization=True)
     if hf_checkpoint.is_set(cfg.model.pretrained) and spec.from_hf is not None:
         # The checkpoint's tokenizer files, chat template and generation settings, as they were.
-        copy_companions(cfg.model.pretrained, tmp)
+        copy_companions(cfg.model.pretrained, tmp, cfg.model.pretrained_revision)
     else:
         from raytrain_hybrid.data.tokenizer import resolve_tokenizer
 

@@ -7,7 +7,8 @@ parameter. The architecture spec's ``from_hf`` says where an engine parameter li
 checkpoint (its key, transposed or not, at which offset: GPT-2's Conv1D weights and fused
 q/k/v); a small planner turns each rank's local chunks into read requests on those keys.
 
-A checkpoint on object storage is copied once per node first (the reader opens local files).
+A checkpoint on object storage is copied once per node first (the reader opens local files);
+a Hugging Face Hub id is downloaded once per node into that node's Hugging Face cache.
 """
 
 from __future__ import annotations
@@ -29,15 +30,25 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from raytrain_hybrid.errors import ConfigError
+from raytrain_hybrid.models import hub
 from raytrain_hybrid.models.hf_checkpoint import KEY, check_weights, local_dir, read_config_json
 from raytrain_hybrid.storage import as_store, is_uri
 
 _DONE = ".raytrain-hybrid-complete"
 
 
-def fetch_pretrained(location: str) -> Path:
-    """The checkpoint as a directory on this node: itself when local, else downloaded once per
-    node into a temp dir (ranks of one node take turns on a lock; the first downloads)."""
+def fetch_pretrained(location: str, revision: str = "") -> Path:
+    """The checkpoint as a directory on this node: itself when local, a Hub id's snapshot in
+    this node's Hugging Face cache, else downloaded once per node into a temp dir (ranks of
+    one node take turns on a lock; the first downloads, the others find its copy)."""
+    if hub.is_hub_id(location):
+        lock_file = Path(f"{local_dir(f'hf://{location}@{revision}')}.lock")
+        lock_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(lock_file, "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            path = hub.snapshot(location, revision)
+        check_weights(str(path))
+        return path
     check_weights(location)
     target = local_dir(location)
     if not is_uri(location):

@@ -17,11 +17,12 @@ from raytrain_hybrid.models import get_arch, hf_checkpoint
 from raytrain_hybrid.models.spec import ArchSpec
 
 
-def resolve_defaults(cfg: Config, given: set[str] | None = None) -> Config:
+def resolve_defaults(cfg: Config, given: set[str] | None = None, unverified: list[str] | None = None) -> Config:
     """A new config with every default that depends on other keys filled in. ``given``: the
-    ``model.*`` keys the user named (None: those that differ from their defaults)."""
+    ``model.*`` keys the user named (None: those that differ from their defaults);
+    ``unverified``: where a checkpoint that cannot be read here is noted instead of refused."""
     # A language model's checkpoint fixes the architecture and sizes first (model.pretrained).
-    cfg = dataclasses.replace(cfg, model=hf_checkpoint.resolve(cfg.model, given))
+    cfg = dataclasses.replace(cfg, model=hf_checkpoint.resolve(cfg.model, given, unverified))
     spec = get_arch(cfg.model.arch)
     # Fine-tuning a pretrained language model takes TRL's learning rate, not pretraining's.
     finetune = hf_checkpoint.is_set(cfg.model.pretrained) and spec.from_hf is not None

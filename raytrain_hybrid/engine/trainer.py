@@ -42,7 +42,7 @@ class Trainer:
         # A language model's Hugging Face checkpoint, on this node's disk (copied once per node).
         self.pretrained = None
         if hf_checkpoint.is_set(cfg.model.pretrained) and self.spec.from_hf is not None:
-            self.pretrained = fetch_pretrained(cfg.model.pretrained)
+            self.pretrained = fetch_pretrained(cfg.model.pretrained, cfg.model.pretrained_revision)
         self.hf_config = self.spec.hf_config(cfg)
         self.loss_fn = make_loss(cfg, self.spec.task, device)
         self.pp_rank = mesh.pp.get_local_rank()

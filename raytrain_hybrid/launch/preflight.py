@@ -27,7 +27,8 @@ def check_placement(cfg: Config, resources: dict[str, float]) -> list[int] | Non
     dims = ParallelDims.from_config(at_world(cfg, world).parallelism)
     _check_output_dir(cfg, nodes, resources)
     if hf_checkpoint.is_set(cfg.model.pretrained) and get_arch(cfg.model.arch).from_hf is not None:
-        hf_checkpoint.check_weights(cfg.model.pretrained)  # resolving the config read its config.json only
+        # Resolving the config read its config.json only.
+        hf_checkpoint.check_weights(cfg.model.pretrained, cfg.model.pretrained_revision)
     if counts is not None:
         arrange_ranks(dims, [f"node{i}" for i, c in enumerate(counts) for _ in range(c)])
         _check_data_cpus(cfg, nodes, dims.world_size)

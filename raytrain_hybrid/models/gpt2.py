@@ -37,7 +37,7 @@ class FusedQKV(nn.Module):
 def hf_config(cfg) -> GPT2Config:
     m = cfg.model
     if is_set(m.pretrained):  # the checkpoint's settings, without dropout (see below)
-        return checkpoint_config(GPT2Config, m.pretrained, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return checkpoint_config(GPT2Config, m, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     return GPT2Config(
         vocab_size=m.vocab_size,
         n_embd=m.hidden_size,

@@ -3,24 +3,32 @@ architecture and sizes they fix, and where each engine parameter's values lie in
 
 A checkpoint is a directory (local, or an object-store URI) with ``config.json`` and
 safetensors weights, one ``model.safetensors`` or ``model-0000x-of-0000y.safetensors``
-shards. This module reads only ``config.json`` and directory listings; the weights are read
-slice by slice into each rank's shards by ``checkpoint.hf_load``.
+shards, or a Hugging Face Hub id (``org/name``, ``models.hub``) naming such a repository.
+This module reads only ``config.json`` and directory listings; the weights are read slice by
+slice into each rank's shards by ``checkpoint.hf_load``.
 
 It sits below the storage layer (config resolution reads ``config.json`` before any storage
 object exists), so a URI is opened with ``pyarrow.fs`` itself, the library
 ``raytrain_hybrid.storage`` wraps: endpoint and credentials come from the same environment.
+Its waits are bounded (a few seconds, two tries): ``check`` on a laptop without a network or
+credentials says what it could not read instead of retrying for minutes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import hashlib
 import json
+import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from raytrain_hybrid.errors import ConfigError
+from raytrain_hybrid.models import hub
+from raytrain_hybrid.models.hub import Unreadable, is_hub_id
 
 KEY = "model.pretrained"
 SAFETENSORS = ".safetensors"
@@ -37,17 +45,49 @@ def _is_uri(location: str) -> bool:
     return "://" in location
 
 
+def _filesystem(location: str):
+    """pyarrow's filesystem and path for a URI, with bounded waits: S3 tries twice with a 5 s
+    connect timeout (the SDK's defaults retry a dead endpoint for a long time), GCS retries for
+    10 s (its default: 15 minutes). A region from the environment spares S3 the bucket's
+    region look-up (one more round of retries)."""
+    import pyarrow.fs as pafs
+
+    parts = urlsplit(location)
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if parts.scheme == "s3" and region and "region=" not in parts.query:
+        location = parts._replace(query="&".join(q for q in (parts.query, f"region={region}") if q)).geturl()
+    try:
+        fs, path = pafs.FileSystem.from_uri(location)
+    except OSError as exc:  # e.g. the bucket's region look-up: no network
+        raise Unreadable(KEY, location, f"could not be read here: {_short(exc)}") from None
+    rebuild, (options,) = fs.__reduce__()
+    if isinstance(fs, pafs.S3FileSystem):
+        options.update(connect_timeout=5, request_timeout=30)
+        options["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(max_attempts=2)
+        fs = rebuild(options)
+    elif isinstance(fs, pafs.GcsFileSystem):
+        fs = rebuild({**options, "retry_time_limit": datetime.timedelta(seconds=10)})
+    return fs, path.rstrip("/")
+
+
+def _short(exc: Exception) -> str:
+    """pyarrow's error without the SDK's details (its curl code, the host again)."""
+    return " ".join(str(exc).split("; Details:")[0].split(" (Request ID:")[0].split())[:200]
+
+
 def _listing(location: str) -> tuple[list[str], Callable[[str], bytes]]:
-    """The file names in ``location`` and a reader of one of them (name -> bytes)."""
+    """The file names in ``location`` and a reader of one of them (name -> bytes); a location
+    that cannot be read here (no network, no credentials) raises ``Unreadable``."""
     if _is_uri(location):
         import pyarrow.fs as pafs
 
-        fs, root = pafs.FileSystem.from_uri(location)
-        root = root.rstrip("/")
+        fs, root = _filesystem(location)
         try:
             infos = fs.get_file_info(pafs.FileSelector(root, recursive=False))
-        except (FileNotFoundError, OSError):
+        except FileNotFoundError:
             infos = []
+        except OSError as exc:  # no credentials, access denied, no network
+            raise Unreadable(KEY, location, f"could not be read here: {_short(exc)}") from None
         names = [i.base_name for i in infos if i.type == pafs.FileType.File]
 
         def read(name: str) -> bytes:
@@ -60,9 +100,12 @@ def _listing(location: str) -> tuple[list[str], Callable[[str], bytes]]:
     return names, lambda name: (path / name).read_bytes()
 
 
-def read_config_json(location: str) -> dict:
+def read_config_json(location: str, revision: str = "") -> dict:
     """The checkpoint's config.json (all that resolving and checking a config needs: ``check``
-    and the planner work from it alone); refuses a directory without one."""
+    and the planner work from it alone); refuses a directory without one. ``revision``: a Hub
+    id's branch, tag or commit (model.pretrained_revision)."""
+    if is_hub_id(location):
+        return hub.config_json(location, revision)[0]
     names, read = _listing(location)
     if "config.json" not in names:
         raise ConfigError(
@@ -74,9 +117,15 @@ def read_config_json(location: str) -> dict:
     return json.loads(read("config.json"))
 
 
-def check_weights(location: str) -> None:
-    """Refuse a checkpoint without safetensors weights (before any worker starts, and on load)."""
-    names, _ = _listing(location)
+def check_weights(location: str, revision: str = "") -> None:
+    """Refuse a checkpoint without safetensors weights (before any worker starts, and on load;
+    a Hub id's before the workers start only when the Hub can be asked)."""
+    if is_hub_id(location):
+        names = hub.weight_files(location, revision)
+        if names is None:
+            return
+    else:
+        names, _ = _listing(location)
     if not any(n.endswith(SAFETENSORS) for n in names):
         other = [n for n in names if n.endswith((".bin", ".pt", ".pth", ".gguf"))]
         hint = f" (it has {other[0]}: save it with save_pretrained(dir, safe_serialization=True))" if other else ""
@@ -95,8 +144,12 @@ def local_dir(location: str) -> Path:
 
 def arch_of(model_type: str, location: str) -> str:
     """The registry's architecture for the ``model_type`` of the checkpoint at ``location``."""
-    from raytrain_hybrid.models import arch_names, get_arch
+    from raytrain_hybrid.models import ARCH_NAMES, arch_names, get_arch
 
+    # The architecture named as the model_type first: asking every spec imports GPT-2's, which
+    # imports torch and transformers (seconds, for a `check` of a Llama checkpoint).
+    if model_type in ARCH_NAMES and model_type in get_arch(model_type).hf_model_types:
+        return model_type
     supported = {}
     for name in arch_names("lm"):
         for mt in get_arch(name).hf_model_types:
@@ -109,20 +162,42 @@ def arch_of(model_type: str, location: str) -> str:
     return supported[model_type]
 
 
-def resolve(model, given: set[str] | None = None):
+def resolve(model, given: set[str] | None = None, unverified: list[str] | None = None):
     """``model`` (a ModelConfig) with the architecture and sizes of its checkpoint; a key the
     user named (``given``; None: a key set to something else than its default) must agree with
     the checkpoint's value: `model.num_layers=4` is refused for a 32-layer checkpoint although
-    4 is the default."""
+    4 is the default. A Hub id's revision is pinned to the commit its config.json came from.
+    ``unverified`` (``check``): a config.json that cannot be read here is noted there and the
+    model kept as given, instead of refused."""
     from raytrain_hybrid.models import get_arch
 
+    revision, on_hub = model.pretrained_revision, is_hub_id(model.pretrained)
+    if revision and not on_hub:
+        raise ConfigError(
+            hub.REVISION_KEY,
+            revision,
+            f"pins a Hugging Face Hub repository, and model.pretrained={model.pretrained!r} is not a Hub id "
+            "(org/name); drop it, or name the repository",
+        )
     if not is_set(model.pretrained) or get_arch(model.arch).task != "lm":
         return model
-    conf = read_config_json(model.pretrained)
+    try:
+        if on_hub:
+            conf, commit = hub.config_json(model.pretrained, revision, quick=unverified is not None)
+        else:
+            conf, commit = read_config_json(model.pretrained), ""
+    except Unreadable as exc:
+        if unverified is None:
+            raise
+        unverified.append(
+            f"{KEY}={model.pretrained!r} {exc.fix}; the architecture and sizes its config.json fixes are not "
+            "checked (the model keys are checked as the config file gives them)"
+        )
+        return model
     arch = arch_of(conf.get("model_type", "?"), model.pretrained)
     spec = get_arch(arch)
     # A local path made absolute: workers (Ray's, elsewhere) do not run in this directory.
-    where = model.pretrained if _is_uri(model.pretrained) else str(local_dir(model.pretrained))
+    where = model.pretrained if _is_uri(model.pretrained) or on_hub else str(local_dir(model.pretrained))
     want = {"arch": arch, **spec.sizes_from_hf(conf)}
     defaults = type(model)()
     for key, value in want.items():
@@ -140,14 +215,15 @@ def resolve(model, given: set[str] | None = None):
         raise ConfigError(
             "model.seq_len", model.seq_len, f"exceeds what the checkpoint {model.pretrained} attends over ({limit})"
         )
-    return dataclasses.replace(model, pretrained=where, **want)
+    return dataclasses.replace(model, pretrained=where, pretrained_revision=commit or revision, **want)
 
 
-def checkpoint_config(config_cls, location: str, **overrides):
-    """The transformers config of a checkpoint, RoPE scaling and every other setting kept, with
-    the engine's overrides (untied head: embedding and head live on different stages)."""
+def checkpoint_config(config_cls, model, **overrides):
+    """The transformers config of ``model``'s checkpoint (a ModelConfig's pretrained and
+    pretrained_revision), RoPE scaling and every other setting kept, with the engine's
+    overrides (untied head: embedding and head live on different stages)."""
     # The engine holds fp32 master weights: the checkpoint's storage dtype is not the model's.
     dropped = ("architectures", "transformers_version", "torch_dtype", "dtype")
-    conf = {k: v for k, v in read_config_json(location).items() if k not in dropped}
+    conf = {k: v for k, v in read_config_json(model.pretrained, model.pretrained_revision).items() if k not in dropped}
     conf.update(tie_word_embeddings=False, use_cache=False, **overrides)
     return config_cls(**conf, attn_implementation="sdpa")

@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # imported where a model runs: the spec itself is data (see T
 def _hf_config(config_cls, cfg):
     m = cfg.model
     if is_set(m.pretrained):  # every setting from the checkpoint (RoPE scaling, eps, theta, ...)
-        return checkpoint_config(config_cls, m.pretrained, attention_dropout=0.0)
+        return checkpoint_config(config_cls, m, attention_dropout=0.0)
     return config_cls(
         vocab_size=m.vocab_size,
         hidden_size=m.hidden_size,

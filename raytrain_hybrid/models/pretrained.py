@@ -21,6 +21,15 @@ def checkpoint_dir(pretrained: str) -> Path | None:
     if pretrained.lower() == "none":
         return None
     if pretrained:
+        from raytrain_hybrid.models.hub import is_hub_id
+
+        if is_hub_id(pretrained):  # the Hub's ids are for the language models (model.arch llama, ...)
+            raise ConfigError(
+                "model.pretrained",
+                pretrained,
+                "multimodal-bert takes a local checkpoint directory: download it first "
+                f"(`hf download {pretrained} --local-dir DIR`) and give DIR",
+            )
         return Path(pretrained).expanduser().resolve()
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)
     if spec is None or spec.origin is None:
