@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from raytrain_hybrid.config.coerce import choices, divisors
 from raytrain_hybrid.config.elastic import check_elastic
+from raytrain_hybrid.config.placeholders import refuse_placeholders
 from raytrain_hybrid.config.schedule_rules import too_few_microbatches, uneven_microbatches
 from raytrain_hybrid.config.schema import (
     SINGLE_STAGE_SCHEDULES,
@@ -18,6 +19,7 @@ from raytrain_hybrid.models.spec import ArchSpec
 def validate(cfg: Config) -> None:
     """Cross-key checks of a resolved config: the model, the layout against the model and the
     batch, the data keys against the model's task."""
+    refuse_placeholders(cfg)  # a <your-bucket> left in a copied job file
     spec = get_arch(cfg.model.arch)
     _require_resolved(cfg)
     _validate_model(cfg, spec)
