@@ -373,7 +373,7 @@ def test_allowed_changes_and_new_data_are_said_and_checked(saved_run, tmp_path):
     tokenizer or data set is refused by content, whatever its path."""
     from raytrain_hybrid.config import load_config
     from raytrain_hybrid.data.tokenizer import DEFAULT_TOKENIZER
-    from raytrain_hybrid.launch.driver import check_resume
+    from raytrain_hybrid.launch.start import check_resume
 
     out, _ = saved_run
     said: list[str] = []

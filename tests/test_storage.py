@@ -97,7 +97,7 @@ def test_a_save_cut_short_on_s3_is_passed_over_and_does_not_block_the_resume(s3,
 
     from raytrain_hybrid.checkpoint.manifest import FORMAT, layout_of
     from raytrain_hybrid.config import load_config
-    from raytrain_hybrid.launch.driver import check_resume
+    from raytrain_hybrid.launch.start import check_resume
 
     run = f"s3://bucket/{tmp_path.name}/cut"
     cfg = load_config(None, ["train.steps=6", f"run.output_dir={run}"])

@@ -1,0 +1,180 @@
+"""A run's start, worked out once on the driver: where it starts and writes, the cluster it may
+reach, its layout, the workers' count and resources, where they are placed, the steps it trains.
+
+Every check and the launch read this one plan (``StartPlan``) instead of each working the same
+facts out again; the driver says it before the workers start (``StartPlan.lines``), and the
+checks that need no cluster (the resume, the trajectory, the output directory) come first, so a
+refused run has not started Ray.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+from raytrain_hybrid.checkpoint.manifest import check_compatible, resolve, step_dirs, step_number, verify
+from raytrain_hybrid.checkpoint.trajectory import check_allowed, check_trajectory, data_restarts, describe
+from raytrain_hybrid.config import Config
+from raytrain_hybrid.config.elastic import is_elastic
+from raytrain_hybrid.errors import ConfigError
+from raytrain_hybrid.launch.autolayout import choose_layout, use_gpu_for
+from raytrain_hybrid.launch.elastic import start_line, worker_counts
+from raytrain_hybrid.launch.inputs import prepare_input, steps_to_train
+from raytrain_hybrid.launch.placement import worker_resources
+from raytrain_hybrid.launch.preflight import check_placement
+from raytrain_hybrid.launch.reach import Reach, cluster_reach
+from raytrain_hybrid.launch.session import ensure_ray, ray_address, resolve_use_gpu
+from raytrain_hybrid.planner.hardware import Hardware
+from raytrain_hybrid.storage import open_store
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumePoint:
+    """Where a run starts: the checkpoint (None: from scratch), the metrics history to keep,
+    the run's trajectory record (checkpoint.trajectory) and the step its data began at."""
+
+    path: str | None
+    history: list[dict]
+    trajectory: dict
+    data_origin: int = 0
+    step: int = 0  # the checkpoint's steps done
+
+
+def check_resume(cfg: Config, resume: str | None, allow_change: list[str] | None = None, say=print) -> ResumePoint:
+    """Before anything starts: the checkpoint to resume is intact, fits this config and continues
+    its trajectory (or the change is allowed: ``allow_change``), and no earlier run's checkpoints
+    in run.output_dir would be overwritten. The history kept is the resumed run's, when it
+    continues in place."""
+    out = open_store(cfg.run.output_dir)
+    ckpt_root = out.child("checkpoints")
+    existing = step_dirs(ckpt_root)
+    if resume is None:
+        if existing:
+            raise ConfigError(
+                "run.output_dir",
+                out.uri,
+                f"holds checkpoints of an earlier run ({existing[-1].name}); continue it with "
+                f"--resume {out.uri}, or choose another run.output_dir",
+            )
+        ckpt_root.child("checkpoint_manager_snapshot.json").delete()  # Ray's, of a run with none
+        return ResumePoint(None, [], describe(cfg))
+    allowed = check_allowed(allow_change or [])
+    path, manifest = resolve(resume)
+    if manifest["verified"] != "sha256":
+        size = sum(f["size"] for f in manifest["files"].values()) / 2**30
+        say(f"resume: {path} holds {size:,.0f} GiB: its files' sizes and metadata are checked, not their SHA-256")
+    check_compatible(cfg, manifest, path)
+    changed = check_trajectory(cfg, manifest, path, allowed)
+    origin = manifest.get("data_origin", 0)
+    for key in changed:
+        say(f"resume: {key} differs from the checkpoint's (allowed by --allow-change)")
+    if data_restarts(changed):
+        origin = manifest["step"]
+        say(f"resume: the data starts from its beginning at step {origin + 1}")
+    # Only complete ones: on object storage a save cut short (a lost node, a killed job) leaves
+    # step_<N>/ without its manifest, which the next save of step N replaces.
+    if existing and path.parent.uri != ckpt_root.uri:
+        raise ConfigError(
+            "run.output_dir",
+            out.uri,
+            f"holds checkpoints of another run ({existing[-1].name}); resuming {path} there would mix and prune "
+            "them: resume into an empty run.output_dir (--set run.output_dir=...), or continue that run with "
+            f"--resume {out.uri}",
+        )
+    later = [p for p in existing if step_number(p) > manifest["step"] and _intact(p)]
+    if later:
+        raise ConfigError(
+            "run.output_dir",
+            out.uri,
+            f"resuming {path.name} here would overwrite the later {later[-1].name}; "
+            "resume into another run.output_dir (--set run.output_dir=...)",
+        )
+    history = []
+    metrics = out.child("metrics.jsonl")
+    if path.parent.uri == ckpt_root.uri and metrics.exists():  # continuing in place: keep the steps before
+        history = [h for h in map(json.loads, metrics.read_text().splitlines()) if h["step"] < manifest["step"]]
+    return ResumePoint(path.uri, history, describe(cfg), origin, manifest["step"])
+
+
+def _intact(path) -> bool:
+    """A complete checkpoint by its sizes and metadata (a broken one is not "later" than a resume)."""
+    try:
+        verify(path, digests=False)
+    except ConfigError:
+        return False
+    return True
+
+
+def prepare_run_dir(
+    cfg: Config, resume: str | None, allow_change: list[str] | None = None, say=print
+) -> tuple[Config, ResumePoint]:
+    """run.output_dir as workers on any node reach it (a local path made absolute, a URI as
+    it is), and the resume checked (see check_resume)."""
+    out = open_store(cfg.run.output_dir)
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, output_dir=out.uri))
+    return cfg, check_resume(cfg, resume, allow_change, say)
+
+
+@dataclasses.dataclass(frozen=True)
+class StartPlan:
+    """What a run's start decided, once: every check and the launch read it."""
+
+    cfg: Config  # at the layout it starts with; run.output_dir absolute or a URI; data.path resolved
+    point: ResumePoint  # the checkpoint it starts from, the history kept, the trajectory, the data's origin
+    reach: Reach  # the live nodes and those an autoscaler may add
+    use_gpu: bool
+    resources: dict[str, float]  # what each worker asks of Ray
+    counts: list[int]  # the worker counts a start may have, ascending (one for a fixed run)
+    placement: list[int] | None  # predicted workers per node at the first start (None: nodes still to come)
+    layout_hw: Hardware | None  # the profile layout=auto priced on (an elastic run's workers pick on it)
+    end: int  # the steps it trains (data.epochs may end it before train.steps)
+
+    def lines(self) -> list[str]:
+        """The plan as the driver says it before the workers start."""
+        par, out = self.cfg.parallelism, open_store(self.cfg.run.output_dir)
+        where = (
+            "this node's disk"
+            if out.local and not self.cfg.run.shared_fs
+            else ("a shared mount" if out.local else "object storage")
+        )
+        counts = f"{self.counts[0]} to {self.counts[-1]}" if len(self.counts) > 1 else f"{self.counts[0]}"
+        placed = f" on nodes holding {self.placement}" if self.placement else " on nodes still to come"
+        start = f"resumed from {self.point.path} at step {self.point.step}" if self.point.path else "from step 0"
+        return [
+            f"start: dp={par.dp} tp={par.tp} pp={par.pp}, {counts} workers of {self.resources}{placed}; "
+            f"{self.end} steps; output {out.uri} ({where}); {start}"
+        ]
+
+
+def open_session(cfg: Config, marks: dict, say=print) -> tuple[Config, Reach, Hardware | None]:
+    """Join or start Ray and pick the layout (parallelism.layout="auto") for the nodes the cluster
+    may reach: (the config at its layout, the reach, the profile the pick was priced on)."""
+    ensure_ray(cfg, cfg.parallelism.world_size)
+    marks["ray_ready"] = time.time()
+    # The live nodes and those an autoscaler may add; the planner's pick for them, said with its runner-up.
+    reach = cluster_reach(bool(ray_address(cfg)), cfg.cluster.accelerator_type)
+    cfg, layout_hw = choose_layout(cfg, say, reach, use_gpu_for(cfg, reach.nodes))
+    return cfg, reach, layout_hw
+
+
+def plan_start(cfg: Config, point: ResumePoint, marks: dict, say=print) -> StartPlan:
+    """Ray joined, the layout picked, the placement checked against the live nodes, the output
+    directory made and the input checked: the run's StartPlan (ConfigError/LayoutError if none)."""
+    cfg, reach, layout_hw = open_session(cfg, marks, say)
+    counts = worker_counts(cfg)
+    use_gpu = resolve_use_gpu(cfg, counts[0], reach.nodes)  # an elastic run starts on fewer
+    resources = worker_resources(cfg, use_gpu)
+    placement = check_placement(cfg, resources, reach.live, counts)
+    open_store(cfg.run.output_dir).makedirs()  # only now: a refused run leaves nothing behind
+    cfg = prepare_input(cfg, say=say)
+    end = steps_to_train(cfg)
+    if end < cfg.train.steps:
+        say(
+            f"data.epochs={cfg.data.epochs}: the rows hold {end} global batches of {cfg.train.global_batch_size}; "
+            f"the run ends after step {end} (the LR schedule is train.steps={cfg.train.steps}'s)"
+        )
+    if is_elastic(cfg.parallelism):
+        say(start_line(cfg))
+    marks["input_checked"] = time.time()
+    return StartPlan(cfg, point, reach, use_gpu, resources, counts, placement, layout_hw, end)
