@@ -12,30 +12,29 @@ back to the unmodified transformers model (GPT-2: q/k/v re-fused into Conv1D ``c
 
 from __future__ import annotations
 
+import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
 
 from raytrain_hybrid.checkpoint.manifest import resolve
-from raytrain_hybrid.checkpoint.reader import SafeFileSystemReader
-from raytrain_hybrid.checkpoint.state import local_copy
+from raytrain_hybrid.checkpoint.reader import safe_load
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.errors import ConfigError
 from raytrain_hybrid.models import get_arch, hf_checkpoint, hub
 from raytrain_hybrid.models.common import build_stage
-from raytrain_hybrid.storage import Store, as_store
+from raytrain_hybrid.storage import Store, as_store, private_dir
 
 
 def load_full_state_dict(path: str | Path | Store, cfg: Config) -> dict[str, torch.Tensor]:
-    """Every model parameter of a checkpoint (local, or on storage: copied here first) as one
+    """Every model parameter of a checkpoint (local, or read by range from storage) as one
     whole float32 tensor (project names)."""
-    import torch.distributed.checkpoint as dcp
-
     spec = get_arch(cfg.model.arch)
     meta = build_stage(spec, spec.hf_config(cfg), list(range(spec.num_blocks(cfg.model))), first=True, last=True)
     state = {name: torch.empty(p.shape, dtype=torch.float32) for name, p in meta.named_parameters()}
-    dcp.load({"model": state}, storage_reader=SafeFileSystemReader(str(local_copy(path))), no_dist=True)
+    safe_load({"model": state}, path, no_dist=True)
     return state
 
 
@@ -68,13 +67,33 @@ def copy_companions(pretrained: str, out: Path, revision: str = "") -> None:
             (out / name).write_bytes(store.child(name).read_bytes())
 
 
-def export_hf(source: str | Path, out_dir: str | Path) -> Path:
-    """Write the model of a checkpoint (or a run directory's newest one) as a HF directory."""
+def _target(out_dir: str | Path) -> Store:
+    """OUT_DIR opened (a local path or a storage URI), refused before anything is read or
+    written when it is a file or a directory with something in it."""
+    out = as_store(out_dir, "OUT_DIR")
+    if out.is_file():
+        raise ConfigError("OUT_DIR", out.uri, "is a file; give a new directory (nothing was written)")
+    if out.listdir():
+        raise ConfigError("OUT_DIR", out.uri, "exists and is not empty; give a new directory (nothing was written)")
+    if out.local:
+        for parent in Path(out.path).parents:  # a file on the way: mkdir would fail after the load
+            if parent.exists():
+                if not parent.is_dir():
+                    raise ConfigError("OUT_DIR", out.uri, f"cannot be made: {parent} is a file")
+                break
+    return out
+
+
+def export_hf(source: str | Path, out_dir: str | Path) -> str:
+    """Write the model of a checkpoint (or a run directory's newest one) as a HF directory:
+    a local path, or a storage URI (s3://bucket/model: written here, then uploaded, config.json
+    last, so a directory with config.json is whole). Returns where it went."""
+    target = _target(out_dir)
     path, manifest = resolve(source, key="CHECKPOINT")
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError("OUT_DIR", str(out), "exists and is not empty; give a new directory (nothing was written)")
-    cfg = Config.from_dict(manifest["config"])  # the manifest saves the resolved config
+    try:  # the manifest saves the resolved config
+        cfg = Config.from_dict(manifest["config"])
+    except (KeyError, TypeError, ConfigError) as exc:
+        raise ConfigError("CHECKPOINT", str(path), f"has a manifest.json whose config cannot be read: {exc}") from None
     spec = get_arch(cfg.model.arch)
     if spec.hf_class is None:
         raise ConfigError(
@@ -90,18 +109,32 @@ def export_hf(source: str | Path, out_dir: str | Path) -> Path:
         raise RuntimeError(
             f"checkpoint does not map onto {type(model).__name__}: missing {missing}, extra {unexpected}"
         )
-    tmp = out.with_name(out.name + ".partial")
+    if target.local:
+        out = Path(target.path)
+        tmp = out.with_name(out.name + ".partial")
+    else:  # staged in this user's private directory, one per export
+        tmp = private_dir("export", f"{os.getpid()}-{time.time_ns()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.config.use_cache = True  # generation wants its KV cache (training turned it off)
-    model.save_pretrained(tmp, safe_serialization=True)
-    if hf_checkpoint.is_set(cfg.model.pretrained) and spec.from_hf is not None:
-        # The checkpoint's tokenizer files, chat template and generation settings, as they were.
-        copy_companions(cfg.model.pretrained, tmp, cfg.model.pretrained_revision)
-    else:
-        from raytrain_hybrid.data.tokenizer import resolve_tokenizer
+    try:
+        model.config.use_cache = True  # generation wants its KV cache (training turned it off)
+        model.save_pretrained(tmp, safe_serialization=True)
+        if hf_checkpoint.is_set(cfg.model.pretrained) and spec.from_hf is not None:
+            # The checkpoint's tokenizer files, chat template and generation settings, as they were.
+            copy_companions(cfg.model.pretrained, tmp)
+        else:
+            from raytrain_hybrid.data.tokenizer import resolve_tokenizer
 
-        shutil.copy(resolve_tokenizer(cfg), tmp / "tokenizer.json")
-    if out.exists():
-        out.rmdir()
-    tmp.rename(out)
-    return out
+            shutil.copy(resolve_tokenizer(cfg), tmp / "tokenizer.json")
+        if target.local:
+            if out.exists():
+                out.rmdir()
+            tmp.rename(out)
+            return str(out)
+        config = (tmp / "config.json").read_bytes()
+        (tmp / "config.json").unlink()
+        target.upload(str(tmp))
+        target.child("config.json").write_bytes(config)  # last: what transformers opens first
+        return target.uri
+    finally:
+        if not target.local:
+            shutil.rmtree(tmp, ignore_errors=True)

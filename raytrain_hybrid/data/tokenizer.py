@@ -14,7 +14,6 @@ import functools
 import hashlib
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -174,9 +173,12 @@ def load_hf_tokenizer(bundle: TokenizerFiles):
     if bundle.digest not in _HF_LOADED:
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+        from raytrain_hybrid.storage import private_dir
+
         _one_thread_each()
 
-        where = Path(tempfile.gettempdir()) / "raytrain-hybrid-tokenizers" / bundle.digest
+        # This user's own directory: files planted under a shared /tmp name would be loaded.
+        where = private_dir("tokenizers") / bundle.digest
         if not where.is_dir():
             part = where.with_name(f"{where.name}.{os.getpid()}")
             part.mkdir(parents=True, exist_ok=True)

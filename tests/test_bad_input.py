@@ -1,0 +1,331 @@
+"""Bad input, entered as a user does (the CLI, real files): non-finite numbers, credentials in a
+URI, export and prepare-data outputs that are files, object storage or not empty, and the private
+cache directory. Each is refused with exit 2 naming the key or file, and changes nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+import tempfile
+import typing
+from pathlib import Path
+
+import pytest
+from s3_server import s3_server
+
+from raytrain_hybrid import cli
+from raytrain_hybrid.config import Config, load_config
+from raytrain_hybrid.errors import ConfigError
+
+SECRET = "wJalrXUtnFEMI/K7MDENG+bPxRfiCYzEXAMPLEKEY"  # raw, with the "/" and "+" real keys hold
+CRED_URI = f"s3://AKIAEXAMPLEKEYID:{SECRET}@bucket/x"
+TINY = [
+    "parallelism.dp=1",
+    "parallelism.tp=1",
+    "parallelism.pp=1",
+    "parallelism.microbatches=1",
+    "model.num_layers=2",
+    "model.hidden_size=32",
+    "model.num_heads=2",
+    "model.seq_len=16",
+    "train.global_batch_size=2",
+    "train.steps=2",
+    "data.path=memory",
+    "checkpoint.interval=2",
+    "checkpoint.async_save=false",
+]
+
+
+def _float_keys() -> list[str]:
+    """Every key of the schema that takes a float (or a list of them)."""
+    out = []
+    for section, cls in typing.get_type_hints(Config).items():
+        for name, hint in typing.get_type_hints(cls).items():
+            if hint is float or hint == list[float]:
+                out.append(f"{section}.{name}")
+    return out
+
+
+# --- 1. non-finite numbers ---------------------------------------------------------------------
+
+
+def test_every_float_key_refuses_nan_and_inf_naming_the_key():
+    keys = _float_keys()
+    assert {"train.grad_clip", "train.lr", "model.class_weights", "run.startup_timeout_s"} <= set(keys)
+    for key in keys:
+        for text in ("nan", "inf", "-inf", "1e999"):
+            with pytest.raises(ConfigError, match=rf"^{key}=.*finite") as err:
+                load_config(None, [f"{key}={text}"])
+            assert err.value.key == key
+
+
+@pytest.mark.parametrize("literal", ["nan", "inf", "-inf", "+nan"])
+def test_toml_nan_and_inf_literals_are_refused_by_the_cli(tmp_path, capsys, literal):
+    path = tmp_path / "run.toml"
+    path.write_text(f"[train]\ngrad_clip = {literal}\n")
+    before = path.read_bytes()
+    assert cli.main(["check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "train.grad_clip=" in err and "finite" in err, err
+    assert path.read_bytes() == before
+
+
+def test_set_grad_clip_nan_is_refused_before_training(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert cli.main(["train", "--set", "train.grad_clip=nan", "--set", f"run.output_dir={out}"]) == 2
+    assert "train.grad_clip='nan': must be a finite number" in capsys.readouterr().err
+    assert not out.exists()
+
+
+# --- 2. credentials in a URI -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", ["run.output_dir", "data.path", "data.val_path", "model.pretrained", "data.tokenizer"])
+def test_a_uri_with_credentials_is_refused_at_load_without_echoing_them(tmp_path, capsys, key):
+    assert cli.main(["check", "--set", f"{key}={CRED_URI}"]) == 2
+    err = capsys.readouterr().err
+    assert f"{key}='s3://***@bucket/x': holds credentials" in err, err
+    assert SECRET not in err and "AKIAEXAMPLEKEYID" not in err and SECRET.split("/")[0] not in err
+    # The same from a config file, and in a key that is not one (the misspelt key is named, not shown).
+    path = tmp_path / "run.toml"
+    section, name = key.split(".")
+    path.write_text(f'[{section}]\n{name} = "{CRED_URI}"\nbogus = "{CRED_URI}?token=abc"\n')
+    assert cli.main(["check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "***" in err and SECRET not in err and "abc" not in err.split("***")[-1], err
+
+
+def test_secret_query_parameters_are_refused_and_redacted(capsys):
+    uri = "https://host/data.parquet?X-Amz-Credential=AKIDX&X-Amz-Signature=deadbeefcafe"
+    assert cli.main(["check", "--set", f"data.path={uri}"]) == 2
+    err = capsys.readouterr().err
+    assert "X-Amz-Signature=***" in err and "deadbeefcafe" not in err and "AKIDX" not in err, err
+
+
+def test_cli_locations_outside_the_config_are_refused_without_echoing_them(tmp_path, capsys, monkeypatch):
+    import ray
+
+    from raytrain_hybrid.launch import driver
+
+    started: list = []  # nothing may start Ray for a refused location
+    monkeypatch.setattr(driver, "ensure_ray", lambda *a, **k: started.append("ensure_ray"))
+    monkeypatch.setattr(ray, "init", lambda *a, **k: started.append("ray.init"))
+    monkeypatch.chdir(tmp_path)
+    commands = {
+        "--resume": ["train", "--resume", CRED_URI, "--set", f"run.output_dir={tmp_path / 'run'}"],
+        "CHECKPOINT": ["export", CRED_URI, str(tmp_path / "out")],
+        "OUT_DIR": ["export", str(tmp_path), CRED_URI],
+        "prepare-data OUT_DIR": ["prepare-data", str(tmp_path), CRED_URI],
+    }
+    for key, argv in commands.items():
+        if argv[0] == "prepare-data":
+            monkeypatch.setattr("raytrain_hybrid.launch.session.join_ray", lambda *a, **k: None)
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert f"{key}='s3://***@bucket/x': holds credentials" in err, err
+        assert SECRET not in err and "AKIAEXAMPLEKEYID" not in err
+    assert started == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], "a refused command left files behind"
+
+
+@pytest.fixture(scope="module")
+def secret_run(tmp_path_factory):
+    """A short run that saves a checkpoint (the engine's workers as gloo processes, no Ray), with
+    every secret a cloud run has in its environment; and a run tracked in MLflow from that env."""
+    from gloo_harness import run_gloo
+
+    secrets = {
+        "AWS_SECRET_ACCESS_KEY": "aws-secret-never-written-1",
+        "HF_TOKEN": "hf_tokenneverwritten2",
+        "WANDB_API_KEY": "wandb-key-never-written-3",
+        "MLFLOW_TRACKING_PASSWORD": "mlflow-password-never-written-4",
+    }
+    root = tmp_path_factory.mktemp("secret_run")
+    run_gloo([*TINY, f"run.output_dir={root / 'run'}"], env=secrets)
+    return root, secrets
+
+
+def test_secrets_in_the_environment_never_land_in_what_a_run_writes(secret_run, monkeypatch):
+    from raytrain_hybrid.launch.rundir import RunDir
+    from raytrain_hybrid.launch.tracking import TrackedRun
+
+    root, secrets = secret_run
+    for name, value in secrets.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (root / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    cfg = load_config(None, [*TINY, f"run.output_dir={root / 'run'}", "run.tracking=mlflow"])
+    # The driver's files: config.json (the config as the driver writes it) and the tracker's params.
+    run_dir = RunDir.open(cfg.run.output_dir)
+    (run_dir.local / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    tracked = TrackedRun()
+    tracked.open(cfg)
+    tracked.finish({"steps": 2, "final_loss": 1.0})
+    files = [p for p in root.rglob("*") if p.is_file()]
+    assert any(p.name == "manifest.json" for p in files) and any(p.parent.name == "params" for p in files)
+    for path in files:
+        data = path.read_bytes()
+        for name, value in secrets.items():
+            assert value.encode() not in data, f"{name} found in {path}"
+
+
+# --- 3. export ---------------------------------------------------------------------------------
+
+
+def test_export_to_object_storage_uploads_the_same_files_as_a_local_export(secret_run, tmp_path, capsys, monkeypatch):
+    root, _ = secret_run
+    monkeypatch.chdir(tmp_path)
+    local = tmp_path / "local"
+    assert cli.main(["export", str(root / "run"), str(local)]) == 0
+    with s3_server() as env:
+        import pyarrow.fs as pafs
+
+        assert cli.main(["export", str(root / "run"), "s3://bucket/exported/model"]) == 0
+        assert "wrote s3://bucket/exported/model" in capsys.readouterr().out
+        fs = pafs.S3FileSystem(endpoint_override=env["AWS_ENDPOINT_URL"])
+        infos = fs.get_file_info(pafs.FileSelector("bucket/exported/model"))
+        uploaded = {}
+        for info in infos:
+            with fs.open_input_stream(info.path) as f:
+                uploaded[info.base_name] = f.read()
+        assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(uploaded)
+        assert uploaded == {p.name: p.read_bytes() for p in local.iterdir()}
+        # A second export there is refused: the directory is not empty.
+        assert cli.main(["export", str(root / "run"), "s3://bucket/exported/model"]) == 2
+        assert "OUT_DIR='s3://bucket/exported/model': exists and is not empty" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["local"], "no local folder named s3: or a stage"
+
+
+def test_export_onto_a_file_is_refused_naming_it(secret_run, tmp_path, capsys):
+    root, _ = secret_run
+    target = tmp_path / "model.safetensors"
+    target.write_bytes(b"the user's own file")
+    assert cli.main(["export", str(root / "run"), str(target)]) == 2
+    assert f"OUT_DIR='{target}': is a file" in capsys.readouterr().err
+    assert cli.main(["export", str(root / "run"), str(target / "sub")]) == 2
+    assert f"cannot be made: {target} is a file" in capsys.readouterr().err
+    assert target.read_bytes() == b"the user's own file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+
+
+# --- 4. prepare-data ---------------------------------------------------------------------------
+
+
+def _prepare(capsys, source: Path, out: str) -> tuple[int, str]:
+    code = cli.main(["prepare-data", str(source), out])
+    return code, capsys.readouterr().err
+
+
+def test_prepare_data_writes_its_marker_last_and_refuses_a_non_empty_output(ray_local, tmp_path, capsys, monkeypatch):
+    import pyarrow.dataset as pads
+    import ray.data
+
+    source = tmp_path / "docs.txt"
+    source.write_text("\n\n".join(f"document number {i} with a few words" for i in range(40)))
+    out = tmp_path / "tokens"
+    code, err = _prepare(capsys, source, str(out))
+    assert code == 0, err
+    marker = json.loads((out / "_SUCCESS").read_text())
+    parquet = sorted(p for p in out.iterdir() if p.suffix == ".parquet")
+    table = pads.dataset(str(out), format="parquet").to_table()  # readers skip the marker
+    assert marker == {
+        "rows": 40,
+        "tokens": sum(table.column("num_tokens").to_pylist()),
+        "files": [p.name for p in parquet],
+    }
+    assert table.num_rows == 40
+    assert all((out / "_SUCCESS").stat().st_mtime_ns >= p.stat().st_mtime_ns for p in parquet)
+    listing = sorted(p.name for p in out.iterdir())
+
+    code, err = _prepare(capsys, source, str(out))  # a re-run: refused, nothing added
+    assert code == 2 and f"prepare-data OUT_DIR='{out}': holds a finished prepare-data output" in err, err
+    assert sorted(p.name for p in out.iterdir()) == listing
+
+    # A run that dies after writing some shards leaves no marker; the directory is reported incomplete.
+    crashed = tmp_path / "crashed"
+    write = ray.data.Dataset.write_parquet
+
+    def dies_after_writing(self, *args, **kwargs):
+        write(self, *args, **kwargs)
+        raise KeyboardInterrupt  # the process killed after the shards, before the marker
+
+    monkeypatch.setattr(ray.data.Dataset, "write_parquet", dies_after_writing)
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(["prepare-data", str(source), str(crashed)])
+    monkeypatch.setattr(ray.data.Dataset, "write_parquet", write)
+    assert not (crashed / "_SUCCESS").exists() and any(crashed.iterdir())
+    code, err = _prepare(capsys, source, str(crashed))
+    assert code == 2 and "holds an incomplete prepare-data output (no _SUCCESS" in err, err
+
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    code, err = _prepare(capsys, source, str(tmp_path / "other"))
+    assert code == 2 and f"prepare-data OUT_DIR='{tmp_path / 'other'}': is not empty" in err, err
+    assert sorted(p.name for p in (tmp_path / "other").iterdir()) == ["notes.txt"]
+    code, err = _prepare(capsys, source, str(source))
+    assert code == 2 and f"prepare-data OUT_DIR='{source}': is a file" in err, err
+
+    with s3_server():  # on object storage too
+        from raytrain_hybrid.storage import open_store
+
+        open_store("s3://bucket/prep/old.parquet").write_bytes(b"an earlier output")
+        code, err = _prepare(capsys, source, "s3://bucket/prep")
+        assert code == 2 and "prepare-data OUT_DIR='s3://bucket/prep': holds an incomplete" in err, err
+        assert open_store("s3://bucket/prep").listdir() == ["old.parquet"]
+
+
+# --- 5. private cache directory ----------------------------------------------------------------
+
+
+@pytest.fixture
+def tmpdir_root(tmp_path, monkeypatch):
+    """tempfile.gettempdir() pointed at a fresh directory (as TMPDIR would)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return tmp_path / f"raytrain-hybrid-{os.getuid()}"
+
+
+def test_private_dir_is_made_0700_and_holds_the_caches(tmpdir_root, monkeypatch):
+    from raytrain_hybrid.data import tokenizer
+    from raytrain_hybrid.data.tokenizer import TokenizerFiles, load_hf_tokenizer
+    from raytrain_hybrid.launch.rundir import mirror_dir
+    from raytrain_hybrid.storage import private_dir
+
+    where = private_dir("runs", "abc")
+    assert where == tmpdir_root / "runs" / "abc" and where.is_dir()
+    assert stat.S_IMODE(tmpdir_root.stat().st_mode) == 0o700
+    with s3_server():
+        assert mirror_dir("s3://bucket/run").parent == tmpdir_root / "runs"
+    monkeypatch.setattr(tokenizer, "_HF_LOADED", {})  # as in a fresh worker
+    bundle = TokenizerFiles.read("")  # the shipped BPE, rebuilt from its bytes
+    load_hf_tokenizer(bundle)
+    assert (tmpdir_root / "tokenizers" / bundle.digest / "tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize("plant", ["group-writable", "another user", "a link"])
+def test_a_planted_cache_directory_is_refused_naming_it(tmpdir_root, tmp_path, capsys, plant):
+    from raytrain_hybrid.storage import private_dir
+
+    if plant == "a link":
+        (tmp_path / "theirs").mkdir(mode=0o700)
+        tmpdir_root.symlink_to(tmp_path / "theirs")
+    else:
+        tmpdir_root.mkdir(mode=0o700)
+        if plant == "group-writable":
+            os.chmod(tmpdir_root, 0o777)
+        else:
+            if os.getuid() != 0:
+                pytest.skip("making a directory another user owns needs root")
+            os.chown(tmpdir_root, 65534, 65534)
+    with pytest.raises(ConfigError, match=rf"cache directory='{tmpdir_root}': "):
+        private_dir("runs")
+    # As a user meets it: a run writing to object storage mirrors its files there first.
+    with s3_server():
+        assert cli.main(["train", "--set", "run.output_dir=s3://bucket/run", "--set", "train.steps=1"]) == 2
+    assert f"cache directory='{tmpdir_root}'" in capsys.readouterr().err
+    assert not (tmpdir_root / "runs").exists() and not (tmp_path / "theirs" / "runs").exists()
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
