@@ -8,7 +8,7 @@ HF_TOKEN holds a sentinel that must not reach anything the trainer writes.
 
 - `check --set model.pretrained=ORG/NAME` resolves the model keys from the cached config.json
   (a size that disagrees is refused by the CLI with exit 2); the resolved config pins the
-  commit; the engine loads, through the Hub id, the weights it loads from the directory;
+  commit; the engine loads, through the Hub id, the checkpoint's own tensors;
 - an id the cache does not hold, or a revision it does not hold, is refused with what to do
   (`train`: exit 2), while `check` says what it could not verify and validates the rest;
 - the fine-tuning job's `check` works with no network and no cloud credentials, and its
@@ -150,23 +150,22 @@ def _jobs_offline(rank: int, world: int, home: str, jobs: dict) -> dict:
 
 
 def test_engine_loads_the_same_weights_through_the_hub_id(hf_home, tmp_path):
-    """One training step from the Hub id and one from the directory, in one gloo rank: the same
-    initial parameters and the same loss; nothing the runs write holds the token."""
+    """A training step from the Hub id in a gloo rank: the engine's initial parameters are the
+    checkpoint's tensors (read here from its safetensors files); nothing the run writes holds
+    the token, and its saved config pins the commit."""
     from gloo_harness import launch_ranks
+    from safetensors.numpy import load_file
 
     home, src = hf_home
-    common = [*TINY, "data.path=memory", "train.steps=1", "checkpoint.interval=1", "train.lr=1e-3"]
-    jobs = {
-        name: [f"model.pretrained={where}", *common, f"run.output_dir={tmp_path / name}"]
-        for name, where in (("hub", REPO), ("dir", src))
-    }
-    got = launch_ranks(_jobs_offline, 1, str(home), jobs)
-    hub_run, dir_run = got["hub"], got["dir"]
-    assert hub_run["probe"]["initial"].keys() == dir_run["probe"]["initial"].keys()
-    for name, value in dir_run["probe"]["initial"].items():
-        assert (hub_run["probe"]["initial"][name] == value).all(), name
-    assert [h["loss"] for h in hub_run["history"]] == [h["loss"] for h in dir_run["history"]]
-    written = [p for p in (tmp_path / "hub").rglob("*") if p.is_file()]
+    out = tmp_path / "run"
+    job = [f"model.pretrained={REPO}", *TINY, "data.path=memory", "train.steps=1", "checkpoint.interval=1"]
+    got = launch_ranks(_jobs_offline, 1, str(home), {"hub": [*job, f"run.output_dir={out}"]})["hub"]
+    want = {k: v for f in sorted(src.glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert got["probe"]["initial"].keys() == want.keys()
+    for name, value in want.items():
+        assert (got["probe"]["initial"][name] == value).all(), name
+    assert len(got["history"]) == 1
+    written = [p for p in out.rglob("*") if p.is_file()]
     assert written and not [p for p in written if SENTINEL.encode() in p.read_bytes()]
     assert any(COMMIT.encode() in p.read_bytes() for p in written)  # the saved config pins the commit
 
