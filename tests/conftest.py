@@ -51,12 +51,16 @@ def job_overrides(path) -> list[str]:
     (tests/test_hub.py); its planner line needs the model's sizes."""
     import tomllib
 
+    from job_files import submit_overrides
+
+    # The placeholders (<your-bucket>) filled in on the header's submit line, as a user submits it.
+    sets = submit_overrides(path)
     pretrained = tomllib.loads(Path(path).read_text()).get("model", {}).get("pretrained", "")
     if "://" not in pretrained:
-        return []
+        return sets
     copy = ASSETS / pretrained.rstrip("/").rsplit("/", 1)[-1]
     assert (copy / "config.json").is_file(), f"{path}: tests/assets has no copy of the config.json of {pretrained}"
-    return [f"model.pretrained={copy}"]
+    return [*sets, f"model.pretrained={copy}"]
 
 
 def load_job(path, overrides=()):

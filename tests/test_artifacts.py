@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import load_job
+from job_files import filled, submit_sets
 
 from raytrain_hybrid.planner.hardware import load_hardware
 from raytrain_hybrid.planner.search import describe
@@ -104,7 +105,9 @@ def test_kuberay_rayjob_has_the_workers_its_layout_needs():
     doc = _manifests()["kuberay-rayjob.yaml"]
     entry = doc["spec"]["entrypoint"].split()
     config = ROOT / entry[entry.index("train") + 1]
-    cfg = load_job(config, [a for a in entry if a.startswith("data.")])
+    sets = [entry[i + 1] for i, arg in enumerate(entry) if arg == "--set"]
+    assert sets == submit_sets(config), "the RayJob overrides what the job's own submit line does"
+    cfg = load_job(config, [filled(kv) for kv in sets])
     (group,) = doc["spec"]["rayClusterSpec"]["workerGroupSpecs"]
     pod = group["template"]["spec"]["containers"][0]["resources"]["limits"]
     gpus_per_pod = int(pod["nvidia.com/gpu"])
@@ -118,7 +121,11 @@ def test_kuberay_rayjob_has_the_workers_its_layout_needs():
 def test_job_config_loads_and_its_planner_line_is_current(path):
     cfg = load_job(path)  # validation: layout against model, batch against micro-batches
     text = path.read_text()
-    match = re.search(r"^# planner \(`raytrain-hybrid check (\S+) --hardware (\S+)`\):\n#   (.+)$", text, re.M)
+    match = re.search(
+        r"^# planner \(`raytrain-hybrid check (\S+) --hardware (\S+)`(?: with the --set below)?\):\n#   (.+)$",
+        text,
+        re.M,
+    )
     if cfg.cluster.use_gpu is not True:
         assert match is None  # local jobs quote no GPU prediction
         return
@@ -132,7 +139,7 @@ def test_job_config_loads_and_its_planner_line_is_current(path):
 
 def test_job_readme_submit_lines_name_real_files():
     text = (ROOT / "jobs" / "README.md").read_text()
-    lines = re.findall(r"--runtime-env (\S+) \\\n\s+-- python -m raytrain_hybrid.cli train (\S+)", text)
+    lines = re.findall(r"--runtime-env (\S+) -- \\\n\s+python -m raytrain_hybrid.cli train (\S+)", text)
     assert len(lines) >= 3
     for env, config in lines:
         env_doc = yaml.safe_load((ROOT / env).read_text())
@@ -214,7 +221,7 @@ def test_aws_workers_have_credentials_and_efa():
         cfg = node["node_config"]
         # Instance profile: S3 for the workers, EC2 and S3 for the head (Ray gives workers none).
         assert cfg["IamInstanceProfile"]["Arn"].startswith("arn:aws:iam::"), name
-        if name == raw["head_node_type"]:
+        if not node["resources"].get("GPU"):  # the head, the CPU workers: no NCCL traffic
             continue
         nics = cfg["NetworkInterfaces"]
         assert [n["NetworkCardIndex"] for n in nics] == list(range(efa_cards[cfg["InstanceType"]])), name
@@ -236,10 +243,13 @@ def test_gcp_nodes_have_credentials_tcpx_and_wait_for_the_driver():
         (account,) = cfg["serviceAccounts"]
         assert account["email"].endswith(".iam.gserviceaccount.com"), name
         assert "https://www.googleapis.com/auth/cloud-platform" in account["scopes"], name
-        if name == raw["head_node_type"]:
+        if not node["resources"].get("GPU"):  # the head, the CPU workers: no driver to wait for
+            assert "nvidia-smi" not in yaml.safe_dump(node), name
             continue
-        # The host has the driver before Docker starts Ray's container with the GPUs.
+        # The host has the driver before Docker starts Ray's container with the GPUs, and the
+        # container sees every GPU before `ray start` (setup commands run before the start commands).
         assert "nvidia-smi" in node["initialization_commands"][0], name
+        assert any('grep -q "GPU 7"' in c for c in node["worker_setup_commands"]), name
         if not cfg["machineType"].startswith("a3-"):
             continue
         # GPUDirect-TCPX: 4 GPU NICs besides the host's, the plugin and RxDM on the host, NCCL
@@ -255,9 +265,8 @@ def test_gcp_nodes_have_credentials_tcpx_and_wait_for_the_driver():
         assert env["NCCL_GPUDIRECTTCPX_UNIX_CLIENT_PREFIX"] == "/run/tcpx"
         assert env["LD_LIBRARY_PATH"].startswith("/usr/local/tcpx/lib64")
         assert "-v /run/tcpx:/run/tcpx" in node["docker"]["worker_run_options"]
-    start = raw["worker_start_ray_commands"]
-    wait = next(i for i, c in enumerate(start) if "nvidia-smi" in c)
-    assert wait < next(i for i, c in enumerate(start) if "ray start" in c)
+    # Start commands are every type's, the CPU one's too: no GPU wait there.
+    assert not any("nvidia-smi" in c for c in raw["worker_start_ray_commands"])
 
 
 @pytest.mark.parametrize("path", LAUNCHER_YAMLS, ids=lambda p: p.name)
@@ -315,9 +324,13 @@ def test_image_and_gpu_runtime_env_pin_one_torch_inside_the_projects_range():
     torch = re.search(r"^ARG TORCH_VERSION=(\S+)$", dockerfile, re.M).group(1)
     assert re.search(r"^ARG TORCH_INDEX=https://download\.pytorch\.org/whl/cu12\d$", dockerfile, re.M)
     assert deps["torch"].specifier.contains(torch)
-    for line in project:  # as pyproject spells them, Ray (the image's own) and torch (above) aside
-        if Requirement(line).name not in ("torch", "ray"):
-            assert f'"{line}"' in dockerfile, f"the image installs {line}"
+    # The project itself, which brings pyproject's dependencies, with every extra but dev's.
+    extras = sorted(
+        set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]) - {"dev"}
+    )
+    assert re.search(rf'^RUN pip install --no-cache-dir "/tmp/raytrain-hybrid\[{",".join(extras)}\]"', dockerfile, re.M)
+    assert re.search(r"^COPY \S+ pyproject.toml README.md /tmp/raytrain-hybrid/$", dockerfile, re.M)
+    assert re.search(r"^COPY \S+ raytrain_hybrid /tmp/raytrain-hybrid/raytrain_hybrid$", dockerfile, re.M)
     env = yaml.safe_load((ROOT / "jobs" / "runtime_env_gpu.yaml").read_text())
     assert f"torch=={torch}" in env["pip"]["packages"]
     nccl = env["env_vars"]

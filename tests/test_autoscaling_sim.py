@@ -54,8 +54,9 @@ def aws_worker_types() -> dict[str, dict]:
     for name, node in raw["available_node_types"].items():
         if name == raw["head_node_type"]:
             continue
-        gpu, count = EC2_GPUS[node["node_config"]["InstanceType"]]
-        types[name] = {"GPU": count, f"accelerator_type:{gpu}": 1, **node.get("resources", {})}
+        gpus = EC2_GPUS.get(node["node_config"]["InstanceType"])  # None: a CPU instance (EC2 adds no GPU)
+        found = {"GPU": gpus[1], f"accelerator_type:{gpus[0]}": 1} if gpus else {}
+        types[name] = {**found, **node.get("resources", {})}
     return types
 
 

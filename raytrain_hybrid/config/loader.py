@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_hybrid.config.defaults import resolve_defaults
+from raytrain_hybrid.config.placeholders import refuse_placeholders
 from raytrain_hybrid.config.schema import Config
 from raytrain_hybrid.config.validate import validate
 from raytrain_hybrid.errors import ConfigError
@@ -61,6 +62,8 @@ def load_config(
             raise ConfigError("config file", str(path), f"is not valid TOML: {exc}") from exc
     data = _merge(data, parse_overrides(overrides or []))
     # The model keys the file or --set name: each must agree with a pretrained checkpoint's.
-    cfg = resolve_defaults(Config.from_dict(data), given=set(data.get("model") or {}), unverified=unverified)
+    cfg = Config.from_dict(data)
+    refuse_placeholders(cfg)  # before resolving reads model.pretrained: <path-to-model-dir> is no path
+    cfg = resolve_defaults(cfg, given=set(data.get("model") or {}), unverified=unverified)
     validate(cfg)
     return cfg
