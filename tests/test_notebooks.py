@@ -61,7 +61,7 @@ def text(nb) -> str:
 def test_layout_explorer(executed):
     nb = executed["layout_explorer.ipynb"].result()
     out = text(nb)
-    assert "fit in 74.5 GiB per device" in out
+    assert "layouts of 32 ranks" in out and "of 74.5 (fits)" in out  # rh.plan, then rh.check's planner line
     assert "dp  tp  pp" in out
     assert "GPipe: bubble 27.3%" in out and "1F1B: bubble 27.3%" in out  # (p-1)/(m+p-1) at p=4, m=8
     assert "Interleaved1F1B: bubble 15.8%" in out
@@ -76,12 +76,12 @@ def test_sweep_analysis(executed):
 
 
 def quick_start_reference() -> list[dict]:
-    """The single-process reference of the quick start's run (its example file and overrides)."""
+    """The single-process reference of the quick start's run (its job file and overrides)."""
     from reference import reference_run
 
     from raytrain_hybrid.config import load_config
 
-    return reference_run(load_config(ROOT / "examples" / "llama_3d.toml", ["train.steps=6", "data.path=memory"]))
+    return reference_run(load_config(ROOT / "jobs" / "local_3d.toml", ["train.steps=6", "data.path=memory"]))
 
 
 @pytest.mark.slow
