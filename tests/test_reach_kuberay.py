@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import yaml
+from job_files import submit_overrides
 from k8s_server import api_server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,8 +31,9 @@ def _raycluster(autoscaling: bool = True) -> dict:
 
 
 def _check(ray_local, env: dict, *sets: str) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "raytrain_hybrid.cli", "check", JOB, "--set", "data.path=memory"]
-    argv += [a for kv in sets for a in ("--set", kv)]
+    # The job's submit line (its <your-bucket> filled in), the shipped corpus for its data.
+    sets = (*submit_overrides(ROOT / JOB), "data.path=memory", *sets)
+    argv = [sys.executable, "-m", "raytrain_hybrid.cli", "check", JOB, *(a for kv in sets for a in ("--set", kv))]
     env = {**os.environ, **env, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
     return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
