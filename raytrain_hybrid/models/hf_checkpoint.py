@@ -60,19 +60,21 @@ def _filesystem(location: str):
         fs, path = pafs.FileSystem.from_uri(location)
     except OSError as exc:  # e.g. the bucket's region look-up: no network
         raise Unreadable(KEY, location, f"could not be read here: {_short(exc)}") from None
-    rebuild, (options,) = fs.__reduce__()
-    if isinstance(fs, pafs.S3FileSystem):
-        options.update(connect_timeout=5, request_timeout=30)
-        options["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(max_attempts=2)
+    if isinstance(fs, (pafs.S3FileSystem, pafs.GcsFileSystem)):  # the same options, bounded waits
+        rebuild, (options,) = fs.__reduce__()
+        if isinstance(fs, pafs.S3FileSystem):
+            options.update(connect_timeout=5, request_timeout=30)
+            options["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(max_attempts=2)
+        else:
+            options["retry_time_limit"] = datetime.timedelta(seconds=10)
         fs = rebuild(options)
-    elif isinstance(fs, pafs.GcsFileSystem):
-        fs = rebuild({**options, "retry_time_limit": datetime.timedelta(seconds=10)})
     return fs, path.rstrip("/")
 
 
 def _short(exc: Exception) -> str:
     """pyarrow's error without the SDK's details (its curl code, the host again)."""
-    return " ".join(str(exc).split("; Details:")[0].split(" (Request ID:")[0].split())[:200]
+    text = " ".join(str(exc).split("; Details:")[0].split(" (Request ID:")[0].split())
+    return text if len(text) <= 200 else text[:197].rsplit(" ", 1)[0] + " ..."
 
 
 def _listing(location: str) -> tuple[list[str], Callable[[str], bytes]]:
