@@ -49,6 +49,15 @@ def _parser() -> argparse.ArgumentParser:
         "any layout, the same model",
     )
     train.add_argument(
+        "--allow-change",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="with --resume: let this key differ from the checkpoint's on purpose (repeatable, or KEY,KEY): "
+        "train.global_batch_size, train.seed, train.lr, train.min_lr_ratio, train.warmup_steps, data.path, "
+        "data.tokenizer, data.shuffle_seed, ...; a data or batch-size change starts the data from its beginning",
+    )
+    train.add_argument(
         "--verbose",
         action="store_true",
         help="show Ray's own output (start-up notices, raylet warnings, Ray Data progress) on the terminal; "
@@ -199,7 +208,7 @@ def _check(args, cfg, unverified: list[str] | None = None) -> int:
     return 0
 
 
-def _train(cfg, resume: str | None = None, verbose: bool = False) -> int:
+def _train(cfg, resume: str | None = None, verbose: bool = False, allow_change: list[str] | None = None) -> int:
     import ray
 
     from raytrain_hybrid.launch.driver import run
@@ -210,12 +219,13 @@ def _train(cfg, resume: str | None = None, verbose: bool = False) -> int:
     ray_address(cfg)  # an address that cannot be joined is refused before the run directory is made
     connected_before = ray.is_initialized()  # e.g. a notebook's or a test's own session
     log = mirror_dir(cfg.run.output_dir) / "driver.log"  # the run dir itself, unless it is a URI
-    summary = None
+    summary, refused = None, []
     try:
-        with quiet_driver(log, quiet=not verbose) as (out, err, live_log):
+        with quiet_driver(log, quiet=not verbose, keep=lambda: not refused) as (out, err, live_log):
             try:
-                summary = run(cfg, resume=resume, stream=out, driver_log=live_log)
+                summary = run(cfg, resume=resume, stream=out, driver_log=live_log, allow_change=allow_change)
             except (ConfigError, LayoutError):
+                refused.append(True)  # its log is not this directory's (it may be another run's)
                 raise
             except Exception as exc:  # a worker failed: Ray's error carries its traceback
                 print(f"error: training failed: {exc}", file=err)
@@ -226,7 +236,7 @@ def _train(cfg, resume: str | None = None, verbose: bool = False) -> int:
                 if ray.is_initialized() and not connected_before:
                     ray.shutdown()  # inside: Ray's listener threads print until they stop
     finally:
-        if log.exists():  # the run started: its driver.log goes where its other files went
+        if log.exists() and not refused:  # the run started: its driver.log goes where its other files went
             RunDir.open(cfg.run.output_dir).sync()
     newest = f"; newest checkpoint {summary['checkpoints'][-1]['path']}" if summary["checkpoints"] else ""
     print(
@@ -341,7 +351,7 @@ def _command_run(args) -> int:
         return _plan(args, cfg)
     if args.command == "sweep":
         return _sweep(args, cfg)
-    return _train(cfg, args.resume, args.verbose)
+    return _train(cfg, args.resume, args.verbose, args.allow_change)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 import threading
 import time
 from concurrent.futures import Future
@@ -35,7 +34,8 @@ import torch.distributed as dist
 
 from raytrain_hybrid.checkpoint.manifest import FORMAT, MANIFEST, file_digest, layout_of
 from raytrain_hybrid.checkpoint.state import training_state
-from raytrain_hybrid.storage import Store, open_store
+from raytrain_hybrid.checkpoint.trajectory import describe
+from raytrain_hybrid.storage import Store, open_store, private_dir
 
 
 class CheckpointSaveError(RuntimeError):
@@ -68,8 +68,13 @@ class CheckpointWriter:
     step boundary returns the one in flight once every rank has finished it, ``close`` waits
     for it at the end. Each returns the checkpoints that became complete (none or one)."""
 
-    def __init__(self, cfg, launch_id: str) -> None:
-        self.cfg, self.launch_id = cfg, launch_id
+    def __init__(self, cfg, launch_id: str, trajectory: dict | None = None, data_origin: int = 0) -> None:
+        self.cfg, self.launch_id, self.data_origin = cfg, launch_id, data_origin
+        # What defines the run's trajectory (compared on resume): the driver's record, else this
+        # rank 0's own (engine runs without a driver); only rank 0 writes the manifest.
+        if trajectory is None and dist.get_rank() == 0:
+            trajectory = describe(cfg)
+        self.trajectory = trajectory or {}
         self.background = cfg.checkpoint.async_save
         self.root = open_store(cfg.run.output_dir).child("checkpoints")
         self.inflight: _InFlight | None = None
@@ -104,6 +109,8 @@ class CheckpointWriter:
             "layout": layout_of(self.cfg),
             "config": self.cfg.to_dict(),
             "data_position": data_position or {},
+            "data_origin": self.data_origin,
+            "trajectory": self.trajectory,
         }
         finish = _Finish(self.root, final, staging, rank, world, self.group, manifest, t0)
         future: Future = Future()
@@ -260,11 +267,27 @@ class _Finish:
     def _complete(self, files: dict) -> None:
         text = json.dumps({**self.manifest, "files": files}, indent=1) + "\n"
         if self.root.local:
-            (self.staging / MANIFEST).write_text(text)
+            # Durable before it counts: DCP fsyncs the shards and .metadata (sync_files); the
+            # manifest and the directory entries are synced here, before and after the rename.
+            with open(self.staging / MANIFEST, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(self.staging)
             self.final.delete()  # the same step of an earlier attempt of this run (after a restart)
             os.rename(self.staging, self.final.path)  # atomic: the directory appears complete or not at all
+            _fsync_dir(Path(self.final.path).parent)
         else:
             self.final.child(MANIFEST).write_text(text)  # last: the checkpoint is complete from here on
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make the names in a directory (new files, a rename) durable, as a file's fsync does its bytes."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _staging_dir(root: Store, launch_id: str, step: int, rank: int) -> Path:
@@ -273,4 +296,4 @@ def _staging_dir(root: Store, launch_id: str, step: int, rank: int) -> Path:
     not share it)."""
     if root.local:
         return Path(root.path) / f"step_{step}.partial"
-    return Path(tempfile.gettempdir()) / "raytrain-hybrid-ckpt" / launch_id / f"step_{step}" / f"rank{rank}"
+    return private_dir("ckpt", launch_id, f"step_{step}") / f"rank{rank}"

@@ -17,16 +17,14 @@ copy of the state).
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from raytrain_hybrid.checkpoint.manifest import MANIFEST, layout_of, read_manifest
-from raytrain_hybrid.checkpoint.reader import SafeFileSystemReader
-from raytrain_hybrid.storage import Store, as_store
+from raytrain_hybrid.checkpoint.manifest import layout_of, verify
+from raytrain_hybrid.checkpoint.reader import safe_load
+from raytrain_hybrid.storage import Store
 
 
 def _fqn(name: str) -> str:
@@ -96,45 +94,19 @@ def training_state(trainer, rank: int, with_rng: bool) -> tuple[dict, list[dict]
     return state, per_module
 
 
-def local_copy(path: str | Path | Store) -> Path:
-    """A checkpoint directory on this node's disk: itself when local, else downloaded once per
-    node (ranks on one node take turns on a lock; the first downloads, the rest reuse it).
-
-    A copy is reused only if its manifest (which holds every file's digest) is the one on storage
-    now: the same URI may hold another checkpoint than when this node copied it (a run
-    continuing in place after a failure writes its step_N again, a rerun into the same output
-    directory), and a stale copy would load silently (it passes its own digests)."""
-    import fcntl
-    import hashlib
-
-    store = as_store(path, "--resume")
-    if store.local:
-        return Path(store.path)
-    key = hashlib.sha256(store.uri.encode()).hexdigest()[:16]
-    target = Path(tempfile.gettempdir()) / "raytrain-hybrid-ckpt" / "downloads" / f"{store.name}-{key}"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    current = store.child(MANIFEST).read_bytes()
-    with open(f"{target}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        cached = target / MANIFEST
-        if not cached.exists() or cached.read_bytes() != current:
-            shutil.rmtree(target, ignore_errors=True)
-            store.download(str(target))
-    return target
-
-
 def load_checkpoint(trainer, cfg, path: str | Path | Store) -> dict:
     """Load a verified checkpoint into this rank's modules and optimizer; returns its manifest."""
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    path = local_copy(path)
-    manifest = read_manifest(path)
+    # Sizes against the manifest and the metadata read as data, on every rank (a restart or an
+    # elastic resize comes here without the driver's check; a listing and one small file).
+    manifest = verify(path, digests=False)
     rank = dist.get_rank()
     same_layout = manifest["world_size"] == dist.get_world_size() and manifest["layout"] == layout_of(cfg)
     state, per_module = training_state(trainer, rank, with_rng=same_layout)
-    dcp.load(state, storage_reader=SafeFileSystemReader(str(path)))
+    # Straight from storage: this rank's byte ranges only (checkpoint.reader), nothing copied to disk.
+    safe_load(state, path)
     for module, sd in zip(trainer.modules, per_module, strict=True):
         set_model_state_dict(module, sd, options=StateDictOptions(strict=True))
     _scatter_optimizer_state(trainer.modules, trainer.optimizer, state["optimizer"])

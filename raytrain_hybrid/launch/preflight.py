@@ -12,15 +12,17 @@ from raytrain_hybrid.models import get_arch, hf_checkpoint
 from raytrain_hybrid.storage import open_store
 
 
-def check_placement(cfg: Config, resources: dict[str, float]) -> list[int] | None:
+def check_placement(
+    cfg: Config, resources: dict[str, float], nodes: list[dict] | None = None, counts: list[int] | None = None
+) -> list[int] | None:
     """Refuse, before any worker starts, a layout the live nodes cannot hold with TP inside a node.
 
     Returns the predicted workers per node (None when the cluster cannot hold the group
     yet, e.g. while an autoscaler adds nodes; the workers then check what they got).
     """
-    nodes = live_node_totals()
+    nodes = live_node_totals() if nodes is None else nodes  # the start plan's reach.live
     # An elastic run starts with the most workers of a usable layout the nodes hold now.
-    for world in reversed(worker_counts(cfg)):
+    for world in reversed(counts or worker_counts(cfg)):
         counts = predict_workers_per_node(nodes, world, resources, cfg.cluster.placement_strategy)
         if counts is not None:
             break
