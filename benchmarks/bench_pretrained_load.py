@@ -19,7 +19,7 @@ does, without Ray). Per rank:
 
 ``--zero 3`` shards the weights over dp too (FSDP2), halving each share. ``--reader mmap``
 measures torch's HuggingFaceStorageReader unchanged (safetensors' memory-mapped slices), which
-the engine's reader replaces with plain file reads (checkpoint.hf_load._PreadReader).
+the engine's reader replaces with plain ranged reads (checkpoint.hf_reader.RangeReader).
 Result: benchmarks/results/pretrained_load.json (with the command that made it).
 """
 
@@ -124,7 +124,7 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], reader: str,
     if reader == "mmap":  # torch's reader as it is (safetensors' memory-mapped slices), to compare
         from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-        hf_load._PreadReader = HuggingFaceStorageReader
+        hf_load.RangeReader = lambda store: HuggingFaceStorageReader(store.path)
     dist.barrier()
     sampler = Sampler()
     sampler.start()
