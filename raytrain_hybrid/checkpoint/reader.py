@@ -16,14 +16,19 @@ untrusted input on the driver and on every worker:
 
 Reads go straight to where the checkpoint is (a local disk, a mount or object storage through
 ``pyarrow.fs``): each rank opens only the shard files its plan names and reads only the byte
-ranges of the entries it loads, so no node copies a whole checkpoint.
+ranges of the entries it loads, so no node copies a whole checkpoint. Of a large entry a rank
+needs only part of (a checkpoint of whole tensors loaded under TP or FSDP), only that part's
+rows are read (``checkpoint.entry_ranges``). The metadata is fetched once per reader.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import math
 import pickle
 import re
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import pyarrow.fs as pafs
@@ -39,7 +44,11 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
+from torch.futures import Future
 
+from raytrain_hybrid.checkpoint import entry_ranges
+from raytrain_hybrid.checkpoint.hf_reader import BLOCK, THREADS, read_block
 from raytrain_hybrid.storage import Store, as_store
 
 METADATA = ".metadata"
@@ -203,10 +212,14 @@ class SafeFileSystemReader(FileSystemReader):
         self.path = store.path
         self.store = store
         self.bytes_read = 0
+        self._metadata_bytes: bytes | None = None  # fetched once, checked at every parse
+        self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.Size, torch.dtype]] = {}
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        data = self.store.child(METADATA).read_bytes()
-        self.bytes_read += len(data)
+        if self._metadata_bytes is None:
+            self._metadata_bytes = self.store.child(METADATA).read_bytes()
+            self.bytes_read += len(self._metadata_bytes)
+        data = self._metadata_bytes
         try:
             metadata = parse_metadata(data)
         except UnsafeCheckpoint as exc:
@@ -215,6 +228,55 @@ class SafeFileSystemReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._chunks = {
+            (fqn, tuple(c.offsets)): (c.sizes, entry.properties.dtype)
+            for fqn, entry in metadata.state_dict_metadata.items()
+            for c in entry.chunks
+        }
+
+    def read_data(self, plan: LoadPlan, planner) -> Future:
+        """DCP's reads, except that of a large entry a rank needs a part of, only the part is read."""
+        whole, partial = [], {}
+        for req in plan.items:
+            sinfo = self.storage_data[req.storage_index]
+            chunk = self._chunks.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
+            share = math.prod(req.lengths) * chunk[1].itemsize / max(sinfo.length, 1) if chunk else 1.0
+            if (
+                req.type == LoadItemType.TENSOR
+                and sinfo.length >= entry_ranges.MIN_BYTES
+                and share <= entry_ranges.MAX_SHARE
+            ):
+                partial.setdefault(sinfo.relative_path, []).append((req, chunk[0]))
+            else:
+                whole.append(req)
+        if partial:
+            whole += self._read_parts(partial, planner)
+        return super().read_data(dataclasses.replace(plan, items=whole), planner)
+
+    def _read_parts(self, partial: dict, planner) -> list:
+        """Read each request's rows of its entry; returns those to read whole after all."""
+        rest, buf = [], bytearray(BLOCK)
+        pool = None if self.store.local else ThreadPoolExecutor(THREADS)
+        try:
+            for relative_path, items in partial.items():
+                with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as f:
+                    for req, sizes in items:
+                        sinfo = self.storage_data[req.storage_index]
+                        try:
+                            entry, fetched = entry_ranges.describe(f, relative_path, sinfo.offset, sinfo.length, sizes)
+                        except entry_ranges.NotRanged:
+                            rest.append(req)
+                            continue
+                        target = planner.resolve_tensor(req).detach()
+                        self.bytes_read += fetched + read_block(f, entry, req, target, buf, pool)
+                        planner.commit_tensor(req, target)
+        finally:
+            if pool is not None:
+                pool.shutdown()
+        return rest
 
     def _slice_file(self, file, sinfo: _StorageInfo):
         # One read of the entry's range (torch.load then seeks within memory, not on storage).
