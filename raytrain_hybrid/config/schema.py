@@ -141,7 +141,7 @@ class ModelConfig:
     # Tokens per sample (multimodal-bert: per text field, padded or truncated to it).
     seq_len: int = 128
     # Language models: the Hugging Face model to start from: a directory (config.json and
-    # *.safetensors), local or a storage URI (s3://..., copied once per node), or a Hub id such
+    # *.safetensors), local or a storage URI (s3://..., each rank reading its slices by range), or a Hub id such
     # as "Qwen/Qwen2.5-0.5B" (into each node's Hugging Face cache; HF_TOKEN and HF_HUB_OFFLINE
     # from the environment). Its config.json fixes model.arch (llama, mistral, qwen2, gpt2) and
     # every size above; sizes given too must agree. Empty or "none": random weights.

@@ -39,7 +39,7 @@ class Trainer:
         self.cfg, self.dims, self.mesh, self.device = cfg, dims, mesh, device
         par = cfg.parallelism
         self.spec = get_arch(cfg.model.arch)
-        # A language model's Hugging Face checkpoint, on this node's disk (copied once per node).
+        # A language model's Hugging Face checkpoint: a directory on this node, or a URI read by range.
         self.pretrained = None
         if hf_checkpoint.is_set(cfg.model.pretrained) and self.spec.from_hf is not None:
             self.pretrained = fetch_pretrained(cfg.model.pretrained, cfg.model.pretrained_revision)

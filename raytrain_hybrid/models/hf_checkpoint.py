@@ -135,8 +135,8 @@ def check_weights(location: str, revision: str = "") -> None:
 
 
 def local_dir(location: str) -> Path:
-    """Where this node reads the checkpoint: the directory itself, or for a URI the node-local
-    copy ``checkpoint.hf_load.fetch_pretrained`` makes (one per node, shared by its ranks)."""
+    """A local checkpoint's directory, made absolute; for a URI (or a Hub id's ``hf://`` name), a
+    node-local path named after it (a Hub download's lock; a URI itself is read by range)."""
     if not _is_uri(location):
         return Path(location).expanduser().resolve()
     key = hashlib.sha256(location.encode()).hexdigest()[:16]
