@@ -61,6 +61,12 @@ def schema_check(cfg: Config, say=print) -> int:
         raise ConfigError("data.path", d.path, "has no rows")
     if d.text_column:
         check_tokenizer(cfg)
+    else:
+        from raytrain_hybrid.data.prepare import unfinished_output
+
+        note = unfinished_output(d.path, schema.names)
+        if note:
+            say(note)
     return rows
 
 

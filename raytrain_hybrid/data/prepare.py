@@ -167,17 +167,36 @@ def builtin_dataset(cfg) -> str:
     from raytrain_hybrid.data.corpus import DEFAULT_CORPUS
 
     tokenizer, eos = resolve_tokenizer(cfg), end_of_text(cfg)
-    digest = hashlib.sha256(DEFAULT_CORPUS.read_bytes() + Path(tokenizer).read_bytes() + eos.encode()).hexdigest()[:16]
+    # The output's format is part of the name: a cache made before prepare-data wrote its marker
+    # is made again, not taken for an incomplete output.
+    made = DEFAULT_CORPUS.read_bytes() + Path(tokenizer).read_bytes() + eos.encode() + MARKER.encode()
+    digest = hashlib.sha256(made).hexdigest()[:16]
     cache = cache_dir()
     out = cache / f"builtin-{digest}"
-    if not (out / "_DONE").exists():
+    if not (out / MARKER).exists():
         tmp = cache / f"builtin-{digest}.tmp{os.getpid()}"
         prepare_data(str(DEFAULT_CORPUS), str(tmp), tokenizer=tokenizer, eos=eos)
-        (tmp / "_DONE").write_text("ok\n")
         try:
             tmp.rename(out)
         except OSError:  # another process (a run, a test beside it) put its copy there first
-            if not (out / "_DONE").exists():
+            if not (out / MARKER).exists():
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
     return str(out)
+
+
+def unfinished_output(path: str, columns: list[str]) -> str | None:
+    """A warning when ``path`` (data.path, a directory) holds prepare-data's columns but not its
+    marker: an output whose prepare-data stopped part-way, missing rows. None otherwise."""
+    if not {"input_ids", "num_tokens"} <= set(columns):
+        return None
+    try:
+        store = as_store(path, "data.path")
+        if not store.is_dir() or store.child(MARKER).exists():
+            return None
+    except (ConfigError, OSError, ValueError):  # a glob or a file list: not one output directory
+        return None
+    return (
+        f"warning: data.path={path} holds prepare-data's columns but no {MARKER}: the prepare-data that "
+        "wrote it may have stopped part-way (rows missing); prepare it again into a new directory"
+    )
