@@ -107,10 +107,7 @@ def test_secret_query_parameters_are_refused_and_redacted(capsys):
 def test_cli_locations_outside_the_config_are_refused_without_echoing_them(tmp_path, capsys, monkeypatch):
     import ray
 
-    from raytrain_hybrid.launch import driver
-
-    started: list = []  # nothing may start Ray for a refused location
-    monkeypatch.setattr(driver, "ensure_ray", lambda *a, **k: started.append("ensure_ray"))
+    started: list = []  # nothing may start or join Ray for a refused location
     monkeypatch.setattr(ray, "init", lambda *a, **k: started.append("ray.init"))
     monkeypatch.chdir(tmp_path)
     commands = {
@@ -118,6 +115,7 @@ def test_cli_locations_outside_the_config_are_refused_without_echoing_them(tmp_p
         "CHECKPOINT": ["export", CRED_URI, str(tmp_path / "out")],
         "OUT_DIR": ["export", str(tmp_path), CRED_URI],
         "prepare-data OUT_DIR": ["prepare-data", str(tmp_path), CRED_URI],
+        "sweep --out": ["sweep", "--world-size", "8", "--out", CRED_URI],
     }
     for key, argv in commands.items():
         if argv[0] == "prepare-data":
@@ -258,6 +256,20 @@ def test_prepare_data_writes_its_marker_last_and_refuses_a_non_empty_output(ray_
     assert not (crashed / "_SUCCESS").exists() and any(crashed.iterdir())
     code, err = _prepare(capsys, source, str(crashed))
     assert code == 2 and "holds an incomplete prepare-data output (no _SUCCESS" in err, err
+    # A run on it is warned before any worker starts; a run on the finished output is not.
+    from raytrain_hybrid.data.checks import schema_check
+
+    for path, warned in ((crashed, True), (out, False)):
+        notes: list[str] = []
+        assert schema_check(load_config(None, [f"data.path={path}"]), say=notes.append) == 40
+        assert (
+            notes
+            == [
+                f"warning: data.path={path} holds prepare-data's columns but no _SUCCESS: the "
+                "prepare-data that wrote it may have stopped part-way (rows missing); prepare it "
+                "again into a new directory"
+            ]
+        ) == warned, notes
 
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")

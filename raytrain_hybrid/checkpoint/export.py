@@ -18,10 +18,11 @@ import time
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from raytrain_hybrid.checkpoint.manifest import resolve
 from raytrain_hybrid.checkpoint.reader import safe_load
-from raytrain_hybrid.config import Config
+from raytrain_hybrid.config import Config, validate
 from raytrain_hybrid.errors import ConfigError
 from raytrain_hybrid.models import get_arch, hf_checkpoint, hub
 from raytrain_hybrid.models.common import build_stage
@@ -90,9 +91,10 @@ def export_hf(source: str | Path, out_dir: str | Path) -> str:
     last, so a directory with config.json is whole). Returns where it went."""
     target = _target(out_dir)
     path, manifest = resolve(source, key="CHECKPOINT")
-    try:  # the manifest saves the resolved config
+    try:  # the manifest saves the resolved config, valid when it was saved
         cfg = Config.from_dict(manifest["config"])
-    except (KeyError, TypeError, ConfigError) as exc:
+        validate(cfg)
+    except (KeyError, TypeError, ValueError) as exc:  # ConfigError, and validate's "not resolved"
         raise ConfigError("CHECKPOINT", str(path), f"has a manifest.json whose config cannot be read: {exc}") from None
     spec = get_arch(cfg.model.arch)
     if spec.hf_class is None:
@@ -103,7 +105,14 @@ def export_hf(source: str | Path, out_dir: str | Path) -> str:
             "load its weights with raytrain_hybrid.checkpoint.export.load_full_state_dict",
         )
     model = spec.hf_class(spec.hf_config(cfg))
-    missing, unexpected = model.load_state_dict(spec.to_hf(load_full_state_dict(path, cfg)), strict=False)
+    try:
+        weights = load_full_state_dict(path, cfg)
+    except (CheckpointException, ValueError, RuntimeError) as exc:  # DCP's, a BaseException: one line of it
+        last = [line for line in str(exc).splitlines() if line.strip()][-1:] or [type(exc).__name__]
+        raise ConfigError(
+            "CHECKPOINT", str(path), f"its shards do not hold the model its manifest.json describes: {last[0].strip()}"
+        ) from None
+    missing, unexpected = model.load_state_dict(spec.to_hf(weights), strict=False)
     # Only buffers transformers recomputes (rotary frequencies, GPT-2's causal mask) may be absent.
     if unexpected or any(k in dict(model.named_parameters()) for k in missing):
         raise RuntimeError(
