@@ -440,7 +440,8 @@ def write(args, cases: list[dict]) -> None:
             "copies the whole object for every ranged GET; S3 does not); the bytes counted are those sent to the node.",
             "Before checkpoint.entry_ranges, the resume saved at 4x1x2-zero1 and loaded at 2x2x2-zero3 fetched 4.04x "
             "per node: each rank read every whole-tensor entry whole to keep its TP/FSDP part (this benchmark, "
-            "2026-11-25 21:40 UTC); the other cases were as now, and the metadata was fetched three times per rank.",
+            "2026-11-25 21:40 UTC), and with the metadata fetched three times per rank the other resumes were 1.071 "
+            "(2x2x2-zero3 -> 2x2x2-zero3), 1.026 and 1.012.",
             "What a node fetches beyond its share: .metadata twice per rank (the worker's size/metadata verify and "
             "the reader), each entry's torch.save archive structure (~1.5 KB; AdamW's 'step' scalars hold 4 bytes "
             "each), manifest reads and listings; for a pretrained load the safetensors headers, config.json, listings.",
