@@ -426,3 +426,19 @@ def test_the_skipped_stream_stands_where_the_checkpoint_recorded(tmp_path):
     other = stream(docs[1:], 3)
     next(iter(other))
     assert other.position.skipped_to != recorded
+
+
+def test_a_checkpoint_from_before_a_new_model_key_still_resumes(saved_run, tmp_path):
+    """A model key added after a checkpoint was written (its manifest lacks it) compares as the
+    key's default, not as a different model."""
+    from raytrain_hybrid.config import load_config
+    from raytrain_hybrid.launch.start import check_resume
+
+    out, _ = saved_run
+    old = tmp_path / "old"
+    shutil.copytree(out / "checkpoints" / "step_4", old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    del manifest["config"]["model"]["pretrained_revision"]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    cfg = load_config(None, [*COMMON, "train.steps=6", f"run.output_dir={tmp_path / 'r'}"])
+    assert check_resume(cfg, str(old)).step == 4

@@ -158,11 +158,14 @@ def check_compatible(cfg, manifest: dict, path: str | Path | Store) -> None:
     saved = manifest["config"]["model"]
     for field in dataclasses.fields(cfg.model):
         have = getattr(cfg.model, field.name)
-        if saved.get(field.name) != have:
+        # A key newer than the checkpoint was, when it was written, at its default.
+        default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+        was = saved.get(field.name, default)
+        if was != have:
             raise ConfigError(
                 f"model.{field.name}",
                 have,
-                f"the checkpoint {path} was written for model.{field.name}={saved.get(field.name)!r}; "
+                f"the checkpoint {path} was written for model.{field.name}={was!r}; "
                 "resume with the model it was trained with (its config is in its manifest.json)",
             )
     if manifest["step"] >= cfg.train.steps:

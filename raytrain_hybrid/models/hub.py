@@ -41,8 +41,13 @@ class Unreadable(ConfigError):
 
 def is_hub_id(location: str) -> bool:
     """``org/name`` with no scheme that is not a path on this machine (a local directory of
-    that name wins: ``./org/name`` or an absolute path names a directory unambiguously)."""
-    return "://" not in location and bool(_REPO_ID.fullmatch(location)) and not Path(location).expanduser().exists()
+    that name wins: ``./org/name`` or an absolute path names a directory unambiguously). When the
+    ``org`` part is a local directory (``runs/my-model`` before it was made), it is a path that
+    does not exist yet, refused as such, not an id looked up on the Hub."""
+    if "://" in location or not _REPO_ID.fullmatch(location):
+        return False
+    path = Path(location).expanduser()
+    return not path.exists() and not path.parent.is_dir()
 
 
 def config_json(repo: str, revision: str = "", quick: bool = False) -> tuple[dict, str]:
