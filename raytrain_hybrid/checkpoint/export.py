@@ -12,6 +12,7 @@ back to the unmodified transformers model (GPT-2: q/k/v re-fused into Conv1D ``c
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import time
@@ -85,6 +86,23 @@ def _target(out_dir: str | Path) -> Store:
     return out
 
 
+def _check_size(path: Store, cfg: Config) -> None:
+    """The manifest's config describes the model its shards hold, in parameters, before anything
+    is built or allocated (a config edited to a huge model would otherwise build it)."""
+    from raytrain_hybrid.checkpoint.reader import METADATA, parse_metadata
+    from raytrain_hybrid.models.params import param_count
+
+    md = parse_metadata(path.child(METADATA).read_bytes())  # checked by resolve already
+    held = sum(math.prod(m.size) for k, m in md.state_dict_metadata.items() if k.startswith("model."))
+    described = param_count(cfg.model)
+    if held != described:
+        raise ConfigError(
+            "CHECKPOINT",
+            str(path),
+            f"its manifest.json describes a model of {described:,} parameters, its shards hold {held:,}",
+        )
+
+
 def export_hf(source: str | Path, out_dir: str | Path) -> str:
     """Write the model of a checkpoint (or a run directory's newest one) as a HF directory:
     a local path, or a storage URI (s3://bucket/model: written here, then uploaded, config.json
@@ -104,6 +122,7 @@ def export_hf(source: str | Path, out_dir: str | Path) -> str:
             f"holds a {cfg.model.arch} model, which has no single transformers class to export to; "
             "load its weights with raytrain_hybrid.checkpoint.export.load_full_state_dict",
         )
+    _check_size(path, cfg)
     model = spec.hf_class(spec.hf_config(cfg))
     try:
         weights = load_full_state_dict(path, cfg)

@@ -15,8 +15,11 @@ def choices(values) -> str:
     return "{" + ", ".join(str(v) for v in values) + "}"
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def divisors(n: int, limit: int = 1 << 16) -> list[int]:
+    """The divisors of ``n`` up to ``limit`` (and ``n`` itself): what an error suggests. Bounded,
+    so a huge value in a config (or a checkpoint's) is refused at once, not after 2**63 steps."""
+    small = [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+    return small + ([n] if n > limit else [])
 
 
 def _section_types(cls: type) -> dict[str, Any]:
