@@ -294,8 +294,8 @@ def test_performance_figures_quote_their_results():
         assert (record["date"], record["command"]) == (date, command), f"{name} {key}: the page and the file disagree"
     results = {p.name for p in (ROOT / "benchmarks" / "results").glob("*.json")}
     # Not speed or memory figures: the suite's timings (CONTRIBUTING.md), a calibrated planner profile,
-    # the fuzzing of user input (docs/security.md).
-    results -= {"suite_time.json", "local_profile.json", "fuzz.json"}
+    # the fuzzing of user input (docs/security.md), the fault-injection campaign across checkpoint saves.
+    results -= {"suite_time.json", "local_profile.json", "fuzz.json", "faults.json", "faults_ray.json"}
     assert results <= {name for _, _, name, _ in quoted}, "a result in benchmarks/results/ is not on the page"
 
 
