@@ -87,20 +87,33 @@ def _target(out_dir: str | Path) -> Store:
 
 
 def _check_size(path: Store, cfg: Config) -> None:
-    """The manifest's config describes the model its shards hold, in parameters, before anything
-    is built or allocated (a config edited to a huge model would otherwise build it)."""
+    """The manifest's config describes the model its shards hold, before anything is allocated:
+    first roughly, in parameters (a config edited to a huge model would otherwise be built), then
+    every parameter's shape against the DCP metadata."""
     from raytrain_hybrid.checkpoint.reader import METADATA, parse_metadata
     from raytrain_hybrid.models.params import param_count
 
     md = parse_metadata(path.child(METADATA).read_bytes())  # checked by resolve already
-    held = sum(math.prod(m.size) for k, m in md.state_dict_metadata.items() if k.startswith("model."))
-    described = param_count(cfg.model)
-    if held != described:
+    held = {
+        k.removeprefix("model."): tuple(m.size) for k, m in md.state_dict_metadata.items() if k.startswith("model.")
+    }
+    described = param_count(cfg.model)  # (a pretrained gpt2's positions are its own: not exact)
+    if described > 2 * sum(math.prod(s) for s in held.values()) + 2**20:
         raise ConfigError(
             "CHECKPOINT",
             str(path),
-            f"its manifest.json describes a model of {described:,} parameters, its shards hold {held:,}",
+            f"its manifest.json describes a model of {described:,} parameters, far more than its shards hold",
         )
+    spec = get_arch(cfg.model.arch)
+    meta = build_stage(spec, spec.hf_config(cfg), list(range(spec.num_blocks(cfg.model))), first=True, last=True)
+    for name, p in meta.named_parameters():
+        if held.get(name) != tuple(p.shape):
+            have = f"holds {list(held[name])}" if name in held else "does not hold it"
+            raise ConfigError(
+                "CHECKPOINT",
+                str(path),
+                f"its manifest.json describes {name} as {list(p.shape)}, and the checkpoint {have}",
+            )
 
 
 def export_hf(source: str | Path, out_dir: str | Path) -> str:
