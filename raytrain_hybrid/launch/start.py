@@ -13,7 +13,7 @@ import dataclasses
 import json
 import time
 
-from raytrain_hybrid.checkpoint.manifest import check_compatible, resolve, step_dirs, step_number, verify
+from raytrain_hybrid.checkpoint.manifest import MANIFEST, check_compatible, resolve, step_dirs, step_number, verify
 from raytrain_hybrid.checkpoint.trajectory import check_allowed, check_trajectory, data_restarts, describe
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.config.elastic import is_elastic
@@ -50,7 +50,9 @@ def check_resume(cfg: Config, resume: str | None, allow_change: list[str] | None
     ckpt_root = out.child("checkpoints")
     existing = step_dirs(ckpt_root)
     if resume is None:
-        if existing:
+        # A step directory without a manifest is a save cut short before anything was complete (on
+        # object storage, which has no rename): no checkpoint, and this run's save of that step replaces it.
+        if existing := [p for p in existing if p.child(MANIFEST).exists()]:
             raise ConfigError(
                 "run.output_dir",
                 out.uri,
