@@ -178,16 +178,17 @@ def test_a_node_lost_mid_run_restarts_from_storage_with_identical_losses(two_nod
 
 
 @pytest.mark.needs("node_loss")
-def test_after_a_node_loss_each_node_read_the_checkpoint_from_storage_into_its_own_disk(two_nodes):
+def test_after_a_node_loss_each_node_read_the_checkpoint_from_storage_leaving_its_disk_empty(two_nodes):
     """Each node's temp dir is its own "local disk"; the lost node's was deleted with it. The
-    restarted ranks on each node found the checkpoint in the bucket and copied it to their own
-    node's disk; nothing of the run is in the working directory."""
+    restarted ranks on each node read their byte ranges of the checkpoint straight from the bucket:
+    no node's disk holds a file of any checkpoint (saves stage and upload, then remove their
+    files), and nothing of the run is in the working directory."""
     result, disks = two_nodes["node_loss"], two_nodes["disks"]
-    restart = result["summary"]["restarted_from"][0]
+    assert result["summary"]["restarted_from"], result["summary"]
     assert result["removed"] not in disks
     for node in {r["node"] for r in result["per_rank"]}:
-        copied = [p for p in disks[node] if f"step_{restart}" in p and p.endswith("manifest.json")]
-        assert len(copied) == 1, (node, disks[node])
+        held = [p for p in disks[node] if p.endswith((".distcp", ".metadata", "manifest.json"))]
+        assert held == [], (node, disks[node])
     assert two_nodes["cwd"] == [], "the run wrote into the working directory"
 
 

@@ -34,11 +34,11 @@ def test_off_by_default_and_an_unknown_tracker_is_refused_naming_what_works():
 def test_a_tracker_that_is_not_installed_is_refused_before_ray_starts(monkeypatch, tmp_path, capsys):
     import ray
 
-    from raytrain_hybrid.launch import driver
+    from raytrain_hybrid.launch import start
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # what importing it finds: not installed
     started: list = []  # Ray may run already (other tests in this process): record any start or join
-    monkeypatch.setattr(driver, "ensure_ray", lambda *a, **k: started.append("ensure_ray"))
+    monkeypatch.setattr(start, "ensure_ray", lambda *a, **k: started.append("ensure_ray"))
     monkeypatch.setattr(ray, "init", lambda *a, **k: started.append("ray.init"))
     out = tmp_path / "run"
     assert cli.main(["train", "--set", "run.tracking=wandb", "--set", f"run.output_dir={out}"]) == 2

@@ -20,6 +20,7 @@ flight is waited for before the next one starts and at the end of the run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -232,6 +233,9 @@ class _Finish:
             if not self.root.local:  # each rank uploads its own files: no rank reads another node's disk
                 self.final.upload(str(self.staging))
                 shutil.rmtree(self.staging, ignore_errors=True)
+                for parent in (self.staging.parent, self.staging.parent.parent):  # step_<N>, the launch's
+                    with contextlib.suppress(OSError):  # still holds another rank's files: theirs to remove
+                        parent.rmdir()
         except Exception as exc:
             error = f"rank {self.rank}: {exc!r}"
         parts: list = [None] * self.world

@@ -141,10 +141,11 @@ class StartPlan:
             else ("a shared mount" if out.local else "object storage")
         )
         counts = f"{self.counts[0]} to {self.counts[-1]}" if len(self.counts) > 1 else f"{self.counts[0]}"
+        each = ", ".join(f"{v:g} {k}" for k, v in self.resources.items())
         placed = f" on nodes holding {self.placement}" if self.placement else " on nodes still to come"
         start = f"resumed from {self.point.path} at step {self.point.step}" if self.point.path else "from step 0"
         return [
-            f"start: dp={par.dp} tp={par.tp} pp={par.pp}, {counts} workers of {self.resources}{placed}; "
+            f"start: dp={par.dp} tp={par.tp} pp={par.pp}, {counts} workers ({each} each){placed}; "
             f"{self.end} steps; output {out.uri} ({where}); {start}"
         ]
 
