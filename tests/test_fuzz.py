@@ -67,12 +67,18 @@ def _cli(argv: list[str]) -> tuple[int, str]:
     it is the traceback a user would see: it propagates, and the case is a crash)."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli.main(argv)
+        try:
+            code = cli.main(argv)
+        except SystemExit as exc:  # argparse's own refusal (a --set value that looks like a flag)
+            code = exc.code
     return code, err.getvalue()
 
 
 def _named(err: str, names: set[str]) -> None:
     """A refusal's first line is ``error: KEY=...`` with KEY a config key, a given key or a file."""
+    usage = re.search(r"(?m)^\S+ \S+: error: argument (-[-\w]+)", err)  # argparse's: "prog cmd: error: argument --set"
+    if usage and usage.group(1) in names and "Traceback" not in err:
+        return
     start = re.search(r"(?m)^error: ", err)  # (a library's warning may come first)
     if start is None or "Traceback" in err:
         raise Crash(f"unclear refusal: {err[-500:]!r}")
@@ -132,7 +138,7 @@ def run_set_values(overrides: list[str], workdir: Path) -> str:
         return "accepted"
     if code != 2:
         raise Crash(f"exit {code}: {err[-300:]!r}")
-    _named(err, {*KEYS, *LOCATION_KEYS, *_given_keys(overrides), "config file", "--world-size"})
+    _named(err, {*KEYS, *LOCATION_KEYS, *_given_keys(overrides), "config file", "--world-size", "--set"})
     return "refused"
 
 
@@ -188,6 +194,16 @@ def toml_text(tree: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _paths(tree: dict, prefix: str = "") -> set[str]:
+    """Every dotted key of a TOML tree, tables and the keys inside them."""
+    out = set()
+    for key, value in tree.items():
+        out.add(prefix + key)
+        if isinstance(value, dict):
+            out |= _paths(value, f"{prefix}{key}.")
+    return out
+
+
 def run_config_file(case, workdir: Path) -> str:
     path = workdir / "run.toml"
     if isinstance(case, dict):
@@ -206,7 +222,7 @@ def run_config_file(case, workdir: Path) -> str:
         raise Crash(f"exit {code}: {err[-300:]!r}")
     names = {*KEYS, *LOCATION_KEYS, "config file"}
     if isinstance(case, dict):  # a key of the file's own (a misspelt one, a section that is not one)
-        names |= set(case) | {f"{s}.{k}" for s, b in case.items() for k in b}
+        names |= _paths(case)
     _named(err, names)
     return "refused"
 
