@@ -184,3 +184,24 @@ def test_a_checkpoint_on_s3_is_read_by_byte_range_not_copied(s3, tmp_path):
         metadata = (local / ".metadata").stat().st_size
         # One entry of eight, and the metadata: about an eighth of the shard, not the file.
         assert reader.bytes_read < metadata + 1.1 * (total - metadata) / 8, (reader.bytes_read, total)
+
+
+def test_keep_prunes_what_an_earlier_launch_left_and_leaves_rays_own(root):
+    """A run killed and resumed in place: Ray Train prunes only what it registered; the end of
+    the run removes the earlier launch's checkpoints beyond checkpoint.keep and a save cut short
+    before the newest, and never one Ray's record lists (Ray deletes those itself)."""
+    import json
+
+    from raytrain_hybrid.config import load_config
+    from raytrain_hybrid.launch.driver import prune_earlier
+
+    ckpts = root.child("checkpoints")
+    for step in (1, 3, 4, 5, 6):
+        ckpts.child(f"step_{step}", "manifest.json").write_text("{}")
+    ckpts.child("step_2", "__0_0.distcp").write_bytes(b"cut short")  # no manifest
+    record = {"checkpoint_results": [{"checkpoint_dir_name": n} for n in ("step_3", "step_6")]}
+    ckpts.child("checkpoint_manager_snapshot.json").write_text(json.dumps(record))
+    cfg = load_config(None, [f"run.output_dir={root.uri}", "checkpoint.keep=2"])
+    assert prune_earlier(cfg) == ["step_1", "step_2", "step_4"]
+    assert [n for n in ckpts.listdir() if n.startswith("step_")] == ["step_3", "step_5", "step_6"]
+    assert prune_earlier(load_config(None, [f"run.output_dir={root.uri}", "checkpoint.keep=0"])) == []

@@ -21,6 +21,7 @@ flight is waited for before the next one starts and at the end of the run.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -233,9 +234,8 @@ class _Finish:
             if not self.root.local:  # each rank uploads its own files: no rank reads another node's disk
                 self.final.upload(str(self.staging))
                 shutil.rmtree(self.staging, ignore_errors=True)
-                for parent in (self.staging.parent, self.staging.parent.parent):  # step_<N>, the launch's
-                    with contextlib.suppress(OSError):  # still holds another rank's files: theirs to remove
-                        parent.rmdir()
+                with contextlib.suppress(OSError):  # still holds another rank's files: theirs to remove
+                    self.staging.parent.rmdir()
         except Exception as exc:
             error = f"rank {self.rank}: {exc!r}"
         parts: list = [None] * self.world
@@ -296,8 +296,11 @@ def _fsync_dir(path: Path) -> None:
 
 def _staging_dir(root: Store, launch_id: str, step: int, rank: int) -> Path:
     """Where this rank's DCP files are written: in place beside the final directory on a local
-    disk or a mount, else this node's temp dir (one directory per rank: ranks on one node do
-    not share it)."""
+    disk or a mount, else this node's private temp dir, one directory per run and rank (ranks on
+    one node do not share it). Not per launch or step: a save that a kill cut short leaves its
+    files there, and the next save of the run on this node (a restart's, a resume's) clears them
+    before it writes, so a node keeps at most one save's staging per rank."""
     if root.local:
         return Path(root.path) / f"step_{step}.partial"
-    return private_dir("ckpt", launch_id, f"step_{step}") / f"rank{rank}"
+    run = hashlib.sha256(root.uri.encode()).hexdigest()[:16]
+    return private_dir("ckpt", run) / f"rank{rank}"

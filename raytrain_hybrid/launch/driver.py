@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from raytrain_hybrid.checkpoint.manifest import MANIFEST, step_dirs, step_number
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.config.elastic import is_elastic
 from raytrain_hybrid.launch.autoscale import POLL_S, ScalerProbe, StartupTimeout, StartupWatchdog
@@ -102,10 +103,41 @@ def _run_leased(cfg: Config, point: ResumePoint, marks: dict, say, said: list[st
     with contextlib.closing(run_log), tracked:  # a run that fails ends its tracker run FAILED
         watchdog = StartupWatchdog.for_run(cfg.cluster, plan.resources, cfg.run.startup_timeout_s)
         watch(trainer, sink, run_log, watchdog, marks)
+    pruned = prune_earlier(cfg)
+    if pruned:
+        say(
+            f"checkpoint.keep={cfg.checkpoint.keep}: removed {', '.join(pruned)}, left by an earlier launch of this run"
+        )
     summary = write_results(cfg, run_log, marks, run_dir, driver_log)
     tracked.finish(summary)
     ray.kill(sink.actor)
     return summary
+
+
+def prune_earlier(cfg: Config) -> list[str]:
+    """checkpoint.keep over the whole run directory at the end of a run: Ray Train prunes the
+    checkpoints it registered, not those an earlier launch left (a run killed, then resumed in
+    place), nor saves cut short before its newest complete one. Those older than the newest
+    ``keep`` complete checkpoints go; what Ray's own record lists stays Ray's to prune."""
+    keep = cfg.checkpoint.keep
+    root = open_store(cfg.run.output_dir).child("checkpoints")
+    if not keep:
+        return []
+    snapshot = root.child("checkpoint_manager_snapshot.json")
+    try:
+        ray_known = {r["checkpoint_dir_name"] for r in json.loads(snapshot.read_text())["checkpoint_results"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return []  # no record of Ray's to go by: prune nothing rather than something Ray will
+    dirs = step_dirs(root)
+    complete = [p for p in dirs if p.child(MANIFEST).exists()]
+    if not complete:
+        return []
+    kept = {p.name for p in complete[-keep:]}
+    newest = step_number(complete[-1])
+    gone = [p for p in dirs if p.name not in kept and p.name not in ray_known and step_number(p) < newest]
+    for p in gone:
+        p.delete()
+    return [p.name for p in gone]
 
 
 def sink_options() -> dict:
