@@ -1,11 +1,12 @@
-"""Fuzzing benchmark: many more cases of tests/test_fuzz.py's targets than the suite runs.
+"""Fuzzing benchmark: many more cases of the fuzzing targets (tests/fuzz_targets.py, fuzz_files.py)
+than the suite runs.
 
     .venv/bin/python benchmarks/bench_fuzz.py [--examples 400] [--seed 0] [--target NAME ...]
 
 Each target (``--set`` values, config files, chat / prompt-completion Parquet rows, JSONL given
 as data, checkpoint manifests read by ``export``, a pretrained directory's config.json read by
 ``check``) draws ``--examples`` cases from its hypothesis strategy, seeded, and runs each the
-way a user does (tests/test_fuzz.py's ``run_case``). A case ends accepted, refused clearly (exit
+way a user does (tests/fuzz_files.py's ``run_case``). A case ends accepted, refused clearly (exit
 2 or a ConfigError naming a key or the file, the user's files unchanged), or it crashed
 (anything else: a traceback, an unclear message, a changed file, more than ``--timeout`` s).
 Writes benchmarks/results/fuzz.json: per target the cases tried, accepted, refused clearly and
@@ -40,9 +41,9 @@ def _alarm(signum, frame):
 
 
 def fuzz(target: str, examples: int, seed: int, timeout: float) -> dict:
+    from fuzz_files import TARGETS, known_crash, run_case
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as hseed
-    from test_fuzz import TARGETS, known_crash, run_case
 
     counts = collections.Counter()
     crashes: list[dict] = []
@@ -83,7 +84,7 @@ def fuzz(target: str, examples: int, seed: int, timeout: float) -> dict:
         "accepted": counts["accepted"],
         "refused_clearly": counts["refused"],
         "crashed": counts["crashed"],
-        # of them, in a class already found (tests/test_fuzz.py's known_crash, outside the fuzzed change)
+        # of them, in a class already found (tests/fuzz_files.py's known_crash, outside the fuzzed change)
         "crashed_in_known_classes": counts["crashed_known"],
         "seconds": round(time.perf_counter() - t0, 1),
         "crashes": crashes,
@@ -91,7 +92,7 @@ def fuzz(target: str, examples: int, seed: int, timeout: float) -> dict:
 
 
 def main() -> None:
-    from test_fuzz import TARGETS
+    from fuzz_files import TARGETS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=400, help="cases per target")
