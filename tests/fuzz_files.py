@@ -224,30 +224,10 @@ def _huge_degree(override: str) -> bool:
 
 
 def known_crash(target: str, case) -> str | None:
-    """Where a case falls in a class of crashes already found, in code outside the files this
-    fuzzing's change owns (each is one of KNOWN_CRASHES below); None otherwise. The suite's
-    examples skip these (KNOWN_CRASHES holds one of each, expected to fail until fixed); the
-    benchmark counts them as crashes all the same."""
-    if target == "config_file" and isinstance(case, bytes):
-        try:
-            case.decode("utf-8")
-        except UnicodeDecodeError:
-            return "config/loader.py: a config file that is not UTF-8 (UnicodeDecodeError)"
-    if target == "set_values" and any(o.startswith("model.pretrained=nosuchscheme") for o in case):
-        return "models/hf_checkpoint.py: model.pretrained with a scheme pyarrow does not know (ArrowInvalid)"
+    """Where a case falls in a class of crashes already found and not fixed yet; None otherwise.
+    The suite's examples skip these; the benchmark counts them as crashes all the same."""
     if target == "set_values" and any(_huge_degree(o) for o in case):
         return "cli check (distributed/parallel_dims.py): a valid huge world size lists every rank's groups (hangs)"
-    if target == "hf_config":
-        try:
-            tree = json.loads(_fuzzed_json(case, LLAMA_CONFIG))
-        except ValueError:
-            return "models/hf_checkpoint.py: a config.json that is not JSON text (JSONDecodeError, UnicodeDecodeError)"
-        if not isinstance(tree, dict):
-            return "models/hf_checkpoint.py: a config.json that is not an object (AttributeError)"
-        if set(LLAMA_CONFIG) - set(tree):
-            return "models/ (the spec's from_hf): a config.json without a key it reads (KeyError)"
-        if any(type(tree[k]) is not type(v) for k, v in LLAMA_CONFIG.items()):
-            return "models/ (the spec's from_hf): a config.json value of another type (TypeError, AttributeError)"
     return None
 
 

@@ -57,9 +57,11 @@ def load_config(
         if not path.is_file():
             raise ConfigError("config file", str(path), "does not exist; pass a TOML file or omit it for the defaults")
         try:
-            data = tomllib.loads(path.read_text())
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError("config file", str(path), f"is not valid TOML: {exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError("config file", str(path), f"is not UTF-8 text (TOML is): {exc}") from None
     data = _merge(data, parse_overrides(overrides or []))
     # The model keys the file or --set name: each must agree with a pretrained checkpoint's.
     cfg = Config.from_dict(data)

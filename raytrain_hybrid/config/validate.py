@@ -3,6 +3,8 @@ model's task). ``validate`` reads no file and changes nothing; ``resolve_default
 
 from __future__ import annotations
 
+import re
+
 from raytrain_hybrid.config.coerce import choices, divisors
 from raytrain_hybrid.config.elastic import check_elastic
 from raytrain_hybrid.config.placeholders import refuse_placeholders
@@ -161,8 +163,20 @@ def _validate_task(cfg: Config, spec: ArchSpec) -> None:
             )
 
 
+# What ray.init joins: auto, local, host:port (a GCS), ray://host:port (Ray Client).
+RAY_ADDRESS_FORM = re.compile(r"auto|local|(ray://)?[A-Za-z0-9_.\-\[\]:]+:\d+")
+
+
 def _validate_run(cfg: Config) -> None:
-    """run.shared_fs declares a mounted directory shared; a URI is shared by what it is."""
+    """run.shared_fs declares a mounted directory shared; a URI is shared by what it is; a
+    cluster.address has a form Ray joins (a dashboard's http:// address: launch.session says why not)."""
+    address = cfg.cluster.address.strip()
+    if address and not RAY_ADDRESS_FORM.fullmatch(address) and not address.lower().startswith(("http://", "https://")):
+        raise ConfigError(
+            "cluster.address",
+            address,
+            "is not a Ray address: give HOST:PORT (the head's GCS, e.g. 10.0.0.1:6379), auto, local or ray://HOST:PORT",
+        )
     if cfg.run.shared_fs and "://" in cfg.run.output_dir:
         raise ConfigError(
             "run.shared_fs",

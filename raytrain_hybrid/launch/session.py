@@ -6,6 +6,7 @@ import math
 import os
 
 from raytrain_hybrid.config import Config
+from raytrain_hybrid.config.validate import RAY_ADDRESS_FORM
 from raytrain_hybrid.errors import ConfigError, LayoutError
 
 _TRAIN_V2 = "RAY_TRAIN_V2_ENABLED"
@@ -69,6 +70,14 @@ def join_address(explicit: str = "") -> str:
     explicit, env = explicit.strip(), os.environ.get(_ENV, "").strip()
     if _is_http(explicit):
         raise ConfigError("--address (cluster.address)", explicit, _dashboard_fix(explicit))
+    for key, value in (("--address (cluster.address)", explicit), (_ENV, env)):
+        if value and not RAY_ADDRESS_FORM.fullmatch(value) and not _is_http(value):
+            raise ConfigError(
+                key,
+                value,
+                "is not a Ray address: give HOST:PORT (the head's GCS, e.g. 10.0.0.1:6379), auto, local "
+                "or ray://HOST:PORT",
+            )
     if explicit:
         if _is_http(env):
             del os.environ[_ENV]

@@ -60,6 +60,10 @@ def _filesystem(location: str):
         fs, path = pafs.FileSystem.from_uri(location)
     except OSError as exc:  # e.g. the bucket's region look-up: no network
         raise Unreadable(KEY, location, f"could not be read here: {_short(exc)}") from None
+    except ValueError as exc:  # pyarrow.ArrowInvalid: a scheme it does not know
+        raise ConfigError(
+            KEY, location, f"is not a location pyarrow can open ({_short(exc)}); use a local path, s3:// or gs://"
+        ) from None
     if isinstance(fs, (pafs.S3FileSystem, pafs.GcsFileSystem)):  # the same options, bounded waits
         rebuild, (options,) = fs.__reduce__()
         if isinstance(fs, pafs.S3FileSystem):
@@ -116,7 +120,13 @@ def read_config_json(location: str, revision: str = "") -> dict:
             "has no config.json; give a Hugging Face model directory (config.json + *.safetensors), "
             "local or a storage URI, or none for random weights",
         )
-    return json.loads(read("config.json"))
+    try:
+        conf = json.loads(read("config.json"))
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise ConfigError(KEY, location, f"has a config.json that is not JSON ({exc})") from None
+    if not isinstance(conf, dict):
+        raise ConfigError(KEY, location, f"has a config.json that is not a JSON object (a {type(conf).__name__})")
+    return conf
 
 
 def check_weights(location: str, revision: str = "") -> None:
@@ -200,7 +210,21 @@ def resolve(model, given: set[str] | None = None, unverified: list[str] | None =
     spec = get_arch(arch)
     # A local path made absolute: workers (Ray's, elsewhere) do not run in this directory.
     where = model.pretrained if _is_uri(model.pretrained) or on_hub else str(local_dir(model.pretrained))
-    want = {"arch": arch, **spec.sizes_from_hf(conf)}
+    try:
+        want = {"arch": arch, **spec.sizes_from_hf(conf)}
+        limit = spec.max_seq_len(conf)
+        defaults = type(model)()
+        for key, value in want.items():  # a size of another type (a string, a float) fails as one
+            if type(value) is not type(getattr(defaults, key)) or (isinstance(value, int) and value < 0):
+                raise TypeError(f"{key} is {value!r}")
+    except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError) as exc:
+        # A config.json missing a key the architecture reads, or holding a value of another type.
+        raise ConfigError(
+            KEY,
+            model.pretrained,
+            f"has a config.json that does not describe a {arch} model ({type(exc).__name__}: {exc}); "
+            "give a checkpoint transformers itself wrote",
+        ) from None
     defaults = type(model)()
     for key, value in want.items():
         mine = getattr(model, key)
@@ -212,7 +236,6 @@ def resolve(model, given: set[str] | None = None, unverified: list[str] | None =
                 f"disagrees with the checkpoint {model.pretrained}, whose value is {value!r}; "
                 f"drop model.{key} (the checkpoint's config.json sets it) or set it to {value!r}",
             )
-    limit = spec.max_seq_len(conf)
     if limit and model.seq_len > limit:
         raise ConfigError(
             "model.seq_len", model.seq_len, f"exceeds what the checkpoint {model.pretrained} attends over ({limit})"
