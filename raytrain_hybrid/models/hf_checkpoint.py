@@ -213,6 +213,8 @@ def resolve(model, given: set[str] | None = None, unverified: list[str] | None =
     try:
         want = {"arch": arch, **spec.sizes_from_hf(conf)}
         limit = spec.max_seq_len(conf)
+        if limit is not None and type(limit) is not int:
+            raise TypeError(f"its context length is {limit!r}")
         defaults = type(model)()
         for key, value in want.items():  # a size of another type (a string, a float) fails as one
             if type(value) is not type(getattr(defaults, key)) or (isinstance(value, int) and value < 0):
