@@ -16,6 +16,7 @@ read there like a local directory.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 from pathlib import Path
 
 import torch
@@ -29,7 +30,7 @@ from raytrain_hybrid.checkpoint.hf_reader import RangeReader
 from raytrain_hybrid.errors import ConfigError
 from raytrain_hybrid.models import hub
 from raytrain_hybrid.models.hf_checkpoint import KEY, check_weights, local_dir, read_config_json
-from raytrain_hybrid.storage import Store, as_store, is_uri
+from raytrain_hybrid.storage import Store, as_store, is_uri, private_dir
 
 
 def fetch_pretrained(location: str, revision: str = "") -> Path | Store:
@@ -38,9 +39,11 @@ def fetch_pretrained(location: str, revision: str = "") -> Path | Store:
     downloads, the others find its files), an object-store URI as itself (a Store: each rank
     reads its slices from it by byte range)."""
     if hub.is_hub_id(location):
-        lock_file = Path(f"{local_dir(f'hf://{location}@{revision}')}.lock")
-        lock_file.parent.mkdir(parents=True, exist_ok=True)
-        with open(lock_file, "w") as lock:
+        # In this user's private directory: a lock at a predictable name in a shared /tmp could be
+        # a link another user planted, and opening it for writing would truncate its target.
+        key = hashlib.sha256(f"{location}@{revision}".encode()).hexdigest()[:16]
+        lock_file = private_dir("pretrained") / f"{key}.lock"
+        with open(lock_file, "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             path = hub.snapshot(location, revision)
         check_weights(str(path))

@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -145,13 +143,8 @@ def check_weights(location: str, revision: str = "") -> None:
 
 
 def local_dir(location: str) -> Path:
-    """A local checkpoint's directory, made absolute; for a URI (or a Hub id's ``hf://`` name), a
-    node-local path named after it (a Hub download's lock; a URI itself is read by range)."""
-    if not _is_uri(location):
-        return Path(location).expanduser().resolve()
-    key = hashlib.sha256(location.encode()).hexdigest()[:16]
-    name = location.rstrip("/").rsplit("/", 1)[-1]
-    return Path(tempfile.gettempdir()) / "raytrain-hybrid-pretrained" / f"{name}-{key}"
+    """A local checkpoint's directory, made absolute (a URI is read by range where it is)."""
+    return Path(location).expanduser().resolve()
 
 
 def arch_of(model_type: str, location: str) -> str:
