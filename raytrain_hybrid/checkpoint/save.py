@@ -169,10 +169,16 @@ class CheckpointWriter:
         try:
             timings = inflight.future.result()
         except BaseException as exc:
-            raise CheckpointSaveError(
-                f"saving checkpoint {inflight.path} failed: {exc}; it is incomplete, the checkpoint "
-                "before it is the newest complete one"
-            ) from exc
+            try:  # a rank failed after rank 0 had completed it (a peer lost at the very end)
+                complete = inflight.path.child(MANIFEST).exists()
+            except Exception:
+                complete = False
+            state = (
+                "rank 0 completed it, and a restart resumes from it"
+                if complete
+                else "it is incomplete, the checkpoint before it is the newest complete one"
+            )
+            raise CheckpointSaveError(f"saving checkpoint {inflight.path} failed: {exc}; {state}") from exc
         return [Saved(inflight.step, inflight.path, {**timings, "blocked_s": inflight.blocked_s})]
 
 
