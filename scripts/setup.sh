@@ -35,5 +35,8 @@ else
   install "torch==$TORCH_VERSION+cpu" \
     || install "torch==$TORCH_VERSION+cpu" --index-url https://download.pytorch.org/whl/cpu
 fi
-install -q -e ".[dev]"
+# The torch installed above, pinned: a dependency that asks for torch (peft, through accelerate)
+# must not make the resolver swap the CPU build for a CUDA wheel from PyPI.
+TORCH_PIN=$(.venv/bin/python -c "import torch; print(torch.__version__)")
+install -q -e ".[dev]" "torch==$TORCH_PIN"
 echo "setup: done ($(.venv/bin/python -c 'import torch, ray; print("torch", torch.__version__, "ray", ray.__version__)'))"
