@@ -186,7 +186,10 @@ def _check(args, cfg, unverified: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"ranks": ranks, "groups": groups, "dp_values": usable_dps(asked.parallelism)}))
         return 0
-    print(f"layout ok: dp={par.dp} tp={par.tp} pp={par.pp} on {len(counts)} node(s) {counts}")
+    cp = f" cp={par.cp}" if par.cp > 1 else ""
+    print(f"layout ok: dp={par.dp}{cp} tp={par.tp} pp={par.pp} on {len(counts)} node(s) {counts}")
+    if "cp_placement" in report:
+        print(report["cp_placement"])
     if is_elastic(asked.parallelism):  # parallelism.min_dp: the dp values a start may take
         print(describe(asked))
     print(f"{'rank':>4} {'node':>8} {'pp':>3} {'dp':>3} {'tp':>3}")

@@ -152,7 +152,7 @@ class Probe:
                         p.grad.mul_(self.scale[1])
                     g = p.grad
                     local = g.to_local() if hasattr(g, "to_local") else g
-                    sq[self.index[n]] += local.double().pow(2).sum().item() / _holders(g, dims.dp * dims.tp)
+                    sq[self.index[n]] += local.double().pow(2).sum().item() / _holders(g, dims.dp * dims.cp * dims.tp)
         dist.all_reduce(sq)
         self.grad_norms.append(dict(zip(self.names, sq.sqrt().tolist(), strict=True)))
 

@@ -33,6 +33,10 @@ class ParallelismConfig:
     tp: int = 2
     # Pipeline-parallel degree (number of ranks along the pipeline).
     pp: int = 2
+    # Context-parallel degree: each rank of a replica holds 1/cp of every sequence (inputs, labels,
+    # activations) and attention exchanges heads for sequence over the cp ranks (all-to-all); cp x tp
+    # stays inside a node where it fits. Gradients are averaged over dp x cp.
+    cp: int = 1
     # Micro-batches per step and replica; the pipeline schedule runs this many.
     microbatches: int = 4
     # Pipeline schedule from torch.distributed.pipelining, by name.
@@ -56,7 +60,7 @@ class ParallelismConfig:
     sequence_parallel: bool = True
 
     def __post_init__(self) -> None:
-        for key in ("dp", "tp", "pp", "microbatches"):
+        for key in ("dp", "tp", "pp", "cp", "microbatches"):
             value = getattr(self, key)
             if value < 1:
                 raise ConfigError(f"parallelism.{key}", value, "must be >= 1")
@@ -87,7 +91,7 @@ class ParallelismConfig:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def stages_per_rank(self) -> int:

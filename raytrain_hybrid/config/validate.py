@@ -26,6 +26,7 @@ def validate(cfg: Config) -> None:
     _require_resolved(cfg)
     _validate_model(cfg, spec)
     _validate_layout(cfg, spec)
+    _validate_cp(cfg, spec)
     check_elastic(cfg)  # parallelism.min_dp: the dp values below dp the layout allows
     _validate_task(cfg, spec)
     _validate_run(cfg)
@@ -132,6 +133,42 @@ def _validate_layout(cfg: Config, spec: ArchSpec) -> None:
             tp,
             f"TP groups must stay inside a node of cluster.gpus_per_node={gpn}; try tp in {choices(fits)}",
         )
+
+
+def _validate_cp(cfg: Config, spec: ArchSpec) -> None:
+    """Context parallelism: every rank of a cp group a contiguous slice of the sequence, and an
+    equal share of the attention heads (after TP) for the all-to-all exchange."""
+    par, model = cfg.parallelism, cfg.model
+    cp, tp = par.cp, par.tp
+    if cp == 1:
+        return
+    if spec.attention is None:
+        raise ConfigError(
+            "parallelism.cp", cp, f"model.arch={model.arch} has no context-parallel attention; use cp=1 (Llama family)"
+        )
+    if model.seq_len % cp:
+        fits = [d for d in divisors(model.seq_len) if d <= 64]
+        raise ConfigError(
+            "parallelism.cp", cp, f"does not divide model.seq_len={model.seq_len}; try cp in {choices(fits)}"
+        )
+    if tp > 1 and par.sequence_parallel and spec.sp_plan and (model.seq_len // cp) % tp:
+        raise ConfigError(
+            "parallelism.cp",
+            cp,
+            f"sequence parallelism splits each cp slice (model.seq_len/cp={model.seq_len // cp}) across tp={tp}, "
+            f"which does not divide it; use a model.seq_len that cp*tp={cp * tp} divides, or "
+            "parallelism.sequence_parallel=false",
+        )
+    heads = model.num_heads // tp
+    if heads % cp:
+        raise ConfigError(
+            "parallelism.cp",
+            cp,
+            f"does not divide the attention heads of a TP rank (model.num_heads/tp={model.num_heads}/{tp}={heads}), "
+            f"which the cp ranks share out; try cp in {choices(divisors(heads))}",
+        )
+    if par.min_dp:
+        raise ConfigError("parallelism.min_dp", par.min_dp, "elastic runs keep parallelism.cp=1; use min_dp=0")
 
 
 def _validate_task(cfg: Config, spec: ArchSpec) -> None:

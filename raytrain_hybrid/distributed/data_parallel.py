@@ -21,7 +21,7 @@ from raytrain_hybrid.models.spec import ArchSpec
 
 def apply_fsdp(stage, spec: ArchSpec, mesh, dims: ParallelDims) -> None:
     """Before materialisation (meta device): wrap each block, then the stage root."""
-    if dims.dp == 1 or dims.zero == 1:
+    if dims.dp * dims.cp == 1 or dims.zero == 1:  # the cp ranks of a replica average gradients too
         return
     fsdp_mesh = mesh.fsdp
     reshard = dims.zero == 3
@@ -41,6 +41,7 @@ def adamw_kernel(device: torch.device) -> dict:
 
 def build_optimizer(params, mesh, dims: ParallelDims, *, device: torch.device, **adamw):
     adamw = {**adamw, **adamw_kernel(device)}
-    if dims.zero == 1 and dims.dp > 1:
-        return ZeroOneOptimizer(params, dp_group=mesh.dp.get_group(), tp=dims.tp, **adamw)
+    if dims.zero == 1 and dims.dp * dims.cp > 1:
+        group = (mesh.grads if dims.cp > 1 else mesh.dp).get_group()  # sharded over dp x cp
+        return ZeroOneOptimizer(params, dp_group=group, tp=dims.tp, **adamw)
     return torch.optim.AdamW(params, **adamw)

@@ -1,32 +1,39 @@
 """Parallel degrees, the rank arrangement over nodes, and the DeviceMesh built from it.
 
-The mesh is ``("pp", "dp_replicate", "dp_shard", "tp")`` with ``dp`` the flattened
+The mesh is ``("pp", "dp_replicate", "dp_shard", "cp", "tp")`` with ``dp`` the flattened
 pair: ZeRO-0 replicates along ``dp_replicate`` (HSDP with a shard group of one),
 ZeRO-2/3 shard along ``dp_shard``. TP is innermost so that a TP group is a set of
-consecutive slots, laid onto one node; PP is outermost so its stages go across nodes.
+consecutive slots, laid onto one node; context parallelism (``cp``, each rank a slice of
+the sequence) sits next to it, so that cp x tp stays inside a node where it fits; PP is
+outermost so its stages go across nodes. Gradients are reduced over dp x cp: the cp ranks
+of a replica hold the same parameters and different tokens (FSDP shards over dp_shard x cp,
+as TorchTitan does; ZeRO-0 replicates over dp_replicate x cp).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
 from raytrain_hybrid.errors import LayoutError
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
 class Meshes:
     """The world mesh and the sub-meshes the engine uses, each by its axis."""
 
-    world: Any  # DeviceMesh ("pp", "dp_replicate", "dp_shard", "tp")
+    world: Any  # DeviceMesh ("pp", "dp_replicate", "dp_shard", "cp", "tp")
     pp: Any
     dp: Any  # dp_replicate x dp_shard, flattened: one group per replica set
     tp: Any
-    fsdp: Any  # ("dp_replicate", "dp_shard"): HSDP for zero=0, FSDP for zero=2/3
-    replica: Any  # pp x tp flattened: the ranks of one data-parallel replica
+    fsdp: Any  # (replicate, shard): HSDP over dp_replicate x cp for zero=0, FSDP over dp_shard x cp for zero=2/3
+    replica: Any  # pp x cp x tp flattened: the ranks of one data-parallel replica (same rows)
+    cp: Any = None  # the ranks that split one sequence (context parallelism)
+    grads: Any = None  # dp x cp flattened: the ranks whose gradients are averaged (ZeRO-1's group)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,20 +42,27 @@ class ParallelDims:
     tp: int
     pp: int
     zero: int = 0
+    cp: int = 1  # context parallelism: the sequence split over this many ranks of a replica
 
     @classmethod
     def from_config(cls, parallelism) -> ParallelDims:
         """The degrees of a validated ``config.ParallelismConfig`` (the one place they are read)."""
-        return cls(dp=parallelism.dp, tp=parallelism.tp, pp=parallelism.pp, zero=parallelism.zero)
+        return cls(
+            dp=parallelism.dp,
+            tp=parallelism.tp,
+            pp=parallelism.pp,
+            zero=parallelism.zero,
+            cp=parallelism.cp,
+        )
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp"):
+        for name in ("dp", "tp", "pp", "cp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def dp_replicate(self) -> int:
@@ -59,24 +73,37 @@ class ParallelDims:
         return 1 if self.zero in (0, 1) else self.dp
 
     def coords(self, slot: int) -> dict[str, int]:
-        """(pp, dp, tp) of a mesh slot in ("pp", "dp", "tp") row-major order."""
-        return {"pp": slot // (self.dp * self.tp), "dp": (slot // self.tp) % self.dp, "tp": slot % self.tp}
+        """(pp, dp, [cp,] tp) of a mesh slot in ("pp", "dp", "cp", "tp") row-major order (cp only when > 1)."""
+        tp, cp, dp = self.tp, self.cp, self.dp
+        out = {"pp": slot // (dp * cp * tp), "dp": (slot // (cp * tp)) % dp}
+        if cp > 1:
+            out["cp"] = (slot // tp) % cp
+        return {**out, "tp": slot % tp}
 
     def build_mesh(self, device_type: str, arrangement: list[int]) -> Meshes:
         """DeviceMesh over ``arrangement`` (slot -> global rank) and its sub-meshes."""
         import torch
         from torch.distributed.device_mesh import DeviceMesh
 
-        ranks = torch.tensor(arrangement, dtype=torch.int).reshape(self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        shape = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
+        ranks = torch.tensor(arrangement, dtype=torch.int).reshape(shape)
         world = DeviceMesh(device_type, ranks, mesh_dim_names=MESH_DIMS)
-        fsdp = world["dp_replicate", "dp_shard"]
+        dp = world["dp_replicate", "dp_shard"]
+        if self.cp == 1:
+            fsdp = dp
+        elif self.zero in (0, 1):  # cp replicates like dp: HSDP (dp_replicate x cp, shard group of one)
+            fsdp = DeviceMesh._concatenate([world["dp_replicate", "cp"]._flatten("dp_replicate_cp"), world["dp_shard"]])
+        else:  # FSDP shards over dp_shard x cp (TorchTitan's dp_shard_cp)
+            fsdp = DeviceMesh._concatenate([world["dp_replicate"], world["dp_shard", "cp"]._flatten("dp_shard_cp")])
         return Meshes(
             world=world,
             pp=world["pp"],
-            dp=fsdp._flatten("dp"),
+            dp=dp._flatten("dp"),
             tp=world["tp"],
             fsdp=fsdp,
-            replica=world["pp", "tp"]._flatten("replica"),
+            replica=world["pp", "cp", "tp"]._flatten("replica"),
+            cp=world["cp"],
+            grads=world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp") if self.cp > 1 else None,
         )
 
 
@@ -95,7 +122,10 @@ def arrange_ranks(dims: ParallelDims, node_of_rank: list[str]) -> list[int]:
     with the layouts that would fit, as is an order no mesh can take.
     """
     if len(node_of_rank) != dims.world_size:
-        raise LayoutError(f"{len(node_of_rank)} workers for dp*tp*pp={dims.dp}*{dims.tp}*{dims.pp}={dims.world_size}")
+        cp = f"*cp={dims.cp}" if dims.cp > 1 else ""
+        raise LayoutError(
+            f"{len(node_of_rank)} workers for dp*tp*pp={dims.dp}*{dims.tp}*{dims.pp}{cp}={dims.world_size}"
+        )
     by_node: dict[str, list[int]] = defaultdict(list)
     for rank, node in enumerate(node_of_rank):
         by_node[node].append(rank)
@@ -126,17 +156,20 @@ def arrange_ranks(dims: ParallelDims, node_of_rank: list[str]) -> list[int]:
 
 def axis_groups(dims: ParallelDims, arrangement: list[int]) -> dict[str, list[list[int]]]:
     """Global ranks of every group along each axis, for display and checks."""
-    slots = {tuple(dims.coords(s).values()): arrangement[s] for s in range(dims.world_size)}
-    groups: dict[str, list[list[int]]] = {"tp": [], "dp": [], "pp": []}
-    for p in range(dims.pp):
-        for d in range(dims.dp):
-            groups["tp"].append([slots[(p, d, t)] for t in range(dims.tp)])
-    for p in range(dims.pp):
-        for t in range(dims.tp):
-            groups["dp"].append([slots[(p, d, t)] for d in range(dims.dp)])
-    for d in range(dims.dp):
-        for t in range(dims.tp):
-            groups["pp"].append([slots[(p, d, t)] for p in range(dims.pp)])
+    sizes = {"pp": dims.pp, "dp": dims.dp, "cp": dims.cp, "tp": dims.tp}
+    slots = {}
+    for s in range(dims.world_size):
+        c = dims.coords(s)
+        slots[(c["pp"], c["dp"], c.get("cp", 0), c["tp"])] = arrangement[s]
+    axes = ("pp", "dp", "cp", "tp")
+    groups: dict[str, list[list[int]]] = {}
+    for axis in ("tp", "dp", "pp", "cp") if dims.cp > 1 else ("tp", "dp", "pp"):
+        i = axes.index(axis)
+        others = [a for a in axes if a != axis]
+        out = groups.setdefault(axis, [])
+        for rest in itertools.product(*(range(sizes[a]) for a in others)):
+            key = list(rest)
+            out.append([slots[tuple(key[:i] + [v] + key[i:])] for v in range(sizes[axis])])
     return groups
 
 
@@ -150,4 +183,20 @@ def placement_report(dims: ParallelDims, workers_per_node: list[int]) -> dict:
         ({"rank": rank, "node": nodes[rank], **dims.coords(slot)} for slot, rank in enumerate(arrangement)),
         key=lambda r: r["rank"],
     )
-    return {"ranks": ranks, "groups": axis_groups(dims, arrangement)}
+    groups = axis_groups(dims, arrangement)
+    report = {"ranks": ranks, "groups": groups}
+    if dims.cp > 1:
+        report["cp_placement"] = cp_placement(dims, groups["cp"], nodes)
+    return report
+
+
+def cp_placement(dims: ParallelDims, cp_groups: list[list[int]], node_of_rank: list[str]) -> str:
+    """Where the cp groups lie: inside a node next to their TP groups (the all-to-alls stay on the
+    node's links) when cp*tp workers fit in a node, else across nodes."""
+    crossing = sum(len({node_of_rank[r] for r in g}) > 1 for g in cp_groups)
+    if not crossing:
+        return f"cp groups stay inside a node: cp*tp={dims.cp * dims.tp} workers of a node exchange attention heads"
+    return (
+        f"cp groups cross nodes ({crossing} of {len(cp_groups)}): cp*tp={dims.cp * dims.tp} does not fit the "
+        "workers of a node, so the attention all-to-alls go over the network"
+    )

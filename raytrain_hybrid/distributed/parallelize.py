@@ -1,5 +1,5 @@
 """Turn one meta-device stage into its parallel form, in a fixed order (TorchTitan's):
-TP (+SP) -> activation checkpointing -> compile -> FSDP2 (then materialise; zero=1 wraps nothing)."""
+TP (+SP) -> CP -> activation checkpointing -> compile -> FSDP2 (then materialise; zero=1 wraps nothing)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from raytrain_hybrid.distributed.context_parallel import apply_cp
 from raytrain_hybrid.distributed.data_parallel import apply_fsdp
 from raytrain_hybrid.distributed.parallel_dims import ParallelDims
 from raytrain_hybrid.distributed.tensor_parallel import apply_tp
@@ -83,6 +84,8 @@ def parallelize_stage(
 ) -> None:
     if dims.tp > 1:
         apply_tp(stage, spec, mesh.tp, sequence_parallel=sequence_parallel)
+    if dims.cp > 1:
+        apply_cp(stage, spec, mesh.cp)
     if activation_checkpointing:
         apply_activation_checkpointing(stage, spec, activation_checkpointing)
     if compile:

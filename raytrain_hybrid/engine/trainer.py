@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import resource
 import time
 
@@ -16,6 +18,7 @@ from raytrain_hybrid.checkpoint.hf_load import fetch_pretrained, load_hf_weights
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.data.corpus import IGNORE_INDEX, Batch
 from raytrain_hybrid.distributed import pipeline
+from raytrain_hybrid.distributed.context_parallel import local_slice, use_cp_attention
 from raytrain_hybrid.distributed.data_parallel import build_optimizer
 from raytrain_hybrid.distributed.parallel_dims import ParallelDims
 from raytrain_hybrid.distributed.parallelize import parallelize_stage
@@ -44,6 +47,10 @@ class Trainer:
         if hf_checkpoint.is_set(cfg.model.pretrained) and self.spec.from_hf is not None:
             self.pretrained = fetch_pretrained(cfg.model.pretrained, cfg.model.pretrained_revision)
         self.hf_config = self.spec.hf_config(cfg)
+        # Context parallelism: this rank's slice of every sequence; attention exchanges the rest.
+        self.cp_rank = mesh.cp.get_local_rank() if dims.cp > 1 else 0
+        if dims.cp > 1:
+            use_cp_attention(self.hf_config)
         self.loss_fn = make_loss(cfg, self.spec.task, device)
         self.pp_rank = mesh.pp.get_local_rank()
         self.dp_rank = mesh.dp.get_local_rank()
@@ -91,7 +98,8 @@ class Trainer:
         if self.spec.stage_io is None:
             return {}  # inferred by torch.distributed.pipelining on the first step
         rows = self.cfg.train.global_batch_size // self.dims.dp // self.cfg.parallelism.microbatches
-        inputs, outputs = self.spec.stage_io(self.hf_config, blocks, rows, self.cfg.model.seq_len, self.device)
+        seq = self.cfg.model.seq_len // self.dims.cp
+        inputs, outputs = self.spec.stage_io(self.hf_config, blocks, rows, seq, self.device)
         return {"input_args": inputs, "output_args": outputs}
 
     def restore_schedule(self, steps_done: int) -> None:
@@ -144,9 +152,18 @@ class Trainer:
             return x.to(self.device)
         return x.pin_memory().to(self.device, non_blocking=True)
 
+    def _cp_slice(self, batch: Batch) -> Batch:
+        """Under context parallelism, this rank's contiguous 1/cp of every row's tokens and labels."""
+        if self.dims.cp == 1:
+            return batch
+        cut = functools.partial(local_slice, cp=self.dims.cp, rank=self.cp_rank)
+        return dataclasses.replace(batch, inputs=tuple(cut(x) for x in batch.inputs), labels=cut(batch.labels))
+
     def _forward_backward(self, batch: Batch) -> torch.Tensor:
-        """Returns this replica's mean loss on ranks that hold the last stage, else 0."""
+        """Returns this rank's share of its replica's mean loss on ranks that hold the last stage
+        (the whole of it without cp), else 0."""
         m = self.cfg.parallelism.microbatches
+        batch = self._cp_slice(batch)
         if self.schedule is not None:
             losses: list[torch.Tensor] = []
             args = tuple(self._to_device(x) for x in batch.inputs) if self.has_first else ()
@@ -205,17 +222,19 @@ class Trainer:
         counted = None
         if isinstance(self.loss_fn, TokenLoss):
             counted = self._counted_labels(batch)
-            self.loss_fn.start_step(counted, self.cfg.parallelism.microbatches, self.dims.dp)
+            # Gradients are averaged over dp x cp: each cp rank sums the loss of its tokens.
+            self.loss_fn.start_step(counted, self.cfg.parallelism.microbatches, self.dims.dp * self.dims.cp)
         replica_loss = self._forward_backward(batch)
-        # Exactly dp*tp ranks hold the last stage, each with its replica's loss.
+        # Exactly dp*cp*tp ranks hold the last stage, each with its replica's loss (times cp, its
+        # tokens' share of it under cp: the cp ranks' shares add up to cp times the replica's).
         summed = torch.stack([replica_loss.detach().reshape(()), replica_loss.new_tensor(float(flag))])
         dist.all_reduce(summed)
-        loss, self.flagged = summed[0] / (self.dims.dp * self.dims.tp), bool(summed[1] > 0)
+        ranks_per_stage = self.dims.dp * self.dims.cp * self.dims.tp
+        loss, self.flagged = summed[0] / ranks_per_stage, bool(summed[1] > 0)
         self.grad_bytes = sum(_local_bytes(p.grad) for p in self.params if p.grad is not None)
         if isinstance(self.optimizer, ZeroOneOptimizer):
             norm = self._zero1_reduce_and_clip()
         else:
-            ranks_per_stage = self.dims.dp * self.dims.tp
             norm = global_grad_norm(self.params, ranks_per_stage, self.device)
             clip_grads_(self.params, self.cfg.train.grad_clip, norm)
         self.optimizer.step()

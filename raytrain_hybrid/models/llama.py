@@ -44,7 +44,9 @@ def stage_forward(stage, x: torch.Tensor) -> torch.Tensor:
     h = inner.embed_tokens(x) if first else x
     # Hidden states between stages may hold 1/seq_shards of the sequence (sequence parallelism).
     seq = x.shape[1] if first else x.shape[1] * getattr(stage, "seq_shards", 1)
-    positions = torch.arange(seq, device=h.device).unsqueeze(0)
+    # Under context parallelism the stage runs on chunk ``seq_chunk`` of the sequence: its positions.
+    start = seq * getattr(stage, "seq_chunk", 0)
+    positions = torch.arange(start, start + seq, device=h.device).unsqueeze(0)
     rope = inner.rotary_emb(h, positions)
     for block in inner.layers.values():
         h = block(h, attention_mask=None, position_ids=positions, position_embeddings=rope)
@@ -144,6 +146,7 @@ def family_spec(name: str, config_class: str, model_class: str, *, qkv_bias: boo
         sp_plan_outer={"model.norm": "norm"},
         stage_forward=stage_forward,
         init_buffers=init_buffers,
+        attention="self_attn",
     )
 
 

@@ -110,6 +110,10 @@ class ArchSpec:
     # Example (inputs, outputs) of a pipeline stage, when its I/O cannot be inferred by running
     # it on uninitialised tensors: (hf_config, block ids, micro-batch rows, seq_len, device).
     stage_io: Callable[..., tuple[tuple, tuple]] | None = None
+    # Per block: the path of its attention module, a transformers attention that reads the config's
+    # attention implementation, and a stage_forward that gives RoPE the positions of the stage's
+    # ``seq_chunk`` (context parallelism runs only where this is set).
+    attention: str | None = None
 
     def import_model_code(self) -> None:
         """Import the transformers classes the spec names (a worker does it with its imports,

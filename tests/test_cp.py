@@ -1,0 +1,86 @@
+"""Context parallelism (parallelism.cp): the oracle over (dp, cp, tp, pp) layouts, the refusals
+before any worker starts, where the cp groups land on nodes.
+
+The oracle cases run grouped-query attention (num_kv_heads=2 of 4 heads): at cp=2 the key/value
+heads divide, at cp=4 (and at tp=2, cp=2) they are repeated before the all-to-all.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import reference_history
+from gloo_harness import run_gloo_jobs
+from test_oracle import MEMORY, SHORT, assert_oracle, assert_replicas_share_rows, layout
+
+from raytrain_hybrid import cli
+
+BASE = (*SHORT, *MEMORY, "model.num_kv_heads=2")
+
+
+def cp_layout(dp: int, cp: int, tp: int, pp: int, zero: int = 0, schedule: str = "1F1B") -> list[str]:
+    return [*layout(dp, tp, pp, schedule, 2, zero), f"parallelism.cp={cp}"]
+
+
+# (dp, cp, tp, pp): cp=4 alone; cp with dp under FSDP (ZeRO-3, sharded over dp x cp) and ZeRO-1;
+# cp with tp (sequence parallelism inside each cp slice); cp with a pipeline.
+WORLD4 = {
+    "1x4x1x1": cp_layout(1, 4, 1, 1),
+    "2x2x1x1-zero3": cp_layout(2, 2, 1, 1, zero=3),
+    "2x2x1x1-zero1": cp_layout(2, 2, 1, 1, zero=1),
+    "1x2x2x1-sp": cp_layout(1, 2, 2, 1),
+    "1x2x1x2-1f1b": cp_layout(1, 2, 1, 2),
+}
+WORLD8 = {"1x2x2x2-sp-1f1b": cp_layout(1, 2, 2, 2)}
+
+
+@pytest.mark.parametrize("world, cases", [(4, WORLD4), (8, WORLD8)], ids=["world4", "world8"])
+def test_cp_layouts_match_single_process(world, cases):
+    """Losses, every parameter's gradient norm and the final weights equal the single-process run."""
+    reference = reference_history(BASE, "memory")
+    results = run_gloo_jobs(world, {name: [*BASE, *overrides] for name, overrides in cases.items()})
+    for name, overrides in cases.items():
+        assert_oracle(results[name], reference)
+        # Every rank of a replica (its cp ranks too) read the same rows.
+        assert_replicas_share_rows(results[name]["memory"], overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        (["parallelism.cp=3"], "model.seq_len=32"),  # cp must divide the sequence
+        (["parallelism.cp=4", "parallelism.tp=2", "model.seq_len=36"], "cp*tp=8"),  # SP splits each cp slice
+        (["parallelism.cp=4", "parallelism.tp=2"], "model.num_heads/tp=4/2=2"),  # heads shared by cp ranks
+        (["parallelism.cp=2", "model.arch=multimodal-bert"], "no context-parallel attention"),
+        (["parallelism.cp=2", "model.arch=gpt2"], "no context-parallel attention"),
+        (["parallelism.cp=0"], ">= 1"),
+    ],
+)
+def test_bad_cp_is_refused_before_workers_start(overrides, says, capsys):
+    args = ["check", "--topology", "64", "--set", "model.seq_len=32", "--set", "parallelism.pp=1"]
+    for o in overrides:
+        args += ["--set", o]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "parallelism.cp" in err and says in err, err
+
+
+def test_check_places_cp_next_to_tp(capsys):
+    """cp x tp inside a node where it fits; across nodes otherwise, and `check` says which."""
+    base = ["check", "--set", "parallelism.dp=1", "--set", "parallelism.pp=2", "--set", "parallelism.tp=2"]
+    base += ["--set", "parallelism.cp=2", "--set", "model.seq_len=32"]
+    assert cli.main([*base, "--topology", "4,4"]) == 0
+    out = capsys.readouterr().out
+    assert "cp=2" in out and "cp groups stay inside a node" in out, out
+    assert cli.main([*base, "--topology", "2,2,2,2"]) == 0
+    out = capsys.readouterr().out
+    assert "cp groups cross nodes" in out, out
+    assert cli.main([*base, "--topology", "4,4", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    ranks = {r["rank"]: r for r in report["ranks"]}
+    for group in report["groups"]["cp"]:
+        assert len(group) == 2 and len({ranks[r]["node"] for r in group}) == 1
+        assert sorted(ranks[r]["cp"] for r in group) == [0, 1]
+    for group in report["groups"]["tp"]:
+        assert len({ranks[r]["node"] for r in group}) == 1
