@@ -30,6 +30,7 @@ from raytrain_hybrid.checkpoint.hf_reader import RangeReader
 from raytrain_hybrid.errors import ConfigError
 from raytrain_hybrid.models import hub
 from raytrain_hybrid.models.hf_checkpoint import KEY, check_weights, local_dir, read_config_json
+from raytrain_hybrid.models.lora import base_name
 from raytrain_hybrid.storage import Store, as_store, is_uri, private_dir
 
 
@@ -92,7 +93,9 @@ def load_hf_weights(stage: torch.nn.Module, spec, location: str, path: Path | St
     available = reader.read_metadata().state_dict_metadata
     targets: dict[str, list] = {}
     for name, p in stage.named_parameters():
-        name = name.replace("_checkpoint_wrapped_module.", "")
+        name = base_name(name.replace("_checkpoint_wrapped_module.", ""))
+        if name is None:  # a LoRA adapter: not in the checkpoint (the trainer initialises it)
+            continue
         candidates, transposed, offset = spec.from_hf(name, conf)
         key = next((k for k in candidates if k in available), None)
         if key is None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from raytrain_hybrid.config.coerce import build_section, choices
+from raytrain_hybrid.config.lora import LoraConfig
 from raytrain_hybrid.config.parallelism import (  # noqa: F401  (re-exported: the schema's names)
     AC_MODES,
     LAYOUT_KEYS,
@@ -299,6 +300,7 @@ class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -7,6 +7,7 @@ import re
 
 from raytrain_hybrid.config.coerce import choices, divisors
 from raytrain_hybrid.config.elastic import check_elastic
+from raytrain_hybrid.config.lora import check_lora
 from raytrain_hybrid.config.placeholders import refuse_placeholders
 from raytrain_hybrid.config.schedule_rules import too_few_microbatches, uneven_microbatches
 from raytrain_hybrid.config.schema import (
@@ -29,6 +30,7 @@ def validate(cfg: Config) -> None:
     _validate_cp(cfg, spec)
     check_elastic(cfg)  # parallelism.min_dp: the dp values below dp the layout allows
     _validate_task(cfg, spec)
+    check_lora(cfg, spec)  # [lora]: a pretrained model, targets among its linears
     _validate_run(cfg)
 
 

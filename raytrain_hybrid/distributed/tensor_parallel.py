@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from raytrain_hybrid.distributed.lora import ReplicateParallel, adapter_plan
 from raytrain_hybrid.models.spec import ArchSpec
 
 SEQ = Shard(1)  # [batch, sequence, hidden]
@@ -38,6 +39,8 @@ def _style(style: str, sp: bool):
         return ColwiseParallel(input_layouts=between, output_layouts=Replicate())
     if style == "norm":
         return SequenceParallel()
+    if style.startswith("replicate"):  # a LoRA adapter's weight, whole on every rank
+        return ReplicateParallel(between if style == "replicate:between" else Replicate())
     if style.startswith("gather"):
         # The module's input (positional, or the keyword after the colon) is all-gathered.
         _, _, kwarg = style.partition(":")
@@ -62,15 +65,22 @@ def apply_tp(stage, spec: ArchSpec, tp_mesh, *, sequence_parallel: bool) -> None
     their inputs are full activations on every TP rank, so their gradients agree.
     """
     tp = tp_mesh.size()
+    # A style re-registers the parameters it distributes (SequenceParallel as trainable): a
+    # frozen one (a LoRA run's base) stays frozen.
+    frozen = {name for name, p in stage.named_parameters() if not p.requires_grad}
     block_plan = {**spec.tp_plan, **(spec.sp_plan if sequence_parallel else {})}
     for block in stage.get_submodule(spec.layers).values():
-        parallelize_module(block, tp_mesh, {name: _style(s, sequence_parallel) for name, s in block_plan.items()})
+        plan = adapter_plan(block, block_plan)  # LoRA: the adapted linears' base, A and B
+        parallelize_module(block, tp_mesh, {name: _style(s, sequence_parallel) for name, s in plan.items()})
         if spec.tp_adjust is not None:
             spec.tp_adjust(block, tp)
     outer_plan = {**spec.tp_plan_outer, **(spec.sp_plan_outer if sequence_parallel else {})}
     outer = {path: _style(s, sequence_parallel) for path, s in outer_plan.items() if _owned(stage, path)}
     if outer:
         parallelize_module(stage, tp_mesh, outer)
+    for name, p in stage.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)
     # Hidden states entering and leaving this stage hold 1/seq_shards of the sequence.
     stage.seq_shards = tp if sequence_parallel else 1
 
@@ -90,5 +100,5 @@ def align_grad_placements(module) -> None:
             param.grad = param.grad.redistribute(param.device_mesh, param.placements)
 
     for param in module.parameters():
-        if isinstance(param, DTensor):
+        if isinstance(param, DTensor) and param.requires_grad:  # (a frozen LoRA base has no gradient)
             param.register_post_accumulate_grad_hook(hook)

@@ -20,6 +20,7 @@ from raytrain_hybrid.data.corpus import IGNORE_INDEX, Batch
 from raytrain_hybrid.distributed import pipeline
 from raytrain_hybrid.distributed.context_parallel import local_slice, use_cp_attention
 from raytrain_hybrid.distributed.data_parallel import build_optimizer
+from raytrain_hybrid.distributed.lora import init_adapters
 from raytrain_hybrid.distributed.parallel_dims import ParallelDims
 from raytrain_hybrid.distributed.parallelize import parallelize_stage
 from raytrain_hybrid.distributed.tensor_parallel import align_grad_placements
@@ -27,7 +28,7 @@ from raytrain_hybrid.distributed.utils import clip_grads_, global_grad_norm
 from raytrain_hybrid.distributed.zero1 import ZeroOneOptimizer
 from raytrain_hybrid.engine.compile_clock import CompileClock
 from raytrain_hybrid.engine.loss import TokenLoss, lr_factor, make_loss
-from raytrain_hybrid.models import get_arch, hf_checkpoint
+from raytrain_hybrid.models import get_arch, hf_checkpoint, lora
 from raytrain_hybrid.models.common import build_stage, full_init_state_dict
 from raytrain_hybrid.models.flops import device_peak_tflops, flops_per_token, tokens_per_row
 
@@ -64,7 +65,9 @@ class Trainer:
         self.has_first = 0 in ids
         self.has_last = num_stages - 1 in ids
         self.modules = [self._build(sid, split[sid], num_stages) for sid in ids]
-        self.params = [p for m in self.modules for p in m.parameters()]
+        # What the optimizer trains: with LoRA the adapters only (the base is frozen: no gradient,
+        # no optimizer state, in no DP bucket or ZeRO-1 slice).
+        self.params = [p for m in self.modules for p in m.parameters() if p.requires_grad]
         assert cfg.train.lr > 0, "train.lr=0 means 'pick one': config.resolve_defaults() sets it"
         self.optimizer = build_optimizer(
             self.params,
@@ -113,6 +116,8 @@ class Trainer:
 
     def _build(self, stage_id: int, layer_ids: list[int], num_stages: int):
         stage = build_stage(self.spec, self.hf_config, layer_ids, first=stage_id == 0, last=stage_id == num_stages - 1)
+        if self.cfg.lora.rank:  # peft's adapters on the meta stage, before TP lays them out
+            lora.inject(stage, self.spec, self.cfg.lora)
         shapes = {name: p.shape for name, p in stage.named_parameters()}
         if self.pretrained is not None:  # read later, each rank its own slices only
             full = None
@@ -135,6 +140,8 @@ class Trainer:
             self.spec.init_buffers(stage, self.hf_config, self.device)
         if full is None:
             load_hf_weights(stage, self.spec, self.cfg.model.pretrained, self.pretrained)
+            if self.cfg.lora.rank:
+                init_adapters(stage, self.cfg.train.seed)
         else:  # every rank holds the same full values; each keeps its own TP/FSDP shard
             set_model_state_dict(stage, full, options=StateDictOptions(full_state_dict=True, strict=True))
         if self.dims.tp > 1 and not isinstance(stage, FSDPModule):
@@ -293,7 +300,7 @@ class Trainer:
         opt = getattr(self.optimizer, "optim", self.optimizer)  # ZeRO-1: the AdamW of this rank's slice
         opt_bytes = sum(_local_bytes(v) for state in opt.state.values() for v in state.values() if torch.is_tensor(v))
         stats = {
-            "param_bytes": sum(_local_bytes(p) for p in self.params),
+            "param_bytes": sum(_local_bytes(p) for m in self.modules for p in m.parameters()),
             "grad_bytes": self.grad_bytes,
             "optimizer_bytes": opt_bytes,
             "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

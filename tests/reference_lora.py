@@ -1,0 +1,75 @@
+"""The LoRA oracle's reference: peft on the unmodified transformers model, one process.
+
+Nothing here comes from raytrain_hybrid: the model is ``AutoModelForCausalLM.from_pretrained``
+of the checkpoint directory, the adapters are ``peft.get_peft_model``'s (``LoraConfig`` from
+the run's [lora] keys), the loop is stock PyTorch (AdamW over the adapters peft marks
+trainable, clip_grad_norm_, the learning-rate schedule and the corpus windows of
+tests/reference.py, which shares no code with the engine either). Its one input from the
+engine is the adapters' initial values (A is random), gathered to full tensors; the base
+weights are transformers' own load.
+
+Per step it returns the loss, the global gradient norm, the learning rate and every adapter's
+gradient norm (where the engine's optimizer receives them: after clipping), under peft's
+names without the ``base_model.model.`` prefix (the engine's names); after the last step every
+parameter, adapters and frozen base alike (``reference[-1]["params"]``), and
+``reference[0]["initial"]``, the state it started from.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from reference import _set_lr, memory_windows
+
+PREFIX = "base_model.model."
+
+
+def peft_model(cfg, pretrained: str):
+    """The checkpoint's transformers model with peft's adapters for ``cfg.lora`` (fp32)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(
+        pretrained, dtype=torch.float32, attn_implementation="eager", local_files_only=True
+    )
+    lora = cfg.lora
+    targets = "all-linear" if "all-linear" in lora.targets else list(lora.targets)
+    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets)
+    return get_peft_model(base, config)
+
+
+def _named(model) -> dict[str, torch.Tensor]:
+    return {n.removeprefix(PREFIX): p for n, p in model.named_parameters()}
+
+
+def lora_reference_run(cfg, pretrained: str, initial: dict, steps: int | None = None) -> list[dict]:
+    """Train peft's adapters on the in-memory corpus windows from the engine's initial adapters."""
+    torch.manual_seed(0)
+    model = peft_model(cfg, pretrained)
+    named = _named(model)
+    trainable = {n: p for n, p in named.items() if p.requires_grad}
+    with torch.no_grad():
+        for n, p in trainable.items():
+            p.copy_(torch.as_tensor(initial[n]))
+    start = {n: p.detach().clone() for n, p in named.items()}
+    t = cfg.train
+    opt = torch.optim.AdamW(trainable.values(), lr=t.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=t.weight_decay)
+    steps = t.steps if steps is None else steps
+    windows = memory_windows(cfg, steps)
+    out = []
+    for step in range(steps):
+        lr = _set_lr(opt, t, step)
+        inputs, labels = windows[step][:, :-1], windows[step][:, 1:]
+        loss = F.cross_entropy(model(input_ids=inputs).logits.flatten(0, 1), labels.flatten())
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(trainable.values(), t.grad_clip if t.grad_clip > 0 else math.inf)
+        grad_norms = {n: p.grad.double().norm().item() for n, p in trainable.items()}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out.append({"step": step, "loss": loss.item(), "grad_norm": norm.item(), "lr": lr, "grad_norms": grad_norms})
+    out[-1]["params"] = {n: p.detach().clone() for n, p in _named(model).items()}
+    out[0]["initial"] = start
+    out[-1]["model"] = model
+    return out

@@ -1,0 +1,129 @@
+"""LoRA (``[lora]``) on a pretrained Llama in every layout, against peft.
+
+The checkpoint is a tiny LlamaForCausalLM written by transformers' ``save_pretrained`` here
+(tests/test_pretrained.make_checkpoint). The oracle is tests/reference_lora.py: peft's
+adapters on the unmodified transformers model in one process.
+
+- layouts (TP with and without sequence parallelism, PP, ZeRO-1, FSDP, in one launch of gloo
+  processes) equal the reference: every loss, the global gradient norm, every adapter's
+  gradient norm, the final adapters; the base weights are unchanged and have no optimizer
+  state;
+- refusals before anything starts name the key.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_pretrained import make_checkpoint
+
+from raytrain_hybrid.config import load_config
+from raytrain_hybrid.errors import ConfigError
+
+SEQ, STEPS = 32, 3
+LORA = ["lora.rank=4", "lora.alpha=8", "lora.targets=all-linear"]
+LAYOUTS = {  # four ranks each: one launch. TP with sequence parallelism and PP; TP and ZeRO-1; FSDP and PP
+    "1x2x2-sp": ["parallelism.dp=1", "parallelism.tp=2", "parallelism.pp=2"],
+    "2x2x1-zero1": ["parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=1", "parallelism.zero=1"],
+    "2x1x2-zero3": ["parallelism.dp=2", "parallelism.tp=1", "parallelism.pp=2", "parallelism.zero=3"],
+}
+RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("lora-hf"), "llama")
+
+
+def common(src, *extra) -> list[str]:
+    return [
+        f"model.pretrained={src}", "data.path=memory", f"model.seq_len={SEQ}", f"train.steps={STEPS}",
+        "train.global_batch_size=8", "train.lr=1e-2", "parallelism.microbatches=2", *LORA, *extra,
+    ]  # fmt: skip
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12))
+
+
+def lora_mismatches(result: dict, reference: list[dict]) -> list[str]:
+    """Every way a run differs from the peft reference (losses, norms, final adapters, frozen base)."""
+    history, probe = result["history"], result["probe"]
+    bad = []
+    start = reference[0]["initial"]
+    if sorted(probe["initial"]) != sorted(start):
+        return [f"parameter names differ: {sorted(set(probe['initial']) ^ set(start))[:8]}"]
+    bad += [f"initial value of {n}" for n, v in start.items() if not np.array_equal(probe["initial"][n], v.numpy())]
+    assert len(history) == len(reference) == len(probe["grad_norms"])
+    for got, norms, want in zip(history, probe["grad_norms"], reference, strict=True):
+        for key in ("loss", "grad_norm", "lr"):
+            if abs(got[key] - want[key]) > RTOL * abs(want[key]) + 1e-12:
+                bad.append(f"{key} at step {want['step']}: {got[key]!r}, want {want[key]!r}")
+        floor = 1e-8 * want["grad_norm"]
+        for name, w in want["grad_norms"].items():
+            if abs(norms[name] - w) > RTOL * w and max(norms[name], w) > floor:
+                bad.append(f"gradient norm of {name} at step {want['step']}: {norms[name]!r}, want {w!r}")
+        frozen = [n for n, g in norms.items() if n not in want["grad_norms"] and g != 0]
+        bad += [f"frozen {n} has a gradient at step {want['step']}" for n in frozen]
+    for name, w in reference[-1]["params"].items():
+        got = probe["final"][name]
+        if name in reference[0]["grad_norms"]:  # an adapter: trained
+            if _rel(got, w.numpy()) > RTOL:
+                bad.append(f"final value of {name}: differs by {_rel(got, w.numpy()):.2e} of its norm")
+        elif not np.array_equal(got, probe["initial"][name]):
+            bad.append(f"frozen {name} changed")
+    return bad
+
+
+def test_every_layout_equals_peft(llama):
+    """Three 4-rank layouts in one launch; each equals peft's single-process training."""
+    from gloo_harness import run_gloo_jobs
+    from reference_lora import lora_reference_run
+
+    jobs = {name: common(llama, *layout) for name, layout in LAYOUTS.items()}
+    results = run_gloo_jobs(4, jobs)
+    cfg = load_config(None, common(llama))
+    first = results["1x2x2-sp"]["probe"]["initial"]
+    reference = lora_reference_run(cfg, str(llama), first)
+    adapters = set(reference[0]["grad_norms"])
+    assert len(adapters) == 2 * 7 * 4, sorted(adapters)[:4]  # A and B on 7 linears in 4 blocks
+    assert all(reference[-1]["params"][n].abs().max() > 0 for n in adapters)  # B starts at 0: trained
+    for name, result in results.items():
+        bad = lora_mismatches(result, reference)
+        assert not bad, f"{name}: {len(bad)} mismatches:\n" + "\n".join(bad[:20])
+        for rank in result["memory"]:
+            opt, params = rank["optimizer_bytes"], rank["param_bytes"]
+            assert 0 < opt < params / 4, (name, rank)  # adapters' moments only, never the base's
+
+
+@pytest.mark.parametrize(
+    ("extra", "key", "words"),
+    [
+        (["lora.rank=4", "model.pretrained="], "lora.rank", ["model.pretrained"]),
+        (["lora.rank=4", "lora.targets=qkv"], "lora.targets", ["'qkv'", "q_proj", "all-linear"]),
+        (["lora.rank=-1"], "lora.rank", ["-1", ">= 0"]),
+        (["lora.alpha=0"], "lora.alpha", ["> 0"]),
+        (["lora.dropout=1.0"], "lora.dropout", ["[0, 1)"]),
+    ],
+)
+def test_refusals_name_the_key(llama, extra, key, words):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"model.pretrained={llama}", *extra])
+    assert info.value.key == key
+    assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_frozen_base_is_not_trained_single_process(llama):
+    """Sanity without a process group: only the adapters require gradients."""
+    from raytrain_hybrid.models import get_arch, lora
+    from raytrain_hybrid.models.common import build_stage
+
+    cfg = load_config(None, common(llama))
+    spec = get_arch(cfg.model.arch)
+    stage = build_stage(spec, spec.hf_config(cfg), [0, 1, 2, 3], first=True, last=True)
+    lora.inject(stage, spec, cfg.lora)
+    trained = sorted(n for n, p in stage.named_parameters() if p.requires_grad)
+    assert trained and all(lora.is_adapter(n) for n in trained)
+    assert torch.Size([4, 64]) in {p.shape for n, p in stage.named_parameters() if ".lora_A." in n}
