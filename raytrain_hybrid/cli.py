@@ -66,6 +66,13 @@ def _parser() -> argparse.ArgumentParser:
     export = _command(sub, "export", "write a checkpoint as a Hugging Face model directory")
     export.add_argument("checkpoint", help="a checkpoints/step_<N> directory, or a run directory (its newest)")
     export.add_argument("out_dir", help="new directory for config.json + model.safetensors")
+    export.add_argument(
+        "--merge",
+        action="store_true",
+        help="of a LoRA run (lora.rank > 0): write the pretrained model with the adapters merged into its "
+        "weights, which transformers loads alone (default: a PEFT adapter directory, adapter_config.json + "
+        "adapter_model.safetensors, for peft.PeftModel.from_pretrained on the base model)",
+    )
     check = _command(sub, "check", "validate a config and show where each rank goes, without training")
     _add_config_args(check)
     check.add_argument(
@@ -192,9 +199,11 @@ def _check(args, cfg, unverified: list[str] | None = None) -> int:
         print(report["cp_placement"])
     if is_elastic(asked.parallelism):  # parallelism.min_dp: the dp values a start may take
         print(describe(asked))
-    print(f"{'rank':>4} {'node':>8} {'pp':>3} {'dp':>3} {'tp':>3}")
+    cp_col = f" {'cp':>3}" if par.cp > 1 else ""
+    print(f"{'rank':>4} {'node':>8} {'pp':>3} {'dp':>3}{cp_col} {'tp':>3}")
     for r in ranks:
-        print(f"{r['rank']:>4} {r['node']:>8} {r['pp']:>3} {r['dp']:>3} {r['tp']:>3}")
+        cp_col = f" {r['cp']:>3}" if par.cp > 1 else ""
+        print(f"{r['rank']:>4} {r['node']:>8} {r['pp']:>3} {r['dp']:>3}{cp_col} {r['tp']:>3}")
     for axis, gs in groups.items():
         print(f"{axis} groups: {gs}")
     if args.hardware:
@@ -270,6 +279,7 @@ def _plan(args, cfg) -> int:
             "predicted_tokens_per_s",
             "predicted_mfu",
             "bubble_fraction",
+            "cp",  # context parallelism (added after the keys plan --json has always printed)
         )
         print(json.dumps([{k: r[k] for k in keep} for r in shown], indent=1))
         return 0
@@ -336,9 +346,11 @@ def _command_run(args) -> int:
         return _prepare(args)
     if args.command == "export":
         from raytrain_hybrid.checkpoint.export import export_hf
+        from raytrain_hybrid.storage import as_store
 
-        out = export_hf(args.checkpoint, args.out_dir)
-        print(f"wrote {out} (config.json, model.safetensors, tokenizer.json)")
+        out = export_hf(args.checkpoint, args.out_dir, merge=args.merge)
+        adapter = as_store(out).child("adapter_config.json").exists()
+        print(f"wrote {out} ({'adapter_config.json, adapter_model' if adapter else 'config.json, model'}.safetensors)")
         return 0
     if args.command == "calibrate":
         return _calibrate(args)

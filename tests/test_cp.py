@@ -84,3 +84,79 @@ def test_check_places_cp_next_to_tp(capsys):
         assert sorted(ranks[r]["cp"] for r in group) == [0, 1]
     for group in report["groups"]["tp"]:
         assert len({ranks[r]["node"] for r in group}) == 1
+
+
+def test_start_line_says_where_cp_groups_run():
+    """The driver's start line, before workers start: cp beside dp, tp and pp, and whether the cp
+    groups' all-to-alls stay inside a node."""
+    from types import SimpleNamespace
+
+    from raytrain_hybrid.config import load_config
+    from raytrain_hybrid.launch.start import StartPlan
+
+    cfg = load_config(None, ["parallelism.dp=1", "parallelism.cp=2", "parallelism.tp=2", "model.seq_len=32"])
+    lines = {}
+    for nodes in ([4, 4], [2, 2, 2, 2]):
+        plan = StartPlan(
+            cfg=cfg,
+            point=SimpleNamespace(path=None, step=0),
+            reach=None,
+            use_gpu=False,
+            resources={"CPU": 1},
+            counts=[8],
+            placement=nodes,
+            layout_hw=None,
+            end=5,
+        )
+        (lines[len(nodes)],) = plan.lines()
+    assert lines[2].startswith("start: dp=1 cp=2 tp=2 pp=2, 8 workers") and "inside a node" in lines[2]
+    assert "cp groups cross nodes" in lines[4]
+
+
+# An 8B Llama (Llama 3 sizes) at a 128k-token sequence on one node of 8 H100s (the planner's profile).
+LONG = {
+    "model.arch": "llama",
+    "model.hidden_size": 4096,
+    "model.ffn_hidden_size": 14336,
+    "model.num_layers": 32,
+    "model.num_heads": 32,
+    "model.num_kv_heads": 8,
+    "model.vocab_size": 128256,
+    "model.seq_len": 131072,
+    "train.global_batch_size": 1,
+    "train.dtype": "bfloat16",
+    "parallelism.dp": 1,
+    "parallelism.tp": 1,
+    "parallelism.pp": 1,
+    "parallelism.microbatches": 1,
+}
+
+
+def _sets(values: dict) -> list[str]:
+    return [arg for k, v in values.items() for arg in ("--set", f"{k}={v}")]
+
+
+def test_planner_fits_a_long_sequence_with_cp_only(capsys):
+    """No layout without cp fits the 128k sequence in an H100's memory; cp=4 does (activations
+    and logits / cp), and `plan` shows the cp column."""
+    args = ["plan", "--world-size", "8", "--gpus-per-node", "8", "--hardware", "h100", *_sets(LONG)]
+    assert cli.main([*args, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    no_cp = [r for r in rows if r["cp"] == 1]
+    assert no_cp and not any(r["feasible"] for r in no_cp)
+    assert min(r["memory_bytes"]["total"] for r in no_cp) > 80e9
+    fits = [r for r in rows if r["cp"] == 4 and r["feasible"]]
+    assert fits, "cp=4 should fit"
+    assert cli.main([*args, "--top", "3"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[1].split()[:4] == ["dp", "cp", "tp", "pp"]
+
+
+def test_layout_auto_chooses_cp_for_a_long_sequence(capsys):
+    args = ["check", "--hardware", "h100", "--topology", "8", *_sets(LONG)]
+    args += _sets({"parallelism.layout": "auto", "cluster.use_gpu": "true"})
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    picked = next(line for line in out.splitlines() if line.startswith("layout ok:"))
+    assert " cp=" in picked and "cp=1 " not in picked, out
+    assert "(fits)" in out

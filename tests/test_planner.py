@@ -138,7 +138,7 @@ def test_sequence_parallel_divides_the_activations_by_tp():
 
 def test_pure_data_parallel_70b_is_infeasible_with_the_reason():
     rows = plan(_published(LLAMA2_70B, 64, 64), 64, PROFILES["a100-80"])
-    pure_dp = [r for r in rows if (r["tp"], r["pp"], r["zero"]) == (1, 1, 0)]  # plain replication
+    pure_dp = [r for r in rows if (r["tp"], r["pp"], r["cp"], r["zero"]) == (1, 1, 1, 0)]  # plain replication
     assert pure_dp and not any(r["feasible"] for r in pure_dp)
     # 69e9 parameters x 16 bytes of weights, gradients and Adam state on every rank: >= 1028 GiB
     for r in pure_dp:

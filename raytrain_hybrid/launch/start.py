@@ -144,8 +144,13 @@ class StartPlan:
         each = ", ".join(f"{v:g} {k}" for k, v in self.resources.items())
         placed = f" on nodes holding {self.placement}" if self.placement else " on nodes still to come"
         start = f"resumed from {self.point.path} at step {self.point.step}" if self.point.path else "from step 0"
+        cp = f" cp={par.cp}" if par.cp > 1 else ""
+        if cp and self.placement:  # where the cp groups' all-to-alls run: inside a node or across
+            from raytrain_hybrid.distributed.parallel_dims import ParallelDims, placement_report
+
+            placed += f" ({placement_report(ParallelDims.from_config(par), self.placement)['cp_placement']})"
         return [
-            f"start: dp={par.dp} tp={par.tp} pp={par.pp}, {counts} workers ({each} each){placed}; "
+            f"start: dp={par.dp}{cp} tp={par.tp} pp={par.pp}, {counts} workers ({each} each){placed}; "
             f"{self.end} steps; output {out.uri} ({where}); {start}"
         ]
 

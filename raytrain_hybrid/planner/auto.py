@@ -62,12 +62,17 @@ def rank_layouts(cfg: Config, slots: list[int], hw: Hardware, worlds: list[int] 
         for row in plan(cfg, world, hw):
             if row["feasible"] and row["dp"] <= cfg.parallelism.dp and _fits(slots, row["tp"], world):
                 rows.append({**row, "world": world})
+    # Context parallelism where no layout without it fits (a long sequence): its all-to-alls cost
+    # little in the model, so it could win by a hair over tp or dp where neither needs it.
+    if any(r["cp"] == 1 for r in rows):
+        rows = [r for r in rows if r["cp"] == 1]
     # Ties (within 0.1 %, e.g. a tiny model's micro-batch counts) go to the simpler layout: fewer
     # workers, less sharding and recompute, fewer pipeline stages and micro-batches.
     rows.sort(
         key=lambda r: (
             -float(f"{r['predicted_tokens_per_s']:.3g}"),
             r["world"],
+            r["cp"],  # (context parallelism only where it is faster)
             r["zero"],
             bool(r["activation_checkpointing"]),
             r["pp"],
@@ -80,15 +85,15 @@ def rank_layouts(cfg: Config, slots: list[int], hw: Hardware, worlds: list[int] 
 
 def runner_up(rows: list[dict]) -> dict | None:
     """The best layout of another (dp, tp, pp) than the pick's, else the next one."""
-    shape = [(r["dp"], r["tp"], r["pp"]) for r in rows]
+    shape = [(r["dp"], r["cp"], r["tp"], r["pp"]) for r in rows]
     other = [r for r, s in zip(rows, shape, strict=True) if s != shape[0]]
     return other[0] if other else (rows[1] if len(rows) > 1 else None)
 
 
 def layout_text(row: dict) -> str:
-    ac = row["activation_checkpointing"]
+    ac, cp = row["activation_checkpointing"], f" cp={row['cp']}" if row["cp"] > 1 else ""
     return (
-        f"dp={row['dp']} tp={row['tp']} pp={row['pp']} {row['schedule']} microbatches={row['microbatches']} "
+        f"dp={row['dp']}{cp} tp={row['tp']} pp={row['pp']} {row['schedule']} microbatches={row['microbatches']} "
         f"zero={row['zero']} activation_checkpointing={str(ac).lower()}"
     )
 
@@ -96,10 +101,11 @@ def layout_text(row: dict) -> str:
 def _costs(row: dict) -> dict[str, float]:
     """Seconds of the predicted step by cause (cost.predict's step time, taken apart)."""
     t, bubble = row["time_s"], row["bubble_fraction"]
-    busy = t["compute"] + t["tp"] + t["pp"]
+    busy = t["compute"] + t["tp"] + t["cp"] + t["pp"]
     return {
         "compute (incl. recompute)": t["compute"],
         "tensor-parallel all-reduces": t["tp"],
+        "context-parallel all-to-alls": t["cp"],
         "pipeline transfers": t["pp"],
         "pipeline bubble": busy * bubble / (1 - bubble) if bubble < 1 else 0.0,
         "gradient reduction left exposed": t["dp_exposed"],
@@ -118,7 +124,7 @@ def why(best: dict, other: dict | None) -> str:
     return f"{text}, {slower:.0%} slower (most of it {cause}: {b[cause]:.3g} s a step vs {a[cause]:.3g} s)"
 
 
-_PICKED = ("dp", "tp", "pp", "microbatches", "schedule", "zero", "activation_checkpointing", "sequence_parallel")
+_PICKED = ("dp", "cp", "tp", "pp", "microbatches", "schedule", "zero", "activation_checkpointing", "sequence_parallel")
 
 
 def _at(cfg: Config, row: dict) -> Config:

@@ -9,9 +9,13 @@ Sources of the formulas (cited where used):
 - Pipeline bubble and in-flight micro-batches: Narayanan et al., "Efficient Large-Scale
   Language Model Training on GPU Clusters Using Megatron-LM" (SC'21), sections 2.2 and 3.
 - FLOPs per token: raytrain_hybrid.models.flops (6N + attention).
+- Context parallelism by all-to-all head exchange: Jacobs et al., "DeepSpeed Ulysses" (2023):
+  activations / cp, four all-to-alls a layer forward (q, k, v in; the output back) and four backward.
 """
 
 from __future__ import annotations
+
+import math
 
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.models import get_arch
@@ -57,6 +61,22 @@ def state_bytes(phi: float, *, zero: int, dp: int, scheme: str = "fp32") -> dict
     }
 
 
+def lora_state_bytes(cfg: Config, phi: float, *, zero: int, dp: int) -> tuple[dict[str, float], float]:
+    """LoRA (lora.rank > 0): the frozen base's phi parameters (this rank's share) hold their
+    weights alone, in bf16 with train.dtype=bfloat16, else fp32, sharded over dp by FSDP
+    (zero=3); no gradient, no optimizer state. The adapters on this rank's blocks (after TP)
+    hold what full training holds (state_bytes). Returns (bytes, adapter parameters)."""
+    from raytrain_hybrid.models.lora import adapter_params
+
+    par = cfg.parallelism
+    per_block, blocks = adapter_params(cfg)
+    adapters = per_block * math.ceil(blocks / par.pp) / par.tp
+    width = 2.0 if cfg.train.dtype == "bfloat16" else 4.0
+    states = state_bytes(adapters, zero=zero, dp=dp)
+    states["params"] += width * phi / (dp if zero >= 3 else 1)
+    return states, adapters
+
+
 def in_flight_microbatches(schedule: str, pp: int, microbatches: int, virtual: int) -> float:
     """Micro-batches whose activations the first stage holds at its peak (Narayanan et al. 2021)."""
     if pp == 1:
@@ -81,7 +101,8 @@ def layer_activation_bytes(s: int, b: int, h: int, t: int, *, sp: bool, checkpoi
 
 def activation_bytes(cfg: Config, micro_batch: int) -> float:
     m, par = cfg.model, cfg.parallelism
-    s, b, h, t = m.seq_len, micro_batch, m.hidden_size, par.tp
+    # Under context parallelism a rank keeps the activations of its 1/cp of the sequence.
+    s, b, h, t = m.seq_len // par.cp, micro_batch, m.hidden_size, par.tp
     sp = t > 1 and par.sequence_parallel and has_sequence_parallel(m)
     width = 2.0 if cfg.train.dtype == "bfloat16" else 4.0  # the formula counts 2-byte activations
     # "selective" keeps every matmul and attention output and recomputes only element-wise ops:
@@ -94,7 +115,7 @@ def activation_bytes(cfg: Config, micro_batch: int) -> float:
     if full:  # the layer being recomputed holds its full activations
         stash += layer_activation_bytes(s, b, h, t, sp=sp, checkpointed=False) * (width / 2)
     # fp32 logits and their gradient, gathered on the last stage.
-    logits = 2 * 4.0 * b * get_arch(m.arch).logits_per_row(m)
+    logits = 2 * 4.0 * b * get_arch(m.arch).logits_per_row(m) / par.cp
     return stash + logits
 
 
@@ -102,24 +123,46 @@ def _allreduce_s(nbytes: float, n: int, gbps: float, latency: float) -> float:
     return 0.0 if n <= 1 else 2 * (n - 1) / n * nbytes / (gbps * 1e9) + 2 * (n - 1) * latency
 
 
+def cp_alltoall_s(cfg: Config, micro_batch: int, hw: Hardware) -> float:
+    """Seconds of a step's context-parallel all-to-alls on one rank: per layer and micro-batch q,
+    k, v (key/value heads repeated as distributed.context_parallel does) and the output, forward
+    and backward; each moves (cp-1)/cp of its tensor, inside a node when cp*tp workers fit one."""
+    m, par = cfg.model, cfg.parallelism
+    cp, tp = par.cp, par.tp
+    if cp == 1:
+        return 0.0
+    width = 2.0 if cfg.train.dtype == "bfloat16" else 4.0
+    q_bytes = micro_batch * (m.seq_len // cp) * (m.hidden_size // tp) * width
+    kv_local = max(1, m.num_kv_heads // tp)
+    kv_heads = kv_local * cp // math.gcd(kv_local, cp)
+    kv_bytes = q_bytes * min(1.0, kv_heads / max(1, m.num_heads // tp))
+    link = hw.intra_node_gbps if cp * tp <= hw.gpus_per_node else hw.inter_node_gbps
+    one_way = (2 * q_bytes + 2 * kv_bytes) * (cp - 1) / cp / (link * 1e9) + 4 * (cp - 1) * hw.latency_s
+    return 2 * one_way * (num_blocks(m) / par.pp) * par.microbatches
+
+
 def predict(cfg: Config, hw: Hardware) -> dict:
     """Per-rank memory, step time, tokens/s, MFU and bubble of one layout."""
     m, par, t = cfg.model, cfg.parallelism, cfg.train
-    dp, tp, pp, mb = par.dp, par.tp, par.pp, par.microbatches
+    dp, tp, pp, mb, cp = par.dp, par.tp, par.pp, par.microbatches, par.cp
     virtual = par.stages_per_rank if pp > 1 else 1
     micro_batch = t.global_batch_size // (dp * mb)
     phi = max_rank_params(cfg) / tp
-    states = state_bytes(phi, zero=par.zero, dp=dp)
+    # The cp ranks of a replica average gradients like replicas: ZeRO shards over dp x cp.
+    states = state_bytes(phi, zero=par.zero, dp=dp * cp)
+    trained = phi  # parameters with gradients, optimizer state and a DP reduction
+    if cfg.lora.rank:  # the frozen base holds its weights only; the adapters train
+        states, trained = lora_state_bytes(cfg, phi, zero=par.zero, dp=dp * cp)
     act = activation_bytes(cfg, micro_batch)
     memory = {**states, "activations": act}
     memory["total"] = sum(memory.values())
 
     tokens = t.global_batch_size * tokens_per_row(m)
-    flops = flops_per_token(m) * tokens / (dp * tp * pp)
+    flops = flops_per_token(m) * tokens / (dp * cp * tp * pp)
     if par.activation_checkpointing is True:  # (selective recomputes element-wise ops only)
         flops *= 4 / 3  # one more forward
     compute = flops / (hw.peak_tflops * 1e12 * hw.efficiency)
-    world = dp * tp * pp
+    world = dp * cp * tp * pp
     # More ranks than cores: each rank gets cores/world of a core, and a rank idle in a
     # pipeline bubble hands its core to another, so the bubble costs no time.
     oversubscribed = bool(hw.cores) and world > hw.cores
@@ -127,32 +170,33 @@ def predict(cfg: Config, hw: Hardware) -> dict:
     compute *= share
 
     width = 2.0 if t.dtype == "bfloat16" else 4.0
-    act_msg = micro_batch * m.seq_len * m.hidden_size * width
+    act_msg = micro_batch * (m.seq_len // cp) * m.hidden_size * width
     layers_per_rank = num_blocks(m) / pp
     # TP: two all-reduces forward and two backward per block and micro-batch, inside a node.
     tp_s = 4 * layers_per_rank * mb * _allreduce_s(act_msg, tp, hw.intra_node_gbps, hw.latency_s)
     if tp > 1:  # attention and MLP are one column/row pair each
         tp_s += 2 * layers_per_rank * mb * hw.tp_pair_overhead_s * (tp / 2) * share
-    # Placement fills nodes TP-first, then DP, then PP: an axis leaves the node once the
+    cp_s = cp_alltoall_s(cfg, micro_batch, hw) * share
+    # Placement fills nodes TP-first, then CP, then DP, then PP: an axis leaves the node once the
     # product of the axes inside it exceeds the node.
-    dp_link = hw.intra_node_gbps if tp * dp <= hw.gpus_per_node else hw.inter_node_gbps
-    pp_link = hw.intra_node_gbps if tp * dp * pp <= hw.gpus_per_node else hw.inter_node_gbps
+    dp_link = hw.intra_node_gbps if tp * cp * dp <= hw.gpus_per_node else hw.inter_node_gbps
+    pp_link = hw.intra_node_gbps if tp * cp * dp * pp <= hw.gpus_per_node else hw.inter_node_gbps
     pp_s = 0.0 if pp == 1 else 2 * mb * virtual * (act_msg / (pp_link * 1e9) + hw.latency_s)
-    grad_bytes = phi * 4.0
-    dp_s = _allreduce_s(grad_bytes, dp, dp_link, hw.latency_s) * (1.5 if par.zero == 3 else 1.0)
+    grad_bytes = trained * 4.0
+    dp_s = _allreduce_s(grad_bytes, dp * cp, dp_link, hw.latency_s) * (1.5 if par.zero == 3 else 1.0)
     # Buckets overlap with the backward (2/3 of compute) on devices; on shared cores the
     # reduction takes CPU from the same cores and does not hide.
     dp_exposed = dp_s * share if oversubscribed else max(0.0, dp_s - 0.5 * compute)
 
     bubble = (pp - 1) / (mb * virtual + pp - 1) if pp > 1 else 0.0
-    step = (compute + tp_s + pp_s) / (1 if oversubscribed else 1 - bubble) + dp_exposed
+    step = (compute + tp_s + cp_s + pp_s) / (1 if oversubscribed else 1 - bubble) + dp_exposed
     tokens_per_s = tokens / step
-    achieved = flops_per_token(m) * tokens_per_s / (dp * tp * pp) / 1e12
+    achieved = flops_per_token(m) * tokens_per_s / world / 1e12
     return {
         "memory_bytes": memory,
         "predicted_step_s": step,
         "predicted_tokens_per_s": tokens_per_s,
         "predicted_mfu": achieved / hw.peak_tflops,
         "bubble_fraction": bubble,
-        "time_s": {"compute": compute, "tp": tp_s, "pp": pp_s, "dp": dp_s, "dp_exposed": dp_exposed},
+        "time_s": {"compute": compute, "tp": tp_s, "cp": cp_s, "pp": pp_s, "dp": dp_s, "dp_exposed": dp_exposed},
     }

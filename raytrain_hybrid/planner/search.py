@@ -1,4 +1,4 @@
-"""Layout search: every (dp, tp, pp, micro-batches, schedule, ZeRO, recompute) that fits, ranked."""
+"""Layout search: every (dp, cp, tp, pp, micro-batches, schedule, ZeRO, recompute) that fits, ranked."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import dataclasses
 
 from raytrain_hybrid.config import Config, validate
 from raytrain_hybrid.errors import ConfigError
+from raytrain_hybrid.models import get_arch
 from raytrain_hybrid.models.params import (
     has_sequence_parallel,
 )
@@ -27,21 +28,27 @@ def _candidates(world: int, cfg: Config, gpus_per_node: int, fixed: dict):
 
     divisors = [d for d in range(1, world + 1) if world % d == 0]
     has_sp = has_sequence_parallel(cfg.model)
+    # Context parallelism where the model has a cp attention and a sequence to split (the
+    # validator refuses the rest): it costs all-to-alls, so it wins where memory needs it.
+    cps = [d for d in divisors if d > 1 and cfg.model.seq_len % d == 0] if get_arch(cfg.model.arch).attention else []
     for tp in allowed("tp", [d for d in divisors if d <= gpus_per_node]):
-        for pp in allowed("pp", [d for d in divisors if (world // tp) % d == 0]):
-            dp = world // (tp * pp)
+        for pp, cp in ((p, c) for p in divisors for c in allowed("cp", [1, *cps]) if (world // tp) % (p * c) == 0):
+            if "pp" in fixed and fixed["pp"] != pp:
+                continue
+            dp = world // (tp * pp * cp)
             if "dp" in fixed and fixed["dp"] != dp or cfg.train.global_batch_size % dp:
                 continue
             schedules = ["1F1B"] if pp == 1 else ["GPipe", "1F1B", "Interleaved1F1B"]
             for schedule in allowed("schedule", schedules):
                 for mb in allowed("microbatches", _microbatch_counts(cfg.train.global_batch_size // dp)):
-                    for zero in allowed("zero", [0] if dp == 1 else [0, 1, 2, 3]):
+                    for zero in allowed("zero", [0] if dp * cp == 1 else [0, 1, 2, 3]):
                         for ac in allowed("activation_checkpointing", [False, True]):
                             for sp in allowed("sequence_parallel", [True, False] if tp > 1 and has_sp else [False]):
                                 yield {
                                     "dp": dp,
                                     "tp": tp,
                                     "pp": pp,
+                                    "cp": cp,
                                     "schedule": schedule,
                                     "microbatches": mb,
                                     "zero": zero,
@@ -87,12 +94,13 @@ def describe(cfg: Config, hw: Hardware) -> str:
 def format_table(rows: list[dict]) -> str:
     """Planner rows as the fixed-width table ``plan`` prints."""
     lines = [
-        f"{'dp':>4} {'tp':>3} {'pp':>3} {'schedule':>16} {'mb':>4} {'zero':>4} {'ac':>3} {'sp':>3} "
+        f"{'dp':>4} {'cp':>3} {'tp':>3} {'pp':>3} {'schedule':>16} {'mb':>4} {'zero':>4} {'ac':>3} {'sp':>3} "
         f"{'GiB/rank':>9} {'tokens/s':>12} {'MFU':>6} {'bubble':>6}  note"
     ]
     for r in rows:
         lines.append(
-            f"{r['dp']:>4} {r['tp']:>3} {r['pp']:>3} {r['schedule']:>16} {r['microbatches']:>4} {r['zero']:>4} "
+            f"{r['dp']:>4} {r['cp']:>3} {r['tp']:>3} {r['pp']:>3} {r['schedule']:>16} "
+            f"{r['microbatches']:>4} {r['zero']:>4} "
             f"{'y' if r['activation_checkpointing'] else 'n':>3} {'y' if r['sequence_parallel'] else 'n':>3} "
             f"{r['memory_bytes']['total'] / GiB:>9.2f} "
             f"{r['predicted_tokens_per_s']:>12,.0f} {r['predicted_mfu']:>6.1%} {r['bubble_fraction']:>6.1%}  "

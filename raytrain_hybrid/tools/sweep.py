@@ -90,7 +90,7 @@ def sweep(
 
     out = as_store(out_dir, OUT_KEY)
     out.makedirs()
-    rows = plan(cfg, world, hw)
+    rows = [r for r in plan(cfg, world, hw) if r["cp"] == 1]  # trials run layouts without context parallelism
     planned, seen = [], set()
     if only is not None:
         for want in only:
