@@ -40,6 +40,7 @@ SECTIONS = {
     "cluster": "What each worker asks Ray for, and which cluster to join.",
     "checkpoint": "Sharded checkpoints: how often, how many are kept, in the background or not.",
     "run": "Where a run's files go, restarts, the start-up watchdog, progress and tracking.",
+    "lora": "LoRA: low-rank adapters trained on a pretrained model's linears while its weights stay frozen.",
 }
 
 

@@ -127,3 +127,76 @@ def test_frozen_base_is_not_trained_single_process(llama):
     trained = sorted(n for n, p in stage.named_parameters() if p.requires_grad)
     assert trained and all(lora.is_adapter(n) for n in trained)
     assert torch.Size([4, 64]) in {p.shape for n, p in stage.named_parameters() if ".lora_A." in n}
+
+
+def _logits(model, ids) -> np.ndarray:
+    with torch.no_grad():
+        return model.eval()(input_ids=ids).logits.numpy()
+
+
+def test_resume_export_and_merge(llama, tmp_path, capsys):
+    """A LoRA run checkpoints its adapters and their AdamW state only; resumed under another
+    layout (TP -> ZeRO-1) it continues the uninterrupted run; a resume that changes a lora key
+    is refused naming it. ``export`` writes a PEFT adapter directory that
+    ``PeftModel.from_pretrained`` puts on the base to give the trained model's logits, and
+    ``export --merge`` full weights that transformers loads alone, with the same logits."""
+    from gloo_harness import run_gloo_jobs
+    from peft import PeftModel
+    from reference_lora import peft_model
+    from transformers import AutoModelForCausalLM
+
+    from raytrain_hybrid.checkpoint.reader import parse_metadata
+    from raytrain_hybrid.cli import main as cli
+
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    run = common(llama, "train.steps=4", "checkpoint.interval=2")
+    tp2 = ["parallelism.dp=1", "parallelism.tp=2", "parallelism.pp=1"]
+    zero1 = ["parallelism.dp=2", "parallelism.tp=1", "parallelism.pp=1", "parallelism.zero=1"]
+    step2 = full / "checkpoints" / "step_2"
+    results = run_gloo_jobs(
+        2,
+        {
+            "full": [*run, *tp2, f"run.output_dir={full}"],
+            "resumed": {"overrides": [*run, *zero1, f"run.output_dir={resumed}"], "resume": str(step2)},
+        },
+    )
+    a, b = results["full"], results["resumed"]
+    assert [h["step"] for h in b["history"]] == [2, 3]
+    for got, want in zip(b["history"], a["history"][2:], strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=RTOL)
+    for name, value in a["probe"]["final"].items():
+        assert _rel(b["probe"]["final"][name], value) <= RTOL, name
+
+    md = parse_metadata((full / "checkpoints" / "step_4" / ".metadata").read_bytes())
+    keys = [k for k in md.state_dict_metadata if k.startswith(("model.", "optimizer."))]
+    assert keys and all(".lora_A." in k or ".lora_B." in k for k in keys), keys[:5]  # no base weight, no base state
+    assert len([k for k in keys if k.startswith("optimizer.")]) == 3 * len([k for k in keys if k.startswith("model.")])
+
+    cfg_line = [*run, *zero1, f"run.output_dir={tmp_path / 'again'}", "train.steps=6"]
+    for change, key in (("lora.rank=8", "lora.rank"), ("lora.targets=q_proj", "lora.targets")):
+        sets = [x for s in [*cfg_line, change] for x in ("--set", s)]
+        assert cli(["train", "--resume", str(step2), *sets]) == 2
+        err = capsys.readouterr().err
+        assert f"{key}=" in err and "was written for" in err, err
+
+    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
+    assert cli(["export", str(full), str(adapter)]) == 0
+    assert cli(["export", "--merge", str(full), str(merged)]) == 0
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {p.name for p in adapter.iterdir()}
+    assert cli(["export", "--merge", str(step2), str(tmp_path / "x")]) == 0  # (any step of the run)
+
+    cfg = load_config(None, run)
+    trained = peft_model(cfg, str(llama))  # transformers + peft holding the engine's trained adapters
+    named = {n.removeprefix("base_model.model."): p for n, p in trained.named_parameters()}
+    with torch.no_grad():
+        for name, value in a["probe"]["final"].items():
+            named[name].copy_(torch.as_tensor(value))
+    ids = torch.randint(0, 4096, (4, SEQ), generator=torch.Generator().manual_seed(7))
+    want = _logits(trained, ids)
+    base = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32, local_files_only=True)
+    assert _rel(_logits(base, ids), want) > 1e-4  # training moved them
+    loaded = PeftModel.from_pretrained(base, str(adapter))
+    assert _rel(_logits(loaded, ids), want) <= 1e-5
+    alone = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32, local_files_only=True)
+    assert not any("lora" in n for n, _ in alone.named_parameters())
+    assert _rel(_logits(alone, ids), want) <= 1e-5

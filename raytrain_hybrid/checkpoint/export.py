@@ -116,10 +116,12 @@ def _check_size(path: Store, cfg: Config) -> None:
             )
 
 
-def export_hf(source: str | Path, out_dir: str | Path) -> str:
+def export_hf(source: str | Path, out_dir: str | Path, merge: bool = False) -> str:
     """Write the model of a checkpoint (or a run directory's newest one) as a HF directory:
     a local path, or a storage URI (s3://bucket/model: written here, then uploaded, config.json
-    last, so a directory with config.json is whole). Returns where it went."""
+    last, so a directory with config.json is whole). A LoRA run's checkpoint is written as a
+    PEFT adapter directory, or with ``merge`` as the pretrained model with its adapters merged
+    in (checkpoint.export_lora). Returns where it went."""
     target = _target(out_dir)
     path, manifest = resolve(source, key="CHECKPOINT")
     try:  # the manifest saves the resolved config, valid when it was saved
@@ -128,6 +130,14 @@ def export_hf(source: str | Path, out_dir: str | Path) -> str:
     except (KeyError, TypeError, ValueError) as exc:  # ConfigError, and validate's "not resolved"
         raise ConfigError("CHECKPOINT", str(path), f"has a manifest.json whose config cannot be read: {exc}") from None
     spec = get_arch(cfg.model.arch)
+    if cfg.lora.rank:
+        from raytrain_hybrid.checkpoint.export_lora import lora_writer
+
+        return _publish(target, lora_writer(path, cfg, merge), cfg, spec)
+    if merge:
+        raise ConfigError(
+            "--merge", True, f"the checkpoint {path} is not a LoRA run's (lora.rank=0): export it without --merge"
+        )
     if spec.hf_class is None:
         raise ConfigError(
             "CHECKPOINT",
@@ -150,6 +160,18 @@ def export_hf(source: str | Path, out_dir: str | Path) -> str:
         raise RuntimeError(
             f"checkpoint does not map onto {type(model).__name__}: missing {missing}, extra {unexpected}"
         )
+
+    def write(tmp: Path) -> str:
+        model.config.use_cache = True  # generation wants its KV cache (training turned it off)
+        model.save_pretrained(tmp, safe_serialization=True)
+        return "config.json"
+
+    return _publish(target, write, cfg, spec)
+
+
+def _publish(target: Store, write, cfg: Config, spec) -> str:
+    """``write(staging directory)`` (it returns the file a reader opens first, written last to
+    storage), the tokenizer files added, then the directory moved or uploaded to ``target``."""
     if target.local:
         out = Path(target.path)
         tmp = out.with_name(out.name + ".partial")
@@ -157,8 +179,7 @@ def export_hf(source: str | Path, out_dir: str | Path) -> str:
         tmp = private_dir("export", f"{os.getpid()}-{time.time_ns()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        model.config.use_cache = True  # generation wants its KV cache (training turned it off)
-        model.save_pretrained(tmp, safe_serialization=True)
+        first = write(tmp)
         if hf_checkpoint.is_set(cfg.model.pretrained) and spec.from_hf is not None:
             # The checkpoint's tokenizer files, chat template and generation settings, as they were.
             copy_companions(cfg.model.pretrained, tmp)
@@ -171,10 +192,10 @@ def export_hf(source: str | Path, out_dir: str | Path) -> str:
                 out.rmdir()
             tmp.rename(out)
             return str(out)
-        config = (tmp / "config.json").read_bytes()
-        (tmp / "config.json").unlink()
+        config = (tmp / first).read_bytes()
+        (tmp / first).unlink()
         target.upload(str(tmp))
-        target.child("config.json").write_bytes(config)  # last: what transformers opens first
+        target.child(first).write_bytes(config)  # last: what transformers (or peft) opens first
         return target.uri
     finally:
         if not target.local:

@@ -154,20 +154,21 @@ def resolve(path: str | Path | Store, key: str = "--resume") -> tuple[Store, dic
 
 
 def check_compatible(cfg, manifest: dict, path: str | Path | Store) -> None:
-    """The checkpoint's model must be this config's model; the run must have steps left."""
-    saved = manifest["config"]["model"]
-    for field in dataclasses.fields(cfg.model):
-        have = getattr(cfg.model, field.name)
-        # A key newer than the checkpoint was, when it was written, at its default.
-        default = field.default_factory() if field.default is dataclasses.MISSING else field.default
-        was = saved.get(field.name, default)
-        if was != have:
-            raise ConfigError(
-                f"model.{field.name}",
-                have,
-                f"the checkpoint {path} was written for model.{field.name}={was!r}; "
-                "resume with the model it was trained with (its config is in its manifest.json)",
-            )
+    """The checkpoint's model (and LoRA adapters) must be this config's; the run must have steps left."""
+    for section in ("model", "lora"):  # a LoRA checkpoint holds adapters of one shape, on one base
+        saved = manifest["config"].get(section, {})
+        for field in dataclasses.fields(getattr(cfg, section)):
+            have = getattr(getattr(cfg, section), field.name)
+            # A key newer than the checkpoint was, when it was written, at its default.
+            default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+            was = saved.get(field.name, default)
+            if was != have:
+                raise ConfigError(
+                    f"{section}.{field.name}",
+                    have,
+                    f"the checkpoint {path} was written for {section}.{field.name}={was!r}; "
+                    f"resume with the {section} settings it was trained with (its config is in its manifest.json)",
+                )
     if manifest["step"] >= cfg.train.steps:
         raise ConfigError(
             "train.steps",

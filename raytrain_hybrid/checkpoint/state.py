@@ -6,6 +6,8 @@ checkpoint saved at (2, 2, 2) loads at (1, 1, 1) or (4, 1, 2): DCP reshards on l
 
 Layout of ``run.output_dir/checkpoints/step_<N>/`` (N = optimizer steps done):
 - ``.metadata`` and ``__<rank>_0.distcp``: DCP's files;
+- a LoRA run's (``lora.rank`` > 0) shards hold its adapters and their AdamW state only: the
+  frozen base is model.pretrained's, read again on resume;
 - ``manifest.json``: the step, the config and layout it came from, the data position,
   and every file's size and SHA-256, gathered from all ranks (checkpoint.manifest).
 
@@ -24,6 +26,7 @@ import torch
 
 from raytrain_hybrid.checkpoint.manifest import layout_of, verify
 from raytrain_hybrid.checkpoint.reader import safe_load
+from raytrain_hybrid.models.lora import is_adapter
 from raytrain_hybrid.storage import Store
 
 
@@ -32,11 +35,15 @@ def _fqn(name: str) -> str:
     return name.replace("_checkpoint_wrapped_module.", "").removeprefix("module.")
 
 
-def model_state(modules) -> list[dict[str, torch.Tensor]]:
-    """One state dict per stage module this rank holds (global names, DTensor shards)."""
+def model_state(modules, adapters_only: bool = False) -> list[dict[str, torch.Tensor]]:
+    """One state dict per stage module this rank holds (global names, DTensor shards); of a
+    LoRA run (``adapters_only``) its adapters alone: the frozen base is model.pretrained's."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return [get_model_state_dict(m) for m in modules]
+    states = [get_model_state_dict(m) for m in modules]
+    if adapters_only:
+        states = [{k: v for k, v in sd.items() if is_adapter(k)} for sd in states]
+    return states
 
 
 def optimizer_state(modules, optimizer) -> dict[str, torch.Tensor]:
@@ -48,6 +55,8 @@ def optimizer_state(modules, optimizer) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for module in modules:
         for name, p in module.named_parameters():
+            if not p.requires_grad:  # frozen (a LoRA run's base): no optimizer state
+                continue
             if gathered is not None:
                 state = gathered[id(p)]
             else:
@@ -70,6 +79,8 @@ def _scatter_optimizer_state(modules, optimizer, flat: dict[str, torch.Tensor]) 
     per_param = {}
     for module in modules:
         for name, p in module.named_parameters():
+            if not p.requires_grad:
+                continue
             per_param[id(p)] = {key: flat[f"{_fqn(name)}.{key}"] for key in ("step", "exp_avg", "exp_avg_sq")}
     optimizer.scatter_state(per_param)
 
@@ -84,7 +95,7 @@ def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
 def training_state(trainer, rank: int, with_rng: bool) -> tuple[dict, list[dict]]:
     """What a checkpoint holds of this rank (model shards, AdamW state, RNG), under global
     names; and the per-module model state dicts (a load hands them back to their modules)."""
-    per_module = model_state(trainer.modules)
+    per_module = model_state(trainer.modules, adapters_only=trainer.cfg.lora.rank > 0)
     state: dict[str, Any] = {
         "model": {k: v for sd in per_module for k, v in sd.items()},
         "optimizer": optimizer_state(trainer.modules, trainer.optimizer),
@@ -108,7 +119,8 @@ def load_checkpoint(trainer, cfg, path: str | Path | Store) -> dict:
     # Straight from storage: this rank's byte ranges only (checkpoint.reader), nothing copied to disk.
     safe_load(state, path)
     for module, sd in zip(trainer.modules, per_module, strict=True):
-        set_model_state_dict(module, sd, options=StateDictOptions(strict=True))
+        # A LoRA checkpoint holds the adapters only (the base was read from model.pretrained).
+        set_model_state_dict(module, sd, options=StateDictOptions(strict=not cfg.lora.rank))
     _scatter_optimizer_state(trainer.modules, trainer.optimizer, state["optimizer"])
     if same_layout:
         rng = state["rng"][f"rank{rank}"]
