@@ -31,11 +31,20 @@ CONFIG_KEYS = (
     "data.shuffle_buffer",
     "data.format",
     "data.epochs",
+    "data.packing",
 )
 # Recorded digests: the data files under data.path, and the tokenizer (None: could not be read).
 DATA_KEY, TOKENIZER_KEY = "data.path", "data.tokenizer"
 # The keys that say which data, in which order.
-DATA_KEYS = (DATA_KEY, TOKENIZER_KEY, "data.shuffle_seed", "data.shuffle_buffer", "data.format", "data.epochs")
+DATA_KEYS = (
+    DATA_KEY,
+    TOKENIZER_KEY,
+    "data.shuffle_seed",
+    "data.shuffle_buffer",
+    "data.format",
+    "data.epochs",
+    "data.packing",
+)
 ALLOWABLE = (*CONFIG_KEYS, DATA_KEY, TOKENIZER_KEY)
 # Allowed changes after which the data starts from its beginning: skipping the steps done means
 # nothing in another data set, order or batch size.

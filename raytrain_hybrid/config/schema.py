@@ -171,6 +171,12 @@ class DataConfig:
     shuffle_buffer: int = 256
     # Passes over the data; the run stops at train.steps or here, whichever is first. 0: no limit.
     epochs: int = 0
+    # Language models: pack whole examples (chat or prompt/completion rows, raw-text documents)
+    # into each sequence of model.seq_len+1 tokens instead of one example a sequence (chat,
+    # prompt/completion) or a stream cut at window edges (text). Each example attends only to
+    # itself, its positions restart at 0, and its label mask is kept; a raw-text document longer
+    # than a sequence is split into pieces, a longer chat or prompt/completion row is cut.
+    packing: bool = False
     # Classifiers (multimodal-bert): the two text columns, one per encoder, in order.
     # With data.path="builtin" the shipped shipments set is used: ["dialogue", "shiptrack"].
     text_columns: list[str] = field(default_factory=list)

@@ -179,6 +179,12 @@ def _validate_task(cfg: Config, spec: ArchSpec) -> None:
     if spec.task != "lm":
         if cfg.data.format != "text":
             raise ConfigError("data.format", cfg.data.format, f"is for language models, not {cfg.model.arch}")
+        if cfg.data.packing:
+            raise ConfigError(
+                "data.packing",
+                True,
+                f"is for language models; {cfg.model.arch} takes one labelled row a sample: use false",
+            )
         return
     if cfg.data.format != "text" and cfg.data.path == "memory":
         raise ConfigError(

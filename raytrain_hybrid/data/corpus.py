@@ -46,7 +46,9 @@ IGNORE_INDEX = -100
 class Batch:
     """One replica's share of a step: inputs for the first stage, labels for the last."""
 
-    inputs: tuple[torch.Tensor, ...]  # LM: (token ids [rows, seq_len],); classifiers: rows.INPUTS
+    # LM: (token ids [rows, seq_len],), packed rows (data.packing) add (position ids [rows, seq_len]);
+    # classifiers: rows.INPUTS
+    inputs: tuple[torch.Tensor, ...]
     # LM: [rows, seq_len], the input shifted by one token (IGNORE_INDEX where not counted);
     # classifiers: [rows]
     labels: torch.Tensor

@@ -4,10 +4,11 @@ The rows come encoded (``input_ids``, ``label_mask``; data.chat) from Ray Data's
 for the engine without Ray, encoded here from data.path read in this process: the same stream
 either way. Each example fills one row of ``seq_len + 1`` tokens, padded at the end with id 0
 and mask 0 (padding is never counted, and under causal attention no counted position sees
-it, so any id will do); no packing. The global batch of step k is the k-th run of ``global_batch_size``
-examples of the epoch's order (the stored order through the seeded shuffle buffer, as for
-text); replica r keeps its r-th contiguous share. An epoch's last examples that do not fill a
-global batch are dropped from that epoch (as for labelled rows).
+it, so any id will do); with data.packing a row holds several whole examples instead
+(data.packing). The global batch of step k is the k-th run of ``global_batch_size`` rows of
+the epoch's order (the stored order through the seeded shuffle buffer, as for text); replica r
+keeps its r-th contiguous share. An epoch's last rows that do not fill a global batch are
+dropped from that epoch (as for labelled rows).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from raytrain_hybrid.data.packing import pack, rows_arrays
 from raytrain_hybrid.data.stream import StreamPosition, shuffled
 
 
@@ -33,6 +35,7 @@ class ExampleStream:
     shuffle_buffer: int = 0
     skip_steps: int = 0
     position: StreamPosition = field(default_factory=StreamPosition)
+    packing: bool = False  # data.packing: several whole examples a row
 
     def _examples(self) -> Iterator[tuple[np.ndarray, np.ndarray, str]]:
         for batch in self.iterator.iter_batches(batch_size=64, batch_format="pyarrow"):
@@ -41,42 +44,48 @@ class ExampleStream:
             for row, mask, path in zip(ids, masks, paths, strict=True):
                 yield np.asarray(row, dtype=np.int64), np.asarray(mask, dtype=np.int64), path
 
-    def _padded(self, ids: np.ndarray, mask: np.ndarray, path: str) -> tuple[np.ndarray, np.ndarray]:
-        if ids.size and (ids.max() >= self.vocab_size or ids.min() < 0):
-            bad = int(ids.max() if ids.max() >= self.vocab_size else ids.min())
-            raise ValueError(
-                f"token id {bad} in {path or 'the dataset'} is outside [0, model.vocab_size={self.vocab_size}); "
-                "raise model.vocab_size to cover the tokenizer"
-            )
+    def _checked(self, epoch: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """The epoch's examples in order, their ids checked, each cut to the window; counted."""
+        width = self.seq_len + 1
+        for ids, mask, path in shuffled(self._examples(), self.shuffle_buffer, self.seed + epoch):
+            if ids.size and (ids.max() >= self.vocab_size or ids.min() < 0):
+                bad = int(ids.max() if ids.max() >= self.vocab_size else ids.min())
+                raise ValueError(
+                    f"token id {bad} in {path or 'the dataset'} is outside [0, model.vocab_size={self.vocab_size}); "
+                    "raise model.vocab_size to cover the tokenizer"
+                )
+            self.position.documents_in_epoch += 1
+            yield ids[:width], mask[:width]
+
+    def _padded(self, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
         width = self.seq_len + 1
         tokens = np.zeros(width, dtype=np.int64)  # padding: see the module docstring
         counted = np.zeros(width, dtype=np.int64)
-        tokens[: ids.size], counted[: mask.size] = ids[:width], mask[:width]
-        return tokens, counted
+        tokens[: ids.size], counted[: mask.size] = ids, mask
+        return tokens, counted, None
 
     def __iter__(self) -> Iterator[dict]:
-        """Yields {"tokens": [rows, seq_len+1], "label_mask": [rows, seq_len+1]} per step."""
+        """Yields {"tokens", "label_mask"[, "positions"]}: [rows, seq_len+1] arrays, one dict per step."""
         share = self.global_batch // self.dp
         lo, hi = self.dp_rank * share, (self.dp_rank + 1) * share
         epoch = 0
         while self.epochs == 0 or epoch < self.epochs:
             self.position.epoch, self.position.samples_in_epoch, self.position.documents_in_epoch = epoch, 0, 0
-            held: list[tuple[np.ndarray, np.ndarray]] = []
-            count = 0
-            for ids, mask, path in shuffled(self._examples(), self.shuffle_buffer, self.seed + epoch):
-                held.append(self._padded(ids, mask, path))
-                count += 1
+            examples = self._checked(epoch)
+            rows = pack(examples, self.seq_len + 1) if self.packing else (self._padded(*e) for e in examples)
+            held: list = []
+            for row in rows:
+                held.append(row)
                 if len(held) < self.global_batch:
                     continue
                 self.position.samples_in_epoch += self.global_batch
-                self.position.documents_in_epoch = self.position.samples_in_epoch
                 if self.position.step_done(self.skip_steps):
-                    mine = held[lo:hi]
-                    yield {"tokens": np.stack([t for t, _ in mine]), "label_mask": np.stack([m for _, m in mine])}
+                    yield rows_arrays(held[lo:hi], self.packing)
                 held = []
             if self.position.samples_in_epoch == 0:
+                what = "rows once packed" if self.packing else "examples"
                 raise ValueError(
-                    f"the dataset holds {count} examples, fewer than one global batch "
+                    f"the dataset holds {len(held)} {what}, fewer than one global batch "
                     f"(train.global_batch_size={self.global_batch}): no step can run (data.path)"
                 )
             epoch += 1
@@ -95,6 +104,7 @@ def example_stream(cfg, iterator, *, dp: int, dp_rank: int, skip_steps: int = 0)
         epochs=d.epochs,
         shuffle_buffer=d.shuffle_buffer,
         skip_steps=skip_steps,
+        packing=d.packing,
     )
 
 
@@ -118,10 +128,20 @@ class TableIterator:
 
 
 def in_memory_examples(cfg, dp: int, dp_rank: int):
-    """step -> this replica's batch (or None when data.epochs ran out), without Ray."""
+    """step -> this replica's batch (or None when data.epochs ran out), without Ray; raw text
+    packed (data.packing): the shipped corpus's documents."""
+    if cfg.data.format == "text":
+        from raytrain_hybrid.data.packing import in_memory_packed_text
+
+        return in_memory_packed_text(cfg, dp, dp_rank)
+    return stepper(example_stream(cfg, TableIterator(cfg), dp=dp, dp_rank=dp_rank))
+
+
+def stepper(stream):
+    """A stream of per-step arrays as ``step -> Batch`` (None once it ends), read in step order."""
     from raytrain_hybrid.data.rows import to_batch
 
-    steps = iter(example_stream(cfg, TableIterator(cfg), dp=dp, dp_rank=dp_rank))
+    steps = iter(stream)
     done = 0
 
     def next_batch(step: int):

@@ -76,9 +76,12 @@ def feed_schema(cfg, rows: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]
 
     s = cfg.model.seq_len
     if get_arch(cfg.model.arch).task == "lm":
+        window = ((rows, s + 1), torch.int64)
+        if cfg.data.packing:  # examples packed in rows (data.packing): their masks and positions
+            return {"tokens": window, "label_mask": window, "positions": window}
         if cfg.data.format != "text":  # one example a row: which tokens the loss counts
-            return {"tokens": ((rows, s + 1), torch.int64), "label_mask": ((rows, s + 1), torch.int64)}
-        return {"tokens": ((rows, s + 1), torch.int64)}
+            return {"tokens": window, "label_mask": window}
+        return {"tokens": window}
     schema = {k: ((rows, s), torch.int64) for k in ("ids_a", "mask_a", "ids_b", "mask_b")}
     schema["tabular"] = ((rows, len(cfg.data.tabular_columns)), torch.float32)
     schema["label"] = ((rows,), torch.int64)
@@ -95,14 +98,18 @@ def schema_buffers(schema: dict, device, arrays: dict | None = None) -> dict[str
 
 def to_batch(arrays: dict) -> Batch:
     """Broadcast tensors (or arrays) -> a Batch: LM windows shift by one token; a label the
-    loss does not count (``label_mask`` 0) is IGNORE_INDEX."""
+    loss does not count (``label_mask`` 0) is IGNORE_INDEX. Packed rows (data.packing) add
+    their position ids as the model's second input, [rows, seq_len] like the token ids."""
     t = {k: torch.as_tensor(v) for k, v in arrays.items()}
     if "tokens" in t:
         w = t["tokens"]
         labels = w[:, 1:]
         if "label_mask" in t:
             labels = torch.where(t["label_mask"][:, 1:] > 0, labels, IGNORE_INDEX)
-        return Batch(inputs=(w[:, :-1].contiguous(),), labels=labels.contiguous())
+        inputs = (w[:, :-1].contiguous(),)
+        if "positions" in t:
+            inputs = (*inputs, t["positions"][:, :-1].contiguous())
+        return Batch(inputs=inputs, labels=labels.contiguous())
     return Batch(inputs=tuple(t[k] for k in INPUTS), labels=t["label"])
 
 

@@ -107,6 +107,7 @@ class ReplicaStream:
     shuffle_buffer: int = 0
     skip_steps: int = 0  # global batches already trained on (a resumed run)
     position: StreamPosition = field(default_factory=StreamPosition)
+    packing: bool = False  # data.packing: whole documents in rows (data.packing), not a cut stream
 
     def _documents(self, epoch: int) -> Iterator[tuple[np.ndarray, str]]:
         def stored() -> Iterator[tuple[np.ndarray, str]]:
@@ -118,6 +119,22 @@ class ReplicaStream:
 
         return shuffled(stored(), self.shuffle_buffer, self.seed + epoch)
 
+    def _checked(self, epoch: int) -> Iterator[np.ndarray]:
+        """The epoch's documents in order, their ids checked; counted."""
+        any_rows = False
+        for ids, path in self._documents(epoch):
+            any_rows = True
+            self.position.documents_in_epoch += 1
+            if ids.size and (ids.max() >= self.vocab_size or ids.min() < 0):
+                bad = int(ids.max() if ids.max() >= self.vocab_size else ids.min())
+                raise ValueError(
+                    f"token id {bad} in column {self.token_column!r} of {path or 'the dataset'} is outside "
+                    f"[0, model.vocab_size={self.vocab_size}); raise model.vocab_size or re-tokenize"
+                )
+            yield ids
+        if not any_rows:
+            raise ValueError("the dataset is empty: no rows to train on (data.path)")
+
     def _windows(self) -> Iterator[np.ndarray]:
         width = self.seq_len + 1
         epoch = 0
@@ -125,16 +142,7 @@ class ReplicaStream:
             buffer: list[np.ndarray] = []
             held = 0
             self.position.epoch, self.position.samples_in_epoch, self.position.documents_in_epoch = epoch, 0, 0
-            any_rows = False
-            for ids, path in self._documents(epoch):
-                any_rows = True
-                self.position.documents_in_epoch += 1
-                if ids.size and (ids.max() >= self.vocab_size or ids.min() < 0):
-                    bad = int(ids.max() if ids.max() >= self.vocab_size else ids.min())
-                    raise ValueError(
-                        f"token id {bad} in column {self.token_column!r} of {path or 'the dataset'} is outside "
-                        f"[0, model.vocab_size={self.vocab_size}); raise model.vocab_size or re-tokenize"
-                    )
+            for ids in self._checked(epoch):
                 buffer.append(ids)
                 held += ids.size
                 if held >= width:
@@ -145,20 +153,42 @@ class ReplicaStream:
                         yield w
                     rest = flat[n * width :]
                     buffer, held = [rest], rest.size
-            if not any_rows:
-                raise ValueError("the dataset is empty: no rows to train on (data.path)")
             epoch += 1  # the tail shorter than one window is carried into no window
 
-    def __iter__(self) -> Iterator[np.ndarray]:
-        """Yields [global_batch/dp, seq_len+1] int64 arrays, one per step."""
+    def _packed(self) -> Iterator[tuple]:
+        from raytrain_hybrid.data.packing import document_pieces, pack
+
+        width = self.seq_len + 1
+        epoch = 0
+        while self.epochs == 0 or epoch < self.epochs:
+            self.position.epoch, self.position.samples_in_epoch, self.position.documents_in_epoch = epoch, 0, 0
+            pieces = (piece for ids in self._checked(epoch) for piece in document_pieces(ids, width))
+            for row in pack(pieces, width):
+                self.position.samples_in_epoch += 1
+                yield row
+            if self.position.samples_in_epoch < self.global_batch:
+                raise ValueError(
+                    f"the dataset packs into {self.position.samples_in_epoch} rows, fewer than one global batch "
+                    f"(train.global_batch_size={self.global_batch}): no step can run (data.path)"
+                )
+            epoch += 1  # the epoch's last rows that fill no global batch are dropped
+
+    def __iter__(self) -> Iterator[np.ndarray | dict]:
+        """Yields [global_batch/dp, seq_len+1] int64 arrays, one per step (packed: a dict of
+        tokens, label_mask and positions, data.packing.rows_arrays)."""
+        from raytrain_hybrid.data.packing import rows_arrays
+
         share = self.global_batch // self.dp
         lo, hi = self.dp_rank * share, (self.dp_rank + 1) * share
-        batch: list[np.ndarray] = []
-        for window in self._windows():
+        batch: list = []
+        epoch = -1
+        for window in self._packed() if self.packing else self._windows():
+            if self.packing and epoch != self.position.epoch:  # a global batch holds one epoch's rows
+                batch, epoch = [], self.position.epoch
             batch.append(window)
             if len(batch) == self.global_batch:
                 if self.position.step_done(self.skip_steps):
-                    yield np.stack(batch[lo:hi])
+                    yield rows_arrays(batch[lo:hi], True) if self.packing else np.stack(batch[lo:hi])
                 batch = []
 
 
@@ -231,7 +261,11 @@ def replica_stream(cfg: Config, iterator, *, dp: int, dp_rank: int, skip_steps: 
     if d.text_columns:
         return RowStream(num_classes=cfg.model.num_classes, **common)
     return ReplicaStream(
-        token_column=token_column(cfg), seq_len=cfg.model.seq_len, vocab_size=cfg.model.vocab_size, **common
+        token_column=token_column(cfg),
+        seq_len=cfg.model.seq_len,
+        vocab_size=cfg.model.vocab_size,
+        packing=d.packing,
+        **common,
     )
 
 

@@ -264,7 +264,7 @@ class Trainer:
             "tflops_per_device": tflops,
             "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
             "dp": self.dims.dp,  # replicas of this step (an elastic run's changes with the nodes)
-            **({"loss_tokens": counted} if self.cfg.data.format != "text" else {}),  # labels the loss counted
+            **({"loss_tokens": counted} if counted is not None and self._masked else {}),  # labels the loss counted
             **(self._compiled_in_step(compiled_before) if compiled_before else {}),
         }
 
@@ -274,11 +274,16 @@ class Trainer:
         compiles, seconds = self.compile_clock.reading()
         return {"compiles": compiles - before[0], "compile_s": round(seconds - before[1], 3)}
 
+    @property
+    def _masked(self) -> bool:
+        """Whether batches carry label masks: chat / prompt_completion data, or packed rows."""
+        return self.cfg.data.format != "text" or self.cfg.data.packing
+
     def _counted_labels(self, batch: Batch) -> int:
         """The labels the step's loss counts, over the whole global batch. Every rank of a replica
         holds the replica's batch, so each adds the replicas' counts over its dp group: every
         rank, first pipeline stage to last, knows it before the step."""
-        if self.cfg.data.format == "text":  # no masks: every label of every row
+        if not self._masked:  # no masks: every label of every row
             return self.cfg.train.global_batch_size * self.cfg.model.seq_len
         counted = (batch.labels != IGNORE_INDEX).sum().to(self.device)
         if self.dims.dp > 1:

@@ -162,7 +162,7 @@ def in_memory_batches(cfg: Config, trainer: Trainer) -> tuple[NextBatch, int | N
     prompt/completion examples (data.format) from data.path, read in this process. With
     data.epochs, None once the passes' global batches are trained, as the streams end; returned
     with that step count (None: not known up front, or no data.epochs)."""
-    if cfg.data.format != "text":
+    if cfg.data.format != "text" or cfg.data.packing:  # examples, or the corpus's documents packed
         from raytrain_hybrid.data.examples import in_memory_examples
 
         return in_memory_examples(cfg, trainer.dims.dp, trainer.dp_rank), None

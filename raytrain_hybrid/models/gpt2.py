@@ -16,6 +16,7 @@ from transformers.pytorch_utils import Conv1D
 
 from raytrain_hybrid.errors import ConfigError
 from raytrain_hybrid.models.hf_checkpoint import checkpoint_config, is_set
+from raytrain_hybrid.models.packed import document_mask
 from raytrain_hybrid.models.spec import ArchSpec
 
 _CONV1D = ("attn.c_proj", "mlp.c_fc", "mlp.c_proj")
@@ -76,20 +77,23 @@ def tp_adjust(block, tp: int) -> None:
     block.attn.split_size = block.attn.embed_dim // tp
 
 
-def stage_forward(stage, x: torch.Tensor) -> torch.Tensor:
+def stage_forward(stage, x: torch.Tensor, position_ids: torch.Tensor | None = None):
+    """``position_ids``: packed rows (data.packing), as for Llama (models.llama.stage_forward):
+    the learned positions are looked up at each example's own, attention stays inside it."""
     tr = stage.transformer
+    mask = None if position_ids is None else document_mask(position_ids)
     if tr.wte is not None:
-        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0) if mask is None else position_ids
         h = tr.wte(x) + tr.wpe(positions)
     else:
         h = x
     for block in tr.h.values():
-        h = block(h)
+        h = block(h, attention_mask=mask)
     if tr.ln_f is not None:
         h = tr.ln_f(h)
     if stage.lm_head is not None:
-        h = stage.lm_head(h)
-    return h
+        return stage.lm_head(h)
+    return h if position_ids is None else (h, position_ids)
 
 
 def to_hf(sd: dict) -> dict:

@@ -12,6 +12,7 @@ import functools
 from typing import TYPE_CHECKING
 
 from raytrain_hybrid.models.hf_checkpoint import checkpoint_config, is_set
+from raytrain_hybrid.models.packed import document_mask
 from raytrain_hybrid.models.spec import ArchSpec, TransformersClass
 
 if TYPE_CHECKING:  # imported where a model runs: the spec itself is data (see TransformersClass)
@@ -36,25 +37,32 @@ def _hf_config(config_cls, cfg):
     )
 
 
-def stage_forward(stage, x: torch.Tensor) -> torch.Tensor:
+def stage_forward(stage, x: torch.Tensor, position_ids: torch.Tensor | None = None):
+    """``position_ids`` (packed rows, data.packing): [rows, seq] per-example positions, which
+    restart at 0 where an example begins; attention stays inside each example. They pass on
+    to the next stage beside the hidden states: a middle stage returns (hidden, position_ids)."""
     import torch  # here, not with the spec (see TransformersClass); a dict lookup per call
 
     inner = stage.model
     first = inner.embed_tokens is not None
     h = inner.embed_tokens(x) if first else x
-    # Hidden states between stages may hold 1/seq_shards of the sequence (sequence parallelism).
-    seq = x.shape[1] if first else x.shape[1] * getattr(stage, "seq_shards", 1)
-    # Under context parallelism the stage runs on chunk ``seq_chunk`` of the sequence: its positions.
-    start = seq * getattr(stage, "seq_chunk", 0)
-    positions = torch.arange(start, start + seq, device=h.device).unsqueeze(0)
+    mask = None  # causal over the whole row
+    if position_ids is not None:
+        positions, mask = position_ids, document_mask(position_ids)
+    else:
+        # Hidden states between stages may hold 1/seq_shards of the sequence (sequence parallelism).
+        seq = x.shape[1] if first else x.shape[1] * getattr(stage, "seq_shards", 1)
+        # Under context parallelism the stage runs on chunk ``seq_chunk`` of the sequence: its positions.
+        start = seq * getattr(stage, "seq_chunk", 0)
+        positions = torch.arange(start, start + seq, device=h.device).unsqueeze(0)
     rope = inner.rotary_emb(h, positions)
     for block in inner.layers.values():
-        h = block(h, attention_mask=None, position_ids=positions, position_embeddings=rope)
+        h = block(h, attention_mask=mask, position_ids=positions, position_embeddings=rope)
     if inner.norm is not None:
         h = inner.norm(h)
     if stage.lm_head is not None:
-        h = stage.lm_head(h)
-    return h
+        return stage.lm_head(h)
+    return h if position_ids is None else (h, position_ids)
 
 
 def init_buffers(stage, config, device: torch.device) -> None:
