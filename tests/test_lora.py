@@ -200,3 +200,31 @@ def test_resume_export_and_merge(llama, tmp_path, capsys):
     alone = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32, local_files_only=True)
     assert not any("lora" in n for n, _ in alone.named_parameters())
     assert _rel(_logits(alone, ids), want) <= 1e-5
+
+
+def test_plan_fits_a_70b_lora_on_fewer_gpus(tmp_path, capsys):
+    """The planner counts LoRA's memory (a frozen bf16 base: its weights only; gradients and
+    AdamW state for the adapters): a 70B Llama (its config.json alone) fits 4 H100s with LoRA,
+    while a full fine-tune does not fit 8."""
+    import json
+
+    from raytrain_hybrid.cli import main as cli
+
+    src = tmp_path / "llama-70b"
+    src.mkdir()
+    conf = {
+        "model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
+        "tie_word_embeddings": False,
+    }  # fmt: skip
+    (src / "config.json").write_text(json.dumps(conf))
+    sets = [f"model.pretrained={src}", "model.seq_len=4096", "train.dtype=bfloat16", "train.global_batch_size=64"]
+
+    def fits(world: int, *extra: str) -> bool:
+        argv = ["plan", "--world-size", str(world), "--gpus-per-node", "8", "--top", "1", "--json"]
+        assert cli([*argv, *(x for s in [*sets, *extra] for x in ("--set", s))]) == 0
+        (best,) = json.loads(capsys.readouterr().out)
+        return best["feasible"]
+
+    lora = ("lora.rank=16", "lora.targets=all-linear")
+    assert fits(4, *lora) and not fits(4) and not fits(8)

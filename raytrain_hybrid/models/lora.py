@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 import zlib
 
+from raytrain_hybrid.models import get_arch
+
 ADAPTER = "default"  # peft's adapter name: the one adapter a run trains
 ALL_LINEAR = "all-linear"
 _BASE = ".base_layer"
@@ -108,3 +110,24 @@ def adapter_init(name: str, shape, seed: int):
 
 def scaling(lora) -> float:
     return lora.alpha / lora.rank
+
+
+def adapter_params(cfg) -> tuple[int, int]:
+    """(adapter parameters per block, blocks) of ``cfg``'s model: r * (in + out) for every
+    targeted linear, read off one block built on the meta device (no weights are read)."""
+    import copy
+
+    from raytrain_hybrid.models.common import build_stage
+
+    key = repr((cfg.model, cfg.lora))
+    if key not in _COUNTS:
+        spec = get_arch(cfg.model.arch)
+        conf = copy.copy(spec.hf_config(cfg))
+        conf.num_hidden_layers = 1
+        stage = build_stage(spec, conf, [0], first=False, last=False)
+        inject(stage, spec, cfg.lora)
+        _COUNTS[key] = sum(p.numel() for n, p in stage.named_parameters() if is_adapter(n))
+    return _COUNTS[key], get_arch(cfg.model.arch).num_blocks(cfg.model)
+
+
+_COUNTS: dict[str, int] = {}  # the planner asks for the same model at every layout
