@@ -152,14 +152,21 @@ def test_resume_export_and_merge(llama, tmp_path, capsys):
     run = common(llama, "train.steps=4", "checkpoint.interval=2")
     tp2 = ["parallelism.dp=1", "parallelism.tp=2", "parallelism.pp=1"]
     zero1 = ["parallelism.dp=2", "parallelism.tp=1", "parallelism.pp=1", "parallelism.zero=1"]
-    step2 = full / "checkpoints" / "step_2"
+    zero3 = ["parallelism.dp=2", "parallelism.tp=1", "parallelism.pp=1", "parallelism.zero=3"]
+    step2, bf16 = full / "checkpoints" / "step_2", tmp_path / "bf16"
     results = run_gloo_jobs(
         2,
         {
             "full": [*run, *tp2, f"run.output_dir={full}"],
             "resumed": {"overrides": [*run, *zero1, f"run.output_dir={resumed}"], "resume": str(step2)},
+            # A bf16 base (fp32 adapters) under FSDP: half the base's bytes, the same training within bf16's reach.
+            "bf16": [*common(llama, "train.steps=2", "train.dtype=bfloat16"), *zero3, f"run.output_dir={bf16}"],
         },
     )
+    half, whole = results["bf16"]["memory"][0], results["full"]["memory"][0]
+    assert half["param_bytes"] < 0.55 * whole["param_bytes"], (half, whole)
+    for got, want in zip(results["bf16"]["history"], results["full"]["history"], strict=False):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-2)
     a, b = results["full"], results["resumed"]
     assert [h["step"] for h in b["history"]] == [2, 3]
     for got, want in zip(b["history"], a["history"][2:], strict=True):

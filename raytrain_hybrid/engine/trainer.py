@@ -117,7 +117,9 @@ class Trainer:
     def _build(self, stage_id: int, layer_ids: list[int], num_stages: int):
         stage = build_stage(self.spec, self.hf_config, layer_ids, first=stage_id == 0, last=stage_id == num_stages - 1)
         if self.cfg.lora.rank:  # peft's adapters on the meta stage, before TP lays them out
-            lora.inject(stage, self.spec, self.cfg.lora)
+            # With train.dtype=bfloat16 the frozen base is held in bf16; the adapters train in fp32.
+            base_dtype = torch.bfloat16 if self.cfg.train.dtype == "bfloat16" else None
+            lora.inject(stage, self.spec, self.cfg.lora, base_dtype)
         shapes = {name: p.shape for name, p in stage.named_parameters()}
         if self.pretrained is not None:  # read later, each rank its own slices only
             full = None

@@ -73,15 +73,24 @@ def peft_config(lora, spec):
     )
 
 
-def inject(stage, spec, lora) -> None:
+def inject(stage, spec, lora, base_dtype=None) -> None:
     """Put peft's LoRA layers on the targeted linears of a stage (meta device): the base
     linears frozen (peft's ``requires_grad=False``), the adapters trainable. Only modules
-    inside the blocks are adapted (never the head or the embedding)."""
+    inside the blocks are adapted (never the head or the embedding). ``base_dtype``: what
+    every frozen parameter is held in (bfloat16 halves the base's memory; the adapters and
+    their optimizer state stay float32)."""
+    import torch
     from peft import inject_adapter_in_model
 
     inject_adapter_in_model(peft_config(lora, spec), stage.get_submodule(spec.layers), adapter_name=ADAPTER)
-    for name, p in stage.named_parameters():  # norms, embedding, head: frozen too
-        p.requires_grad_(is_adapter(name))
+    for module_name, module in stage.named_modules():
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            trained = is_adapter(f"{module_name}.{name}")  # norms, embedding, head: frozen too
+            if not trained and base_dtype is not None and p.dtype != base_dtype:
+                p = module._parameters[name] = torch.nn.Parameter(p.to(base_dtype))
+            p.requires_grad_(trained)
 
 
 def is_adapter(name: str) -> bool:
