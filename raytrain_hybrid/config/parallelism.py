@@ -58,9 +58,12 @@ class ParallelismConfig:
     # group (all-gather / reduce-scatter at the TP regions) so those activations shrink by
     # tp too. No effect at tp = 1.
     sequence_parallel: bool = True
+    # Expert parallelism (mixture-of-experts models): each expert lives on one of ep ranks taken from the
+    # data-parallel ones (ep divides dp and model.num_experts), tokens sent to their experts by all-to-all.
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for key in ("dp", "tp", "pp", "cp", "microbatches"):
+        for key in ("dp", "tp", "pp", "cp", "microbatches", "ep"):
             value = getattr(self, key)
             if value < 1:
                 raise ConfigError(f"parallelism.{key}", value, "must be >= 1")

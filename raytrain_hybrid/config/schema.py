@@ -45,6 +45,14 @@ class ModelConfig:
     num_kv_heads: int = 0
     # MLP inner width; 0 means 4 * hidden_size for gpt2 and 8/3 rounded to 32 for llama.
     ffn_hidden_size: int = 0
+    # Mixture-of-experts models (qwen3-moe, mixtral): experts per MoE block, each a gated MLP of
+    # width model.ffn_hidden_size. Dense models do not read it (nor the two keys below).
+    num_experts: int = 8
+    # MoE models: experts each token is routed to (top-k). Routing is dropless: every routed token is computed.
+    experts_per_token: int = 2
+    # MoE models: weight of the router's load-balancing loss added to the language-model loss: transformers'
+    # load_balancing_loss_func taken per sequence and MoE layer and averaged over them (0: no auxiliary loss).
+    router_aux_loss_coef: float = 0.001
     # Vocabulary size; must cover the tokenizer's vocabulary.
     vocab_size: int = 4096
     # Tokens per sample (multimodal-bert: per text field, padded or truncated to it).
@@ -71,13 +79,21 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
             raise ConfigError("model.arch", self.arch, f"must be one of {choices(ARCHS)}")
-        for key in ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_len"):
+        for key in ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_len", "num_experts"):
             value = getattr(self, key)
             if value < 1:
                 raise ConfigError(f"model.{key}", value, "must be >= 1")
         for key in ("num_kv_heads", "ffn_hidden_size"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"model.{key}", getattr(self, key), "must be >= 0 (0 picks the default)")
+        if not 1 <= self.experts_per_token <= self.num_experts:
+            raise ConfigError(
+                "model.experts_per_token",
+                self.experts_per_token,
+                f"must be in [1, model.num_experts={self.num_experts}]",
+            )
+        if self.router_aux_loss_coef < 0:
+            raise ConfigError("model.router_aux_loss_coef", self.router_aux_loss_coef, "must be >= 0 (0: none)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -27,6 +27,7 @@ def validate(cfg: Config) -> None:
     _require_resolved(cfg)
     _validate_model(cfg, spec)
     _validate_layout(cfg, spec)
+    _validate_experts(cfg, spec)
     _validate_cp(cfg, spec)
     check_elastic(cfg)  # parallelism.min_dp: the dp values below dp the layout allows
     _validate_task(cfg, spec)
@@ -171,6 +172,31 @@ def _validate_cp(cfg: Config, spec: ArchSpec) -> None:
         )
     if par.min_dp:
         raise ConfigError("parallelism.min_dp", par.min_dp, "elastic runs keep parallelism.cp=1; use min_dp=0")
+
+
+def _validate_experts(cfg: Config, spec: ArchSpec) -> None:
+    """Expert parallelism against the model and the layout (distributed.expert_parallel)."""
+    par, model = cfg.parallelism, cfg.model
+    if spec.moe is not None and par.cp > 1:
+        raise ConfigError(
+            "parallelism.cp",
+            par.cp,
+            f"{model.arch}'s routers balance each whole sequence (model.router_aux_loss_coef); use cp=1",
+        )
+    if par.ep == 1:
+        return
+    if spec.moe is None:
+        raise ConfigError(
+            "parallelism.ep", par.ep, f"needs a mixture-of-experts model.arch (mixtral, qwen3-moe), not {model.arch}"
+        )
+    fits = [d for d in divisors(par.dp) if model.num_experts % d == 0]
+    for key, value in (("parallelism.dp", par.dp), ("model.num_experts", model.num_experts)):
+        if value % par.ep:
+            raise ConfigError("parallelism.ep", par.ep, f"must divide {key}={value}; try ep in {choices(fits)}")
+    if par.zero == 1:
+        raise ConfigError("parallelism.zero", 1, "is not available with parallelism.ep > 1; use zero 0, 2 or 3")
+    if par.min_dp:
+        raise ConfigError("parallelism.min_dp", par.min_dp, "elastic runs keep ep=1; use min_dp=0 or ep=1")
 
 
 def _validate_task(cfg: Config, spec: ArchSpec) -> None:

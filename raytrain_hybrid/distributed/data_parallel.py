@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from raytrain_hybrid.distributed.expert_parallel import shard_experts
 from raytrain_hybrid.distributed.parallel_dims import ParallelDims
 from raytrain_hybrid.distributed.zero1 import ZeroOneOptimizer
 from raytrain_hybrid.models.spec import ArchSpec
@@ -27,6 +28,8 @@ def apply_fsdp(stage, spec: ArchSpec, mesh, dims: ParallelDims) -> None:
     reshard = dims.zero == 3
     # float32 reduction keeps the replicas' averaged gradients equal to one process's.
     mp = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
+    if dims.ep > 1:  # the experts first, on the mesh of the ranks holding the same experts
+        shard_experts(stage, spec, mesh, dims, reshard_after_forward=reshard, mp_policy=mp)
     for block in stage.get_submodule(spec.layers).values():
         fully_shard(block, mesh=fsdp_mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(stage, mesh=fsdp_mesh, reshard_after_forward=reshard, mp_policy=mp)

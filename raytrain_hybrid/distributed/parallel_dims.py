@@ -43,6 +43,7 @@ class ParallelDims:
     pp: int
     zero: int = 0
     cp: int = 1  # context parallelism: the sequence split over this many ranks of a replica
+    ep: int = 1  # expert parallelism: experts sharded over this many dp ranks (distributed.expert_parallel)
 
     @classmethod
     def from_config(cls, parallelism) -> ParallelDims:
@@ -53,6 +54,7 @@ class ParallelDims:
             pp=parallelism.pp,
             zero=parallelism.zero,
             cp=parallelism.cp,
+            ep=parallelism.ep,
         )
 
     def __post_init__(self) -> None:

@@ -11,6 +11,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from raytrain_hybrid.distributed.context_parallel import apply_cp
 from raytrain_hybrid.distributed.data_parallel import apply_fsdp
+from raytrain_hybrid.distributed.expert_parallel import apply_ep
 from raytrain_hybrid.distributed.parallel_dims import ParallelDims
 from raytrain_hybrid.distributed.tensor_parallel import apply_tp
 from raytrain_hybrid.models.spec import ArchSpec
@@ -84,6 +85,8 @@ def parallelize_stage(
 ) -> None:
     if dims.tp > 1:
         apply_tp(stage, spec, mesh.tp, sequence_parallel=sequence_parallel)
+    if dims.ep > 1:
+        apply_ep(stage, spec, mesh, dims)
     if dims.cp > 1:
         apply_cp(stage, spec, mesh.cp)
     if activation_checkpointing:

@@ -13,6 +13,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -41,6 +42,20 @@ def _style(style: str, sp: bool):
         return SequenceParallel()
     if style.startswith("replicate"):  # a LoRA adapter's weight, whole on every rank
         return ReplicateParallel(between if style == "replicate:between" else Replicate())
+    if style == "headnorm":
+        # A norm over each attention head (Qwen3's q_norm, k_norm) on this rank's heads: its
+        # input is the head-sharded projection (dim 2), its weight replicated, its gradient summed.
+        return SequenceParallel(sequence_dim=2, use_local_output=True)
+    if style == "moe":
+        # A mixture-of-experts block whose weights are replicated over tp: it routes the whole
+        # sequence (gathered) on every TP rank, and hands back this rank's sequence shard.
+        return PrepareModuleInputOutput(
+            input_layouts=(SEQ,),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(SEQ,),
+        )
     if style.startswith("gather"):
         # The module's input (positional, or the keyword after the colon) is all-gathered.
         _, _, kwarg = style.partition(":")

@@ -65,3 +65,128 @@ def make_loss(cfg: Config, task: str, device: torch.device):
     if task == "lm":
         return TokenLoss()
     return ClassLoss(cfg.model.class_weights, cfg.model.num_classes, device)
+
+
+class _WithAuxGrad(torch.autograd.Function):
+    """The routing weights unchanged; in backward, also the auxiliary loss's gradient (``scale``
+    d(aux)): the language-model loss's backward reaches every router through its block's output,
+    so the auxiliary loss needs no path of its own through the pipeline (Megatron's
+    MoEAuxLossAutoScaler does the same)."""
+
+    @staticmethod
+    def forward(ctx, weights, aux, scale: float):
+        ctx.scale = scale
+        return weights.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad.new_full((), ctx.scale), None
+
+
+class RouterLoss:
+    """The routers' load-balancing loss and the step's expert load, by forward hooks on each
+    block's router and experts (the spec's ``moe``); model code is unchanged.
+
+    The loss of one sequence and one MoE layer is transformers' load_balancing_loss_func on that
+    layer's router logits for that sequence: E * sum_e f_e * P_e, f_e the fraction of the
+    sequence's top-k assignments to expert e and P_e its mean router probability. The step's
+    auxiliary loss is router_aux_loss_coef times their mean over the global batch's sequences
+    and the model's MoE layers. transformers takes f and P over all layers and the whole batch
+    at once, which no pipeline stage or micro-batch sees before its backward; per sequence and
+    layer, every term is known where it is computed, so every layout trains the same model
+    (for one sequence and one MoE layer the two definitions agree)."""
+
+    def __init__(self, modules, moe: dict, *, experts: int, moe_layers: int, seq_len: int, coef: float):
+        self.experts, self.moe_layers, self.seq_len, self.coef = experts, moe_layers, seq_len, coef
+        self.scale = 0.0  # d(step loss)/d(one term), for this layout (start_step)
+        self.unit = 0.0  # the weight of one term in the step's loss
+        self.microbatches = 1
+        # Per router (or experts module), what each of its forwards recorded this step.
+        self._record: dict[int, list[torch.Tensor]] = {}
+        self._computed: dict[int, list[torch.Tensor]] = {}
+        self.device = next(p for m in modules for p in m.parameters()).device
+        for module in modules:
+            for name, sub in module.named_modules():
+                if name.endswith("." + moe["router"]):
+                    sub.register_forward_hook(self._router_hook)
+                elif name.endswith("." + moe["experts"]):
+                    sub.register_forward_hook(self._experts_hook)
+
+    def start_step(self, global_batch: int, dp: int, microbatches: int, scaled_by_schedule: bool) -> None:
+        """Before a step: the pipeline schedule divides gradients by the micro-batch count
+        afterwards (scale_grads), the loop without one divides each micro-batch's loss; data
+        parallelism averages over dp. What is left is ``coef / (layers * global batch)`` a term."""
+        self.unit = self.coef / (self.moe_layers * global_batch)
+        self.scale = self.unit * dp * (microbatches if scaled_by_schedule else 1)
+        self.microbatches = microbatches
+        self._record, self._computed = {}, {}
+
+    @staticmethod
+    def _recording(t: torch.Tensor) -> bool:
+        # Forward of a training step only: not evaluation, not a pipeline stage's shape
+        # inference on meta tensors, not activation checkpointing's recomputation in backward.
+        return torch.is_grad_enabled() and not t.is_meta and torch._C._current_graph_task_id() == -1
+
+    def _router_hook(self, router, args, output):
+        logits, weights, indices = output
+        if not self._recording(logits):
+            return None
+        e, k = self.experts, indices.shape[-1]
+        probs = torch.softmax(logits.float(), dim=-1).view(-1, self.seq_len, e)  # [sequences, tokens, E]
+        with torch.no_grad():
+            hits = F.one_hot(indices.reshape(-1, self.seq_len * k), e).sum(1).float()  # [sequences, E]
+        per_seq = e * (hits / self.seq_len * probs.mean(1)).sum(-1)  # load_balancing_loss_func of each sequence
+        aux = per_seq.sum()
+        self._record.setdefault(id(router), []).append(torch.cat([(aux.detach() * self.unit).reshape(1), hits.sum(0)]))
+        return logits, _WithAuxGrad.apply(weights, aux, self.scale), indices
+
+    def _experts_hook(self, experts, args, output):
+        """Token-expert pairs the experts computed: what expert parallelism's dispatch says it
+        computed on this rank, or the routed pairs of a real expert (an index below E)."""
+        if not self._recording(output):
+            return
+        computed = getattr(experts, "computed", None)
+        if computed is None:
+            computed = (args[1] < self.experts).sum()
+        computed = torch.as_tensor(computed, dtype=torch.float32, device=self.device).reshape(1)
+        self._computed.setdefault(id(experts), []).append(computed)
+
+    def reduce(self, copies: int) -> dict:
+        """After the step's backward, over the world (``copies``: ranks computing the same, tp):
+        the auxiliary loss ("aux", a tensor), tokens routed to each expert over all MoE layers and
+        the global batch ("expert_load"), and routed token-expert pairs no expert computed
+        ("dropped_tokens", 0 when dropless)."""
+        import torch.distributed as dist
+
+        total = torch.zeros(2 + self.experts, device=self.device)
+        # A module's last forwards, one a micro-batch: on the first step a pipeline stage runs one
+        # before them to infer its shapes (torch.distributed.pipelining's metadata inference).
+        for records in self._record.values():
+            total[:-1] += torch.stack(records[-self.microbatches :]).sum(0)
+        for computed in self._computed.values():
+            total[-1] += torch.cat(computed[-self.microbatches :]).sum()
+        total /= copies
+        if dist.is_initialized():
+            dist.all_reduce(total)
+        load = total[1:-1].round()
+        return {"aux": total[0], "expert_load": load, "dropped_tokens": load.sum() - total[-1].round()}
+
+
+def make_router_loss(cfg: Config, spec, hf_config, modules) -> RouterLoss | None:
+    """The RouterLoss of a mixture-of-experts model's stages; None for a dense model."""
+    if spec.moe is None:
+        return None
+    layers = hf_config.num_hidden_layers
+    sparse_step = getattr(hf_config, "decoder_sparse_step", 1) or 1
+    dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
+    moe_layers = sum(1 for i in range(layers) if i not in dense and (i + 1) % sparse_step == 0)
+    experts = getattr(hf_config, "num_local_experts", None) or hf_config.num_experts
+    coef = cfg.model.router_aux_loss_coef
+    return RouterLoss(modules, spec.moe, experts=experts, moe_layers=moe_layers, seq_len=cfg.model.seq_len, coef=coef)
+
+
+def moe_metrics(moe: dict) -> dict:
+    """A step's metrics from RouterLoss.reduce (none for a dense model)."""
+    if not moe:
+        return {}
+    return {"expert_load": moe["expert_load"].int().tolist(), "dropped_tokens": int(moe["dropped_tokens"])}

@@ -27,7 +27,7 @@ from raytrain_hybrid.distributed.tensor_parallel import align_grad_placements
 from raytrain_hybrid.distributed.utils import clip_grads_, global_grad_norm
 from raytrain_hybrid.distributed.zero1 import ZeroOneOptimizer
 from raytrain_hybrid.engine.compile_clock import CompileClock
-from raytrain_hybrid.engine.loss import TokenLoss, lr_factor, make_loss
+from raytrain_hybrid.engine.loss import TokenLoss, lr_factor, make_loss, make_router_loss, moe_metrics
 from raytrain_hybrid.models import get_arch, hf_checkpoint, lora
 from raytrain_hybrid.models.common import build_stage, full_init_state_dict
 from raytrain_hybrid.models.flops import device_peak_tflops, flops_per_token, tokens_per_row
@@ -68,6 +68,8 @@ class Trainer:
         # What the optimizer trains: with LoRA the adapters only (the base is frozen: no gradient,
         # no optimizer state, in no DP bucket or ZeRO-1 slice).
         self.params = [p for m in self.modules for p in m.parameters() if p.requires_grad]
+        # Mixture of experts: the routers' auxiliary loss and the experts' load (None: dense).
+        self.router_loss = make_router_loss(cfg, self.spec, self.hf_config, self.modules)
         assert cfg.train.lr > 0, "train.lr=0 means 'pick one': config.resolve_defaults() sets it"
         self.optimizer = build_optimizer(
             self.params,
@@ -233,6 +235,9 @@ class Trainer:
             counted = self._counted_labels(batch)
             # Gradients are averaged over dp x cp: each cp rank sums the loss of its tokens.
             self.loss_fn.start_step(counted, self.cfg.parallelism.microbatches, self.dims.dp * self.dims.cp)
+        if self.router_loss is not None:
+            m, scheduled = self.cfg.parallelism.microbatches, self.schedule is not None
+            self.router_loss.start_step(self.cfg.train.global_batch_size, self.dims.dp, m, scheduled)
         replica_loss = self._forward_backward(batch)
         # Exactly dp*cp*tp ranks hold the last stage, each with its replica's loss (times cp, its
         # tokens' share of it under cp: the cp ranks' shares add up to cp times the replica's).
@@ -240,6 +245,9 @@ class Trainer:
         dist.all_reduce(summed)
         ranks_per_stage = self.dims.dp * self.dims.cp * self.dims.tp
         loss, self.flagged = summed[0] / ranks_per_stage, bool(summed[1] > 0)
+        moe = self.router_loss.reduce(self.dims.tp) if self.router_loss is not None else {}
+        if moe:  # the step's loss includes the routers' auxiliary loss
+            loss = loss + moe["aux"]
         self.grad_bytes = sum(_local_bytes(p.grad) for p in self.params if p.grad is not None)
         if isinstance(self.optimizer, ZeroOneOptimizer):
             norm = self._zero1_reduce_and_clip()
@@ -268,6 +276,7 @@ class Trainer:
             "dp": self.dims.dp,  # replicas of this step (an elastic run's changes with the nodes)
             **({"loss_tokens": counted} if counted is not None and self._masked else {}),  # labels the loss counted
             **(self._compiled_in_step(compiled_before) if compiled_before else {}),
+            **moe_metrics(moe),
         }
 
     def _compiled_in_step(self, before: tuple[int, float]) -> dict:

@@ -18,6 +18,8 @@ _MODULES = {
     "llama": "llama",
     "mistral": "mistral",
     "qwen2": "qwen2",
+    "qwen3-moe": "qwen3_moe",
+    "mixtral": "mixtral",
     "gpt2": "gpt2",
     "multimodal-bert": "multimodal_bert",
 }

@@ -56,10 +56,12 @@ def param_kinds(module: nn.Module) -> dict[str, str]:
     """Parameter name -> "normal" | "zeros" | "ones", read off module types (any device)."""
     kinds = {}
     for mod_name, mod in module.named_modules():
-        for p_name, _ in mod.named_parameters(recurse=False):
+        for p_name, param in mod.named_parameters(recurse=False):
             full = f"{mod_name}.{p_name}" if mod_name else p_name
             if isinstance(mod, (nn.Linear, nn.Embedding)) or p_name == "weight" and mod.__class__.__name__ == "Conv1D":
                 kinds[full] = "normal" if p_name == "weight" else "zeros"
+            elif param.dim() >= 2:  # matrices outside nn.Linear: a router's, experts' stacked 3D weights
+                kinds[full] = "normal"
             elif p_name == "bias":
                 kinds[full] = "zeros"
             else:  # norm scales (LayerNorm, RMSNorm)

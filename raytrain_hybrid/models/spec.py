@@ -110,6 +110,11 @@ class ArchSpec:
     # Example (inputs, outputs) of a pipeline stage, when its I/O cannot be inferred by running
     # it on uninitialised tensors: (hf_config, block ids, micro-batch rows, seq_len, device).
     stage_io: Callable[..., tuple[tuple, tuple]] | None = None
+    # Mixture of experts: inside each block, the router (its forward returns (logits, routing
+    # weights, expert indices) for [tokens, hidden] input) and the experts (3D weights
+    # gate_up_proj [E, 2F, H] and down_proj [E, H, F]; forward(hidden, indices, weights)), as
+    # {"router": path, "experts": path}; None: a dense model.
+    moe: dict[str, str] | None = None
     # Per block: the path of its attention module, a transformers attention that reads the config's
     # attention implementation, and a stage_forward that gives RoPE the positions of the stage's
     # ``seq_chunk`` (context parallelism runs only where this is set).

@@ -1,0 +1,125 @@
+"""Expert parallelism (``parallelism.ep``): a mixture of experts' experts sharded over ep ranks
+carved from the data-parallel ones, as TorchTitan and Megatron-LM do.
+
+The ep ranks of a group are ``ep`` consecutive data-parallel replicas (same pipeline stage, same
+tp rank). Each holds ``num_experts / ep`` experts: the 3D expert weights become DTensors sharded
+along the expert dimension over the ep mesh, so a checkpoint, the init rule and the gradient
+norm see the whole tensors under their transformers names. In forward each rank routes its own
+tokens (the router stays replicated), sends every token-expert pair to the rank holding that
+expert with one ``all_to_all_single`` (after one exchanging the counts), computes its experts on
+what it received (torch._grouped_mm on Hopper in bf16, a loop over local experts elsewhere), and
+sends the results back with a second all-to-all; autograd runs the same exchanges backwards.
+Dispatch is dropless: every pair is computed, however uneven the routing.
+
+Gradients: an expert's gradient on its rank already sums the contributions of the ep group's
+tokens, so the expert weights are averaged over the dp/ep ranks holding the same experts (their
+own FSDP2 unit on that mesh, gradients divided by dp), the other weights over dp as before.
+This is a module transformation: the transformers model code is unchanged.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.tensor import DTensor, Shard
+
+from raytrain_hybrid.models.spec import ArchSpec
+
+EP_DIMS = ("pp", "erep", "eshard", "ep", "cp", "tp")
+_MESHES: dict[int, object] = {}
+
+
+def ep_mesh(world, dims):
+    """The world's ranks as (pp, erep, eshard, ep, cp, tp): an ep group is ``ep`` consecutive
+    dp replicas; the dp/ep ranks holding the same experts are erep (ZeRO-0: replicas) or eshard
+    (ZeRO-2/3: FSDP shards). Built once per world mesh (its process groups are created by every
+    rank together, on the first stage each builds)."""
+    if id(world) not in _MESHES:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        pp, cp, tp, ep = dims.pp, getattr(dims, "cp", 1), dims.tp, dims.ep
+        same = dims.dp // ep
+        shape = (pp, same, 1, ep, cp, tp) if dims.zero in (0, 1) else (pp, 1, same, ep, cp, tp)
+        ranks = world.mesh.reshape(shape)
+        _MESHES[id(world)] = DeviceMesh(world.device_type, ranks, mesh_dim_names=EP_DIMS)
+    return _MESHES[id(world)]
+
+
+def _experts(stage, spec: ArchSpec):
+    path = spec.moe["experts"]
+    return [m for name, m in stage.named_modules() if name.endswith("." + path)]
+
+
+def apply_ep(stage, spec: ArchSpec, mesh, dims) -> None:
+    """On the meta device, before FSDP: shard every experts module of ``stage`` over the ep mesh
+    and route its forward through the all-to-all dispatch."""
+    group_mesh = ep_mesh(mesh.world, dims)["ep"]
+    for experts in _experts(stage, spec):
+        total = experts.num_experts
+        for name in ("gate_up_proj", "down_proj"):
+            full = getattr(experts, name)
+            local = full.new_empty((total // dims.ep, *full.shape[1:]))
+            shard = DTensor.from_local(
+                local, group_mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride()
+            )
+            setattr(experts, name, torch.nn.Parameter(shard))
+        experts.ep_group = group_mesh.get_group()
+        experts.total_experts = total
+        experts.forward = types.MethodType(_ep_forward, experts)
+
+
+def shard_experts(stage, spec: ArchSpec, mesh, dims, **fsdp) -> None:
+    """FSDP2 over the ranks holding the same experts (before the blocks are wrapped over dp): the
+    expert weights' gradients summed over them and divided by dp (see the module docstring)."""
+    from torch.distributed.fsdp import fully_shard
+
+    em = ep_mesh(mesh.world, dims)
+    for experts in _experts(stage, spec):
+        fully_shard(experts, mesh=em["erep", "eshard"], **fsdp)
+        experts.set_gradient_divide_factor(float(dims.dp))
+
+
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _compute(experts, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """The local experts on their rows of ``x`` (grouped by expert, ``counts`` rows each)."""
+    gate_up, down = _local(experts.gate_up_proj), _local(experts.down_proj)
+    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        gate, up = torch._grouped_mm(x, gate_up.to(x.dtype).transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+        return torch._grouped_mm(experts.act_fn(gate) * up, down.to(x.dtype).transpose(-2, -1), offs=offs)
+    outs = []
+    for e, rows in enumerate(x.split(counts)):
+        gate, up = torch.nn.functional.linear(rows, gate_up[e]).chunk(2, dim=-1)
+        outs.append(torch.nn.functional.linear(experts.act_fn(gate) * up, down[e]))
+    return torch.cat(outs) if outs else x[:0]
+
+
+def _ep_forward(experts, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+    """transformers' experts forward (hidden [T, H], indices and weights [T, k]) over the ep group."""
+    group = experts.ep_group
+    ep, total = dist.get_world_size(group), experts.total_experts
+    local = total // ep
+    k = top_k_index.shape[-1]
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # token-expert pairs grouped by expert, so by rank
+    counts = torch.bincount(flat, minlength=total)
+    # Pairs each source sends for each of this rank's experts: [ep sources, local experts].
+    received = funcol.all_to_all_single(counts, None, None, group).wait().view(ep, local)
+    send_splits = counts.view(ep, local).sum(1).tolist()
+    recv_splits = received.sum(1).tolist()
+    x = funcol.all_to_all_single_autograd(hidden[order // k], recv_splits, send_splits, group)
+    # Received rows come by source, then by expert: regroup them by expert for the compute.
+    expert_of_row = torch.arange(local, device=flat.device).repeat(ep).repeat_interleave(received.reshape(-1))
+    by_expert = torch.argsort(expert_of_row, stable=True)
+    y = torch.empty_like(x).index_copy(0, by_expert, _compute(experts, x[by_expert], received.sum(0).tolist()))
+    experts.computed = x.shape[0]  # token-expert pairs computed here (dropped_tokens: routed - computed)
+    back = funcol.all_to_all_single_autograd(y, send_splits, recv_splits, group)
+    pairs = torch.empty_like(back).index_copy(0, order, back)  # back in (token, k) order
+    weighted = pairs * top_k_weights.reshape(-1, 1).to(pairs.dtype)
+    return weighted.view(-1, k, hidden.shape[-1]).sum(1).to(hidden.dtype)

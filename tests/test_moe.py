@@ -1,0 +1,149 @@
+"""Mixtures of experts (qwen3-moe, mixtral): every layout trains the model transformers' own
+Qwen3MoeForCausalLM / MixtralForCausalLM trains in one process (tests/reference_moe.py): the
+loss with the routers' auxiliary loss, every parameter's gradient norm, the final weights, fp32.
+Each launch runs several layouts in the same gloo processes (tests/gloo_harness.run_gloo_jobs)."""
+
+from __future__ import annotations
+
+import pytest
+from gloo_harness import run_gloo_jobs
+from reference_moe import moe_reference_run
+from test_oracle import assert_oracle, layout
+
+from raytrain_hybrid import cli
+from raytrain_hybrid.config import load_config
+from raytrain_hybrid.errors import ConfigError
+
+TINY = (
+    "train.steps=3",
+    "train.global_batch_size=8",
+    "data.path=memory",
+    "model.num_layers=4",
+    "model.seq_len=16",
+    "model.hidden_size=64",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.ffn_hidden_size=32",
+    "model.num_experts=4",
+    "model.experts_per_token=2",
+    # Large enough that a wrong auxiliary gradient shows in every router's gradient norm.
+    "model.router_aux_loss_coef=0.1",
+)
+
+
+def _check(arch: str, results: dict, names: list[str]) -> None:
+    common = [f"model.arch={arch}", *TINY]
+    # The reference starts from the first layout's initial state; every other layout's must equal it.
+    reference = moe_reference_run(load_config(None, common), initial=results[names[0]]["probe"]["initial"])
+    for name in names:
+        assert_oracle(results[name], reference)
+        for got in results[name]["history"]:
+            load = got["expert_load"]
+            # Every token of the global batch routed to top-k experts in each MoE layer, none dropped.
+            assert len(load) == 4 and sum(load) == 8 * 16 * 2 * 4, (name, load)
+            assert got["dropped_tokens"] == 0
+
+
+def test_moe_layouts_match_transformers():
+    """dp, tp (with and without sequence parallelism), pp, ZeRO-1 and FSDP, for both architectures."""
+    cases = {
+        ("qwen3-moe", "1x2x2-sp"): layout(1, 2, 2, "1F1B", 2),
+        ("qwen3-moe", "2x2x1-zero1"): layout(2, 2, 1, "1F1B", 2, 1),
+        ("mixtral", "2x1x2-zero3"): layout(2, 1, 2, "1F1B", 2, 3),
+        ("mixtral", "1x2x2-nosp-gpipe"): layout(1, 2, 2, "GPipe", 2, 0, "parallelism.sequence_parallel=false"),
+    }
+    jobs = {f"{arch}/{name}": [f"model.arch={arch}", *TINY, *lay] for (arch, name), lay in cases.items()}
+    results = run_gloo_jobs(4, jobs)
+    for arch in ("qwen3-moe", "mixtral"):
+        _check(arch, results, [job for job in jobs if job.startswith(arch + "/")])
+
+
+def test_expert_parallel_layouts_match_transformers():
+    """parallelism.ep = 2 and 4: experts sharded over data-parallel ranks, tokens sent to them by
+    all-to-all; with tp (sequence parallel) and pp, under ZeRO-0 replication and FSDP."""
+    cases = {
+        "ep2-dp2-tp2": layout(2, 2, 1, "1F1B", 2, 0, "parallelism.ep=2"),
+        "ep2-dp2-pp2-zero2": layout(2, 1, 2, "1F1B", 2, 2, "parallelism.ep=2"),
+        "ep4-dp4-zero3": layout(4, 1, 1, "1F1B", 2, 3, "parallelism.ep=4"),
+        "ep2-dp4-zero0": layout(4, 1, 1, "1F1B", 2, 0, "parallelism.ep=2"),
+    }
+    results = run_gloo_jobs(4, {name: ["model.arch=qwen3-moe", *TINY, *lay] for name, lay in cases.items()})
+    _check("qwen3-moe", results, list(cases))
+    # Under replication (ZeRO-0) each rank holds every weight but the experts, and 1/ep of those.
+    full = results["ep2-dp4-zero0"]["probe"]["initial"]
+    experts = sum(v.size for n, v in full.items() if ".experts." in n)
+    others = sum(v.size for n, v in full.items() if ".experts." not in n)
+    assert {m["param_bytes"] for m in results["ep2-dp4-zero0"]["memory"]} == {4 * (others + experts // 2)}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "says"),
+    [
+        (["model.arch=llama", "parallelism.ep=2"], "parallelism.ep", "mixture-of-experts"),
+        (
+            ["parallelism.ep=3", "parallelism.dp=6", "parallelism.microbatches=1"],
+            "parallelism.ep",
+            "model.num_experts=8",
+        ),
+        (["parallelism.ep=4", "parallelism.dp=2"], "parallelism.ep", "parallelism.dp=2"),
+        (["parallelism.ep=2", "parallelism.zero=1"], "parallelism.zero", "parallelism.ep"),
+        (["parallelism.cp=2"], "parallelism.cp", "whole sequence"),
+    ],
+)
+def test_bad_ep_is_refused_before_workers_start(overrides, key, says, capsys):
+    args = ["check", "--topology", "64", "--set", "model.arch=qwen3-moe", "--set", "parallelism.pp=1"]
+    args += ["--set", "train.global_batch_size=48"]
+    for o in overrides:
+        args += ["--set", o]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert key in err and says in err, err
+
+
+def test_expert_weights_follow_the_init_rule():
+    """The experts' stacked 3D weights and the router are drawn like any weight matrix (not the ones of a norm)."""
+    import torch
+
+    from raytrain_hybrid.models import get_arch
+    from raytrain_hybrid.models.common import build_stage, param_kinds
+
+    cfg = load_config(None, ["model.arch=qwen3-moe", *TINY])
+    spec = get_arch("qwen3-moe")
+    stage = build_stage(spec, spec.hf_config(cfg), [0], first=True, last=True)
+    kinds = param_kinds(stage)
+    for name in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"):
+        assert kinds[f"model.layers.0.{name}"] == "normal"
+    assert kinds["model.layers.0.self_attn.q_norm.weight"] == "ones"
+    shapes = {n: p.shape for n, p in stage.named_parameters()}
+    assert shapes["model.layers.0.mlp.experts.gate_up_proj"] == torch.Size([4, 64, 64])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["model.arch=mixtral", "model.num_experts=4", "model.experts_per_token=5"], "model.experts_per_token"),
+        (["model.arch=qwen3-moe", "model.router_aux_loss_coef=-1"], "model.router_aux_loss_coef"),
+    ],
+)
+def test_moe_keys_refused(overrides, key):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert err.value.key == key
+
+
+@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral"])
+def test_moe_parameter_counts(arch):
+    """The planner's counts against the model transformers builds: a block holds every expert
+    (param_parts, what pipeline splits and memory weigh); a token meets its top-k only (FLOPs)."""
+    from raytrain_hybrid.models import get_arch
+    from raytrain_hybrid.models.common import build_stage
+
+    cfg = load_config(None, [f"model.arch={arch}", *TINY])
+    spec, m = get_arch(arch), cfg.model
+    stage = build_stage(spec, spec.hf_config(cfg), [0], first=True, last=True)
+    block = dict(stage.model.layers["0"].named_parameters())
+    assert spec.param_parts(m)[0] == sum(p.numel() for p in block.values())
+    experts = sum(p.numel() for n, p in block.items() if ".experts." in n)
+    matmuls = sum(p.numel() for n, p in block.items() if n.endswith("proj.weight") or n == "mlp.gate.weight")
+    per_token = matmuls + experts * m.experts_per_token // m.num_experts
+    assert spec.matmul_params(m) == m.num_layers * per_token + m.vocab_size * m.hidden_size
