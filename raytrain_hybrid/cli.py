@@ -280,6 +280,7 @@ def _plan(args, cfg) -> int:
             "predicted_mfu",
             "bubble_fraction",
             "cp",  # context parallelism (added after the keys plan --json has always printed)
+            "ep",  # expert parallelism (mixtures of experts)
         )
         print(json.dumps([{k: r[k] for k in keep} for r in shown], indent=1))
         return 0

@@ -147,3 +147,37 @@ def test_moe_parameter_counts(arch):
     matmuls = sum(p.numel() for n, p in block.items() if n.endswith("proj.weight") or n == "mlp.gate.weight")
     per_token = matmuls + experts * m.experts_per_token // m.num_experts
     assert spec.matmul_params(m) == m.num_layers * per_token + m.vocab_size * m.hidden_size
+
+
+QWEN3_30B_A3B = [  # Qwen/Qwen3-30B-A3B's sizes (its config.json), 4k sequences
+    *("model.arch=qwen3-moe", "model.hidden_size=2048", "model.num_layers=48", "model.num_heads=32"),
+    *("model.num_kv_heads=4", "model.ffn_hidden_size=768", "model.num_experts=128", "model.experts_per_token=8"),
+    *("model.vocab_size=151936", "model.seq_len=4096", "train.global_batch_size=64", "train.dtype=bfloat16"),
+]
+
+
+def test_planner_shards_experts_where_replicas_do_not_fit():
+    """Qwen3-30B-A3B on 8 H100 without full sharding: one copy of every expert's weights,
+    gradients and AdamW state is ~450 GiB, so only layouts with ep do fit; the FLOPs count the
+    8 active experts of a token, not the 128."""
+    import dataclasses
+
+    from raytrain_hybrid.models.flops import matmul_params
+    from raytrain_hybrid.planner.hardware import load_hardware
+    from raytrain_hybrid.planner.search import plan
+
+    cfg = load_config(None, QWEN3_30B_A3B)
+    hw = dataclasses.replace(load_hardware("h100"), gpus_per_node=8)
+    rows = plan(cfg, 8, hw, fixed={"zero": 2, "tp": 1, "pp": 1})
+    fits = [r for r in rows if r["feasible"]]
+    assert fits and all(r["ep"] > 1 for r in fits)
+    assert any(r["ep"] == 1 for r in rows) and not any(r["ep"] == 1 and r["feasible"] for r in rows)
+    assert fits[0]["time_s"]["ep"] > 0  # the all-to-alls are priced
+    assert 2.5e9 < matmul_params(cfg.model) < 4e9  # "A3B": about 3B active parameters
+
+
+def test_trackers_get_expert_load_per_expert():
+    from raytrain_hybrid.launch.tracking import numbers
+
+    got = numbers({"step": 3, "loss": 2.5, "expert_load": [10, 30], "dropped_tokens": 0, "note": "x"})
+    assert got == {"loss": 2.5, "expert_load/0": 10.0, "expert_load/1": 30.0, "dropped_tokens": 0.0}

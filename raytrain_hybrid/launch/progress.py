@@ -29,6 +29,7 @@ _SCALARS = {
     "val_accuracy": "val/accuracy",
     "val_f1": "val/f1",
     "val_auc": "val/auc",
+    "dropped_tokens": "moe/dropped_tokens",
 }
 _MEMORY = ("param_bytes", "grad_bytes", "optimizer_bytes", "max_rss_bytes", "max_cuda_allocated_bytes")
 
@@ -243,6 +244,8 @@ class RunLog:
             for key, tag in _SCALARS.items():
                 if m.get(key) is not None:
                     self.tb.add_scalar(tag, m[key], step)
+            for expert, tokens in enumerate(m.get("expert_load") or ()):  # mixtures of experts
+                self.tb.add_scalar(f"moe/expert_load/{expert}", tokens, step)
 
     def close(self) -> None:
         self.file.close()

@@ -72,8 +72,13 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def numbers(values: dict) -> dict[str, float]:
-    """The numeric scalars of a metrics dict, as floats (None, strings and lists are not metrics)."""
-    return {k: float(v) for k, v in values.items() if isinstance(v, (int, float)) and k != "step"}
+    """The numeric scalars of a metrics dict, as floats (None and strings are not metrics); a list
+    of numbers (a mixture of experts' expert_load) is one metric per entry, ``key/<index>``."""
+    out = {k: float(v) for k, v in values.items() if isinstance(v, (int, float)) and k != "step"}
+    for k, v in values.items():
+        if isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v):
+            out.update({f"{k}/{i}": float(x) for i, x in enumerate(v)})
+    return out
 
 
 def run_name(cfg: Config) -> str:

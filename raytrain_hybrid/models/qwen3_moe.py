@@ -95,6 +95,7 @@ def moe_family_spec(name: str, config_class: str, model_class: str, *, mixtral: 
         # its output sliced back to them ("moe"); without SP it sees the full activations anyway.
         sp_plan={**dense.sp_plan, "mlp": "moe"},
         moe={"router": "mlp.gate", "experts": "mlp.experts"},
+        expert_params=lambda m: m.num_experts * expert_params(m),
     )
 
 

@@ -115,6 +115,9 @@ class ArchSpec:
     # gate_up_proj [E, 2F, H] and down_proj [E, H, F]; forward(hidden, indices, weights)), as
     # {"router": path, "experts": path}; None: a dense model.
     moe: dict[str, str] | None = None
+    # Of param_parts' per-block count, the experts' weights (ModelConfig -> int): expert parallelism
+    # shards them over ep, and they stay whole on every TP rank (the planner's memory and traffic).
+    expert_params: Callable[[Any], int] = lambda model_cfg: 0
     # Per block: the path of its attention module, a transformers attention that reads the config's
     # attention implementation, and a stage_forward that gives RoPE the positions of the stage's
     # ``seq_chunk`` (context parallelism runs only where this is set).

@@ -92,6 +92,7 @@ def runner_up(rows: list[dict]) -> dict | None:
 
 def layout_text(row: dict) -> str:
     ac, cp = row["activation_checkpointing"], f" cp={row['cp']}" if row["cp"] > 1 else ""
+    cp += f" ep={row['ep']}" if row.get("ep", 1) > 1 else ""
     return (
         f"dp={row['dp']}{cp} tp={row['tp']} pp={row['pp']} {row['schedule']} microbatches={row['microbatches']} "
         f"zero={row['zero']} activation_checkpointing={str(ac).lower()}"
@@ -101,11 +102,12 @@ def layout_text(row: dict) -> str:
 def _costs(row: dict) -> dict[str, float]:
     """Seconds of the predicted step by cause (cost.predict's step time, taken apart)."""
     t, bubble = row["time_s"], row["bubble_fraction"]
-    busy = t["compute"] + t["tp"] + t["cp"] + t["pp"]
+    busy = t["compute"] + t["tp"] + t["cp"] + t.get("ep", 0.0) + t["pp"]
     return {
         "compute (incl. recompute)": t["compute"],
         "tensor-parallel all-reduces": t["tp"],
         "context-parallel all-to-alls": t["cp"],
+        "expert-parallel all-to-alls": t.get("ep", 0.0),
         "pipeline transfers": t["pp"],
         "pipeline bubble": busy * bubble / (1 - bubble) if bubble < 1 else 0.0,
         "gradient reduction left exposed": t["dp_exposed"],
@@ -124,7 +126,10 @@ def why(best: dict, other: dict | None) -> str:
     return f"{text}, {slower:.0%} slower (most of it {cause}: {b[cause]:.3g} s a step vs {a[cause]:.3g} s)"
 
 
-_PICKED = ("dp", "cp", "tp", "pp", "microbatches", "schedule", "zero", "activation_checkpointing", "sequence_parallel")
+_PICKED = (
+    *("dp", "cp", "ep", "tp", "pp", "microbatches", "schedule", "zero"),
+    *("activation_checkpointing", "sequence_parallel"),
+)
 
 
 def _at(cfg: Config, row: dict) -> Config:

@@ -11,6 +11,11 @@ Sources of the formulas (cited where used):
 - FLOPs per token: raytrain_hybrid.models.flops (6N + attention).
 - Context parallelism by all-to-all head exchange: Jacobs et al., "DeepSpeed Ulysses" (2023):
   activations / cp, four all-to-alls a layer forward (q, k, v in; the output back) and four backward.
+- Mixtures of experts (Fedus et al., "Switch Transformers", 2021; TorchTitan's and Megatron's
+  expert parallelism): FLOPs of the active parameters (a token's top-k experts); every expert
+  held in memory, 1/ep of them a rank under expert parallelism, whole on each TP rank; two
+  all-to-alls (dispatch, combine) a MoE layer forward and two backward, each moving a
+  micro-batch's tokens times top-k at model width, (ep-1)/ep of it to other ranks.
 """
 
 from __future__ import annotations
@@ -43,6 +48,36 @@ def max_rank_params(cfg: Config) -> float:
         n += sum(extra for block, extra in anchored.items() if any(block in split[i] for i in ids))
         best = max(best, n)
     return best
+
+
+def expert_rank_params(cfg: Config) -> float:
+    """Expert weights on the fullest pipeline rank (the most blocks), before ep sharding."""
+    from raytrain_hybrid.distributed.pipeline import split_layers, stage_ids
+
+    per_block = get_arch(cfg.model.arch).expert_params(cfg.model)
+    if not per_block:
+        return 0.0
+    par = cfg.parallelism
+    if par.pp == 1:
+        return float(per_block * num_blocks(cfg.model))
+    split = split_layers(num_blocks(cfg.model), par.num_stages)
+    ranks = (stage_ids(par.schedule, r, par.pp, par.stages_per_rank) for r in range(par.pp))
+    return float(per_block * max(sum(len(split[i]) for i in ids) for ids in ranks))
+
+
+def ep_alltoall_s(cfg: Config, micro_batch: int, hw: Hardware) -> float:
+    """Expert parallelism's all-to-alls of a step on one rank: dispatch and combine forward and
+    backward, each MoE layer and micro-batch; inside a node when ep*cp*tp workers fit one (an ep
+    group is consecutive dp ranks)."""
+    m, par = cfg.model, cfg.parallelism
+    ep = par.ep
+    if ep == 1:
+        return 0.0
+    width = 2.0 if cfg.train.dtype == "bfloat16" else 4.0
+    pairs = micro_batch * m.seq_len * m.experts_per_token
+    link = hw.intra_node_gbps if ep * par.cp * par.tp <= hw.gpus_per_node else hw.inter_node_gbps
+    one = pairs * m.hidden_size * width * (ep - 1) / ep / (link * 1e9) + (ep - 1) * hw.latency_s
+    return 4 * one * (num_blocks(m) / par.pp) * par.microbatches
 
 
 def state_bytes(phi: float, *, zero: int, dp: int, scheme: str = "fp32") -> dict[str, float]:
@@ -147,9 +182,15 @@ def predict(cfg: Config, hw: Hardware) -> dict:
     dp, tp, pp, mb, cp = par.dp, par.tp, par.pp, par.microbatches, par.cp
     virtual = par.stages_per_rank if pp > 1 else 1
     micro_batch = t.global_batch_size // (dp * mb)
-    phi = max_rank_params(cfg) / tp
-    # The cp ranks of a replica average gradients like replicas: ZeRO shards over dp x cp.
-    states = state_bytes(phi, zero=par.zero, dp=dp * cp)
+    # Experts are whole on each TP rank and 1/ep a rank under expert parallelism.
+    ep, experts = par.ep, expert_rank_params(cfg)
+    phi = (max_rank_params(cfg) - experts) / tp + experts / ep
+    # The cp ranks of a replica average gradients like replicas: ZeRO shards over dp x cp; the
+    # experts' state over the dp/ep ranks holding the same experts.
+    states = state_bytes(phi - experts / ep, zero=par.zero, dp=dp * cp)
+    if experts:
+        expert_states = state_bytes(experts / ep, zero=par.zero, dp=dp // ep)
+        states = {k: v + expert_states[k] for k, v in states.items()}
     trained = phi  # parameters with gradients, optimizer state and a DP reduction
     if cfg.lora.rank:  # the frozen base holds its weights only; the adapters train
         states, trained = lora_state_bytes(cfg, phi, zero=par.zero, dp=dp * cp)
@@ -177,19 +218,22 @@ def predict(cfg: Config, hw: Hardware) -> dict:
     if tp > 1:  # attention and MLP are one column/row pair each
         tp_s += 2 * layers_per_rank * mb * hw.tp_pair_overhead_s * (tp / 2) * share
     cp_s = cp_alltoall_s(cfg, micro_batch, hw) * share
+    ep_s = ep_alltoall_s(cfg, micro_batch, hw) * share
     # Placement fills nodes TP-first, then CP, then DP, then PP: an axis leaves the node once the
     # product of the axes inside it exceeds the node.
     dp_link = hw.intra_node_gbps if tp * cp * dp <= hw.gpus_per_node else hw.inter_node_gbps
     pp_link = hw.intra_node_gbps if tp * cp * dp * pp <= hw.gpus_per_node else hw.inter_node_gbps
     pp_s = 0.0 if pp == 1 else 2 * mb * virtual * (act_msg / (pp_link * 1e9) + hw.latency_s)
-    grad_bytes = trained * 4.0
+    grad_bytes = (trained - experts / ep) * 4.0
     dp_s = _allreduce_s(grad_bytes, dp * cp, dp_link, hw.latency_s) * (1.5 if par.zero == 3 else 1.0)
+    if experts and dp // ep > 1:  # the experts' gradients over the ranks holding the same experts
+        dp_s += _allreduce_s(experts / ep * 4.0, dp // ep, dp_link, hw.latency_s) * (1.5 if par.zero == 3 else 1.0)
     # Buckets overlap with the backward (2/3 of compute) on devices; on shared cores the
     # reduction takes CPU from the same cores and does not hide.
     dp_exposed = dp_s * share if oversubscribed else max(0.0, dp_s - 0.5 * compute)
 
     bubble = (pp - 1) / (mb * virtual + pp - 1) if pp > 1 else 0.0
-    step = (compute + tp_s + cp_s + pp_s) / (1 if oversubscribed else 1 - bubble) + dp_exposed
+    step = (compute + tp_s + cp_s + ep_s + pp_s) / (1 if oversubscribed else 1 - bubble) + dp_exposed
     tokens_per_s = tokens / step
     achieved = flops_per_token(m) * tokens_per_s / world / 1e12
     return {
@@ -198,5 +242,13 @@ def predict(cfg: Config, hw: Hardware) -> dict:
         "predicted_tokens_per_s": tokens_per_s,
         "predicted_mfu": achieved / hw.peak_tflops,
         "bubble_fraction": bubble,
-        "time_s": {"compute": compute, "tp": tp_s, "cp": cp_s, "pp": pp_s, "dp": dp_s, "dp_exposed": dp_exposed},
+        "time_s": {
+            "compute": compute,
+            "tp": tp_s,
+            "cp": cp_s,
+            "ep": ep_s,
+            "pp": pp_s,
+            "dp": dp_s,
+            "dp_exposed": dp_exposed,
+        },
     }

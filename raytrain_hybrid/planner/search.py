@@ -31,6 +31,8 @@ def _candidates(world: int, cfg: Config, gpus_per_node: int, fixed: dict):
     # Context parallelism where the model has a cp attention and a sequence to split (the
     # validator refuses the rest): it costs all-to-alls, so it wins where memory needs it.
     cps = [d for d in divisors if d > 1 and cfg.model.seq_len % d == 0] if get_arch(cfg.model.arch).attention else []
+    # Expert parallelism for mixtures of experts: ep among dp's divisors that divide the experts.
+    moe = get_arch(cfg.model.arch).moe is not None
     for tp in allowed("tp", [d for d in divisors if d <= gpus_per_node]):
         for pp, cp in ((p, c) for p in divisors for c in allowed("cp", [1, *cps]) if (world // tp) % (p * c) == 0):
             if "pp" in fixed and fixed["pp"] != pp:
@@ -39,7 +41,8 @@ def _candidates(world: int, cfg: Config, gpus_per_node: int, fixed: dict):
             if "dp" in fixed and fixed["dp"] != dp or cfg.train.global_batch_size % dp:
                 continue
             schedules = ["1F1B"] if pp == 1 else ["GPipe", "1F1B", "Interleaved1F1B"]
-            for schedule in allowed("schedule", schedules):
+            eps = [e for e in range(1, dp + 1) if dp % e == 0 and cfg.model.num_experts % e == 0] if moe else [1]
+            for schedule, ep in ((s, e) for s in allowed("schedule", schedules) for e in allowed("ep", eps)):
                 for mb in allowed("microbatches", _microbatch_counts(cfg.train.global_batch_size // dp)):
                     for zero in allowed("zero", [0] if dp * cp == 1 else [0, 1, 2, 3]):
                         for ac in allowed("activation_checkpointing", [False, True]):
@@ -49,6 +52,7 @@ def _candidates(world: int, cfg: Config, gpus_per_node: int, fixed: dict):
                                     "tp": tp,
                                     "pp": pp,
                                     "cp": cp,
+                                    "ep": ep,
                                     "schedule": schedule,
                                     "microbatches": mb,
                                     "zero": zero,
@@ -104,6 +108,6 @@ def format_table(rows: list[dict]) -> str:
             f"{'y' if r['activation_checkpointing'] else 'n':>3} {'y' if r['sequence_parallel'] else 'n':>3} "
             f"{r['memory_bytes']['total'] / GiB:>9.2f} "
             f"{r['predicted_tokens_per_s']:>12,.0f} {r['predicted_mfu']:>6.1%} {r['bubble_fraction']:>6.1%}  "
-            f"{r['reason']}"
+            f"{'ep=' + str(r['ep']) + ' ' if r.get('ep', 1) > 1 else ''}{r['reason']}"
         )
     return "\n".join(lines)
