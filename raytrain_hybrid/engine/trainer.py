@@ -55,6 +55,8 @@ class Trainer:
         self.loss_fn = make_loss(cfg, self.spec.task, device)
         self.pp_rank = mesh.pp.get_local_rank()
         self.dp_rank = mesh.dp.get_local_rank()
+        if cfg.lora.dropout:  # the TP ranks of a stage drop the same elements of a replicated adapter's input
+            torch.manual_seed(cfg.train.seed * 1_000_003 + self.dp_rank * 1009 + self.pp_rank)
         num_stages = par.num_stages if dims.pp > 1 else 1
         split = pipeline.split_layers(self.spec.num_blocks(cfg.model), num_stages)
         ids = pipeline.stage_ids(par.schedule, self.pp_rank, dims.pp, par.stages_per_rank) if dims.pp > 1 else [0]

@@ -117,10 +117,6 @@ def adapter_init(name: str, shape, seed: int):
     return (torch.rand(shape, generator=gen) * 2 - 1) * bound
 
 
-def scaling(lora) -> float:
-    return lora.alpha / lora.rank
-
-
 def adapter_params(cfg) -> tuple[int, int]:
     """(adapter parameters per block, blocks) of ``cfg``'s model: r * (in + out) for every
     targeted linear, read off one block built on the meta device (no weights are read)."""
