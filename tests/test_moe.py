@@ -5,6 +5,7 @@ Each launch runs several layouts in the same gloo processes (tests/gloo_harness.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from gloo_harness import run_gloo_jobs
 from reference_moe import moe_reference_run
@@ -181,3 +182,43 @@ def test_trackers_get_expert_load_per_expert():
 
     got = numbers({"step": 3, "loss": 2.5, "expert_load": [10, 30], "dropped_tokens": 0, "note": "x"})
     assert got == {"loss": 2.5, "expert_load/0": 10.0, "expert_load/1": 30.0, "dropped_tokens": 0.0}
+
+
+def test_pretrained_moe_loads_into_expert_shards_and_exports_back(tmp_path):
+    """A Qwen3-MoE checkpoint as transformers writes it (each expert's gate/up/down apart) loads
+    into ep x tp shards (every parameter equal to the checkpoint's), and `export` writes the
+    trained model back in that layout: transformers loads it with the engine's weights and logits."""
+    import torch
+    import transformers as tf
+    from gloo_harness import run_gloo
+    from test_pretrained import _tokenizer
+
+    src, out, exported = tmp_path / "qwen3-moe", tmp_path / "run", tmp_path / "hf"
+    config = tf.Qwen3MoeConfig(
+        **dict(vocab_size=4096, hidden_size=64, intermediate_size=32, moe_intermediate_size=32, head_dim=16),
+        **dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
+        **dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False),
+    )
+    torch.manual_seed(0)
+    tf.Qwen3MoeForCausalLM(config).save_pretrained(src)
+    _tokenizer().save_pretrained(src)
+    start = tf.AutoModelForCausalLM.from_pretrained(src).state_dict()
+    result = run_gloo(
+        [f"model.pretrained={src}", "data.path=memory", "model.seq_len=16", "train.steps=1", "train.lr=1e-3",
+         "train.global_batch_size=4", "parallelism.dp=2", "parallelism.ep=2", "parallelism.tp=2", "parallelism.pp=1",
+         "parallelism.microbatches=1", "checkpoint.interval=1", f"run.output_dir={out}"]
+    )  # fmt: skip
+    initial = result["probe"]["initial"]
+    assert sorted(initial) == sorted(start)
+    for name, value in initial.items():
+        assert np.array_equal(value, start[name].numpy()), name
+    assert cli.main(["export", str(out), str(exported)]) == 0
+    back = tf.AutoModelForCausalLM.from_pretrained(exported).eval()
+    final = {n: torch.as_tensor(v) for n, v in result["probe"]["final"].items()}
+    for name, value in back.state_dict().items():
+        assert torch.equal(value, final[name]), name
+    trained = tf.Qwen3MoeForCausalLM(config).eval()
+    trained.load_state_dict(final)
+    ids = torch.randint(0, 4096, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(back(input_ids=ids).logits, trained(input_ids=ids).logits, atol=1e-5)

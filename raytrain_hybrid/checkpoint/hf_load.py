@@ -83,6 +83,29 @@ def _local_chunk(p: torch.Tensor) -> tuple[tuple[int, ...], torch.Tensor]:
     return (0,) * p.dim(), p.detach()
 
 
+def _add_part(targets: dict, key: str, stored: tuple, part: tuple, p: torch.Tensor, location: str) -> None:
+    """Read checkpoint tensor ``key`` into ``p[part]`` (an int or a slice per leading dimension:
+    a mixture of experts' stacked weights hold one checkpoint tensor per expert and projection),
+    as far as this rank's shard of ``p`` overlaps it."""
+    start, view = _local_chunk(p)
+    index, offset, shape = [], [], []
+    for d, size in enumerate(p.shape):
+        sel = part[d] if d < len(part) else slice(None)
+        lo, hi = (sel, sel + 1) if isinstance(sel, int) else (sel.start or 0, size if sel.stop is None else sel.stop)
+        a, b = max(lo, start[d]), min(hi, start[d] + view.shape[d])
+        if isinstance(sel, int):
+            index.append(sel - start[d])
+        else:
+            shape.append(hi - lo)
+            index.append(slice(a - start[d], b - start[d]))
+            offset.append(a - lo)
+        if a >= b:
+            return  # not on this rank
+    if tuple(shape) != stored:
+        raise ConfigError(KEY, location, f"tensor {key!r} has shape {list(stored)}; the model needs {shape}")
+    targets.setdefault(key, []).append((tuple(offset), view[tuple(index)]))
+
+
 def load_hf_weights(stage: torch.nn.Module, spec, location: str, path: Path | Store) -> RangeReader:
     """Fill every parameter of ``stage`` (after parallelize and to_empty) from the checkpoint
     at ``path`` (``fetch_pretrained(location)``); returns the reader (its ``bytes_read``)."""
@@ -96,7 +119,14 @@ def load_hf_weights(stage: torch.nn.Module, spec, location: str, path: Path | St
         name = base_name(name.replace("_checkpoint_wrapped_module.", ""))
         if name is None:  # a LoRA adapter: not in the checkpoint (the trainer initialises it)
             continue
-        candidates, transposed, offset = spec.from_hf(name, conf)
+        where = spec.from_hf(name, conf)
+        if isinstance(where, list):  # the parameter stacks several checkpoint tensors (experts)
+            for key, part in where:
+                if key not in available:
+                    raise ConfigError(KEY, location, f"has no tensor {key!r} (for part of the engine's {name})")
+                _add_part(targets, key, tuple(available[key].size), part, p, location)
+            continue
+        candidates, transposed, offset = where
         key = next((k for k in candidates if k in available), None)
         if key is None:
             raise ConfigError(KEY, location, f"has no tensor {candidates[0]!r} (for the engine's {name})")

@@ -15,6 +15,8 @@ import functools
 
 from raytrain_hybrid.models.hf_checkpoint import checkpoint_config, is_set
 from raytrain_hybrid.models.llama import family_spec
+from raytrain_hybrid.models.llama import from_hf as llama_from_hf
+from raytrain_hybrid.models.llama import sizes_from_hf as llama_sizes
 from raytrain_hybrid.models.spec import ArchSpec, TransformersClass
 
 
@@ -74,6 +76,45 @@ def matmul_params(m) -> int:
     return m.num_layers * per_layer + m.vocab_size * m.hidden_size
 
 
+def _experts(mixtral: bool, conf: dict) -> tuple[int, int]:
+    """(experts, an expert's width) of a config.json (transformers writes num_local_experts for
+    both; Qwen's own files say num_experts)."""
+    experts = conf.get("num_local_experts") or conf["num_experts"]
+    return experts, conf["intermediate_size"] if mixtral else conf["moe_intermediate_size"]
+
+
+def sizes_from_hf(mixtral: bool, conf: dict) -> dict:
+    sizes = llama_sizes(conf)
+    experts, width = _experts(mixtral, conf)
+    return {**sizes, "ffn_hidden_size": width, "num_experts": experts, "experts_per_token": conf["num_experts_per_tok"]}
+
+
+# A checkpoint keeps each expert's projections apart: (prefix of the MoE block, names of gate, up, down).
+_CHECKPOINT_EXPERTS = {
+    False: ("mlp", "gate_proj", "up_proj", "down_proj"),
+    True: ("block_sparse_moe", "w1", "w3", "w2"),
+}
+
+
+def from_hf(mixtral: bool, name: str, conf: dict):
+    """Where an engine parameter lies in a Hugging Face checkpoint: the experts' stacked weights
+    as one tensor per expert and projection (gate and up stacked in gate_up_proj), the router
+    under Mixtral's block_sparse_moe; everything else under its own name."""
+    block, gate, up, down = _CHECKPOINT_EXPERTS[mixtral]
+    layer, _, rest = name.partition(".mlp.")
+    if not rest:
+        return llama_from_hf(name, conf)
+    if rest == "gate.weight":
+        return (f"{layer}.{block}.gate.weight",), False, ()
+    experts, width = _experts(mixtral, conf)
+    key = f"{layer}.{block}.experts.{{}}.{{}}.weight"
+    if rest == "experts.down_proj":
+        return [(key.format(e, down), (e,)) for e in range(experts)]
+    assert rest == "experts.gate_up_proj", name
+    halves = ((gate, slice(0, width)), (up, slice(width, 2 * width)))
+    return [(key.format(e, proj), (e, rows)) for e in range(experts) for proj, rows in halves]
+
+
 def moe_family_spec(name: str, config_class: str, model_class: str, *, mixtral: bool = False) -> ArchSpec:
     """The spec of a Llama-family mixture of experts with its own transformers classes."""
     dense = family_spec(name, config_class, model_class)
@@ -83,11 +124,9 @@ def moe_family_spec(name: str, config_class: str, model_class: str, *, mixtral: 
     return dataclasses.replace(
         dense,
         hf_config=functools.partial(_hf_config, TransformersClass(config_class), mixtral),
-        # Pretrained MoE checkpoints store each expert's matrices apart: not read yet.
-        hf_class=None,
-        hf_model_types=(),
-        sizes_from_hf=None,
-        from_hf=None,
+        hf_model_types=("mixtral",) if mixtral else ("qwen3_moe",),
+        sizes_from_hf=functools.partial(sizes_from_hf, mixtral),
+        from_hf=functools.partial(from_hf, mixtral),
         param_parts=functools.partial(_param_parts, not mixtral),
         matmul_params=matmul_params,
         tp_plan=attention,
