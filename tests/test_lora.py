@@ -23,7 +23,7 @@ from raytrain_hybrid.errors import ConfigError
 
 SEQ, STEPS = 32, 2
 LORA = ["lora.rank=4", "lora.alpha=8", "lora.targets=all-linear"]
-LAYOUTS = {  # four ranks each: TP with sequence parallelism and PP; TP, ZeRO-1, recomputation; FSDP and PP
+LAYOUTS = {  # four ranks each: TP with SP and PP; TP, ZeRO-1, recomputation; FSDP and PP; CP and FSDP
     "1x2x2-sp": ["parallelism.dp=1", "parallelism.tp=2", "parallelism.pp=2"],
     "2x2x1-zero1": [
         "parallelism.dp=2",
@@ -33,6 +33,14 @@ LAYOUTS = {  # four ranks each: TP with sequence parallelism and PP; TP, ZeRO-1,
         "parallelism.activation_checkpointing=true",
     ],
     "2x1x2-zero3": ["parallelism.dp=2", "parallelism.tp=1", "parallelism.pp=2", "parallelism.zero=3"],
+    # Context parallelism 2 with FSDP over dp x cp, as jobs/lora_llama31_8b_64k.toml runs it.
+    "dp2-cp2-zero3": [
+        "parallelism.dp=2",
+        "parallelism.cp=2",
+        "parallelism.tp=1",
+        "parallelism.pp=1",
+        "parallelism.zero=3",
+    ],
 }
 RTOL = 1e-4
 
@@ -108,7 +116,7 @@ def reference(runs, llama) -> list[dict]:
 
 
 def test_every_layout_equals_peft(runs, reference):
-    """TP with SP and PP, TP with ZeRO-1, FSDP with PP: each equals peft's single-process training."""
+    """TP with SP and PP, TP with ZeRO-1, FSDP with PP, CP with FSDP: each equals peft's single-process training."""
     adapters = set(reference[0]["grad_norms"])
     assert len(adapters) == 2 * 7 * 4, sorted(adapters)[:4]  # A and B on 7 linears in 4 blocks
     assert all(reference[-1]["params"][n].abs().max() > 0 for n in adapters)  # B starts at 0: trained
