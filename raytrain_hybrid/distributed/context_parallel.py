@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from raytrain_hybrid.models.packed import document_mask
+
 ATTENTION = "raytrain_cp"  # the name registered with transformers' AttentionInterface
 
 
@@ -71,21 +73,31 @@ def kv_repeats(kv_heads: int, cp: int) -> int:
 
 def cp_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """A transformers attention function: q [b, h, s/cp, d], k/v [b, kv, s/cp, d] of this rank's
-    slice -> ([b, s/cp, h, d], None). ``attention_mask``: None (causal) or a mask over the whole
-    sequence ([b or 1, 1, s, s], bool or additive), e.g. packed documents' block-diagonal one."""
+    slice -> ([b, s/cp, h, d], None). ``attention_mask``: None (causal) or packed documents' mask,
+    rebuilt for the whole sequence from the ``position_ids`` transformers passes on."""
     group, cp = module.cp_group, module.cp_size
     r = kv_repeats(key.shape[1], cp)
     if r > 1:
         key, value = key.repeat_interleave(r, dim=1), value.repeat_interleave(r, dim=1)
     q, k, v = (seq_to_heads(t, group, cp) for t in (query, key, value))
-    if k.shape[1] != q.shape[1]:  # grouped-query attention: each key head serves a group of queries
-        groups = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    mask = attention_mask  # shared by the heads: the whole sequence's, as every rank now has it
+    mask = attention_mask
+    if mask is not None and mask.shape[-1] != q.shape[-2]:  # built from this rank's slice only
+        mask = whole_sequence_mask(kwargs["position_ids"], group, cp)
+    # Grouped-query attention: each key head serves a group of query heads (not repeated in memory).
+    gqa = k.shape[1] != q.shape[1]
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling
+        q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling, enable_gqa=gqa
     )
     return heads_to_seq(out, group, cp), None
+
+
+def whole_sequence_mask(position_ids: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """Packed rows (data.packing): the stage built its document mask from its own slice's
+    position ids; attention over the whole sequence needs the whole rows' ([rows, 1, s, s]),
+    made the same way from every cp rank's position ids."""
+    parts = [torch.empty_like(position_ids) for _ in range(cp)]
+    dist.all_gather(parts, position_ids.contiguous(), group=group)
+    return document_mask(torch.cat(parts, dim=1))
 
 
 def use_cp_attention(hf_config) -> None:
