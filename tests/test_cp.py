@@ -13,9 +13,6 @@ import pytest
 from conftest import reference_history
 from gloo_harness import run_gloo_jobs
 from test_oracle import MEMORY, SHORT, assert_oracle, assert_replicas_share_rows, layout
-from test_packing import _reference as packed_reference
-from test_packing import _sets as packed_sets
-from test_packing import chat_dir  # noqa: F401 (a fixture: packed chat data and its tokenizer)
 
 from raytrain_hybrid import cli
 
@@ -47,13 +44,46 @@ def test_cp_layouts_match_single_process():
         assert_replicas_share_rows(results[name]["memory"], overrides)
 
 
-def test_cp_with_packing_matches_each_example_alone(chat_dir):  # noqa: F811 (the fixture imported above)
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    from chat_data import conversations, make_tokenizer, write_chat
+
+    out = tmp_path_factory.mktemp("cp-packing")
+    make_tokenizer(out / "tok")
+    write_chat(out / "chat.parquet", conversations(90))
+    return out
+
+
+def test_cp_with_packing_matches_each_example_alone(chat_dir):
     """Packed chat rows (data.packing) split over cp ranks, through a pipeline: each rank's slice of
     the position ids gives RoPE its positions and travels stage to stage; attention rebuilds the
     document mask of the whole rows. The reference runs every example alone (tests/reference_packing.py)."""
-    sets = packed_sets(chat_dir)
+    from chat_data import VOCAB
+    from reference import _buffer_shuffle
+    from reference_chat import chat_examples
+    from reference_packing import packed_reference_run, packed_steps
+
+    from raytrain_hybrid.config import load_config
+
+    seq = 128
+    sets = [
+        "train.steps=3",
+        "model.num_layers=2",
+        "model.hidden_size=64",
+        "train.global_batch_size=8",
+        f"model.seq_len={seq}",
+        "data.packing=true",
+        "data.format=chat",
+        f"data.path={chat_dir / 'chat.parquet'}",
+        f"data.tokenizer={chat_dir / 'tok'}",
+        f"model.vocab_size={VOCAB}",
+        "data.shuffle_buffer=16",
+    ]
     run = run_gloo_jobs(4, {"1x2x1x2": [*sets, *cp_layout(1, 2, 1, 2)]})["1x2x1x2"]
-    assert_oracle(run, packed_reference(chat_dir, sets, run["probe"]["initial"]))
+    cfg = load_config(None, sets)
+    steps = packed_steps(cfg, chat_examples(chat_dir / "tok", chat_dir / "chat.parquet", seq), _buffer_shuffle)
+    # From the run's own initial state (the init rule is tests/test_oracle.py's to check).
+    assert_oracle(run, packed_reference_run(cfg, steps, run["probe"]["initial"]))
 
 
 @pytest.mark.parametrize(
