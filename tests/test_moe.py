@@ -32,7 +32,7 @@ TINY = (
 )
 
 
-def _check(arch: str, results: dict, names: list[str]) -> None:
+def _check(arch: str, results: dict, names: list[str]) -> list[dict]:
     common = [f"model.arch={arch}", *TINY]
     # The reference starts from the first layout's initial state; every other layout's must equal it.
     reference = moe_reference_run(load_config(None, common), initial=results[names[0]]["probe"]["initial"])
@@ -43,6 +43,7 @@ def _check(arch: str, results: dict, names: list[str]) -> None:
             # Every token of the global batch routed to top-k experts in each MoE layer, none dropped.
             assert len(load) == 4 and sum(load) == 8 * 16 * 2 * 4, (name, load)
             assert got["dropped_tokens"] == 0
+    return reference
 
 
 def test_moe_layouts_match_transformers():
@@ -59,17 +60,27 @@ def test_moe_layouts_match_transformers():
         _check(arch, results, [job for job in jobs if job.startswith(arch + "/")])
 
 
-def test_expert_parallel_layouts_match_transformers():
+def test_expert_parallel_layouts_match_transformers(tmp_path):
     """parallelism.ep = 2 and 4: experts sharded over data-parallel ranks, tokens sent to them by
-    all-to-all; with tp (sequence parallel) and pp, under ZeRO-0 replication and FSDP."""
+    all-to-all; with tp (sequence parallel) and pp (activation checkpointing: the recomputation
+    exchanges the tokens again), under ZeRO-0 replication and FSDP; and a run saved at ep = 2
+    resumed at ep = 4 (the checkpoint resharded across ep sizes) continues the same training."""
+    ac = "parallelism.activation_checkpointing=true"
     cases = {
         "ep2-dp2-tp2": layout(2, 2, 1, "1F1B", 2, 0, "parallelism.ep=2"),
-        "ep2-dp2-pp2-zero2": layout(2, 1, 2, "1F1B", 2, 2, "parallelism.ep=2"),
+        "ep2-dp2-pp2-zero2-ac": layout(2, 1, 2, "1F1B", 2, 2, "parallelism.ep=2", ac),
         "ep4-dp4-zero3": layout(4, 1, 1, "1F1B", 2, 3, "parallelism.ep=4"),
         "ep2-dp4-zero0": layout(4, 1, 1, "1F1B", 2, 0, "parallelism.ep=2"),
     }
-    results = run_gloo_jobs(4, {name: ["model.arch=qwen3-moe", *TINY, *lay] for name, lay in cases.items()})
-    _check("qwen3-moe", results, list(cases))
+    jobs: dict = {name: ["model.arch=qwen3-moe", *TINY, *lay] for name, lay in cases.items()}
+    jobs["ep2-dp2-tp2"] += ["checkpoint.interval=1", f"run.output_dir={tmp_path / 'saved'}"]
+    jobs["resumed-at-ep4"] = {
+        "overrides": [*jobs["ep4-dp4-zero3"], f"run.output_dir={tmp_path / 'resumed'}"],
+        "resume": str(tmp_path / "saved" / "checkpoints" / "step_1"),
+    }
+    results = run_gloo_jobs(4, jobs)
+    reference = _check("qwen3-moe", results, list(cases))
+    assert_oracle(results["resumed-at-ep4"], reference, first=1)
     # Under replication (ZeRO-0) each rank holds every weight but the experts, and 1/ep of those.
     full = results["ep2-dp4-zero0"]["probe"]["initial"]
     experts = sum(v.size for n, v in full.items() if ".experts." in n)

@@ -86,13 +86,21 @@ def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _grouped(x: torch.Tensor) -> bool:
+    """torch._grouped_mm for the experts: a Hopper (or newer) GPU, in bf16 (autocast or bf16 data)."""
+    if not (x.is_cuda and hasattr(torch, "_grouped_mm")) or torch.cuda.get_device_capability(x.device)[0] < 9:
+        return False
+    return x.dtype == torch.bfloat16 or torch.is_autocast_enabled("cuda")
+
+
 def _compute(experts, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """The local experts on their rows of ``x`` (grouped by expert, ``counts`` rows each)."""
     gate_up, down = _local(experts.gate_up_proj), _local(experts.down_proj)
-    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+    if _grouped(x):  # one kernel for all local experts; autocast does not reach it: bf16 by hand
+        bf16 = torch.bfloat16
         offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-        gate, up = torch._grouped_mm(x, gate_up.to(x.dtype).transpose(-2, -1), offs=offs).chunk(2, dim=-1)
-        return torch._grouped_mm(experts.act_fn(gate) * up, down.to(x.dtype).transpose(-2, -1), offs=offs)
+        gate, up = torch._grouped_mm(x.to(bf16), gate_up.to(bf16).transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+        return torch._grouped_mm((experts.act_fn(gate) * up).to(bf16), down.to(bf16).transpose(-2, -1), offs=offs)
     outs = []
     for e, rows in enumerate(x.split(counts)):
         gate, up = torch.nn.functional.linear(rows, gate_up[e]).chunk(2, dim=-1)
@@ -117,7 +125,8 @@ def _ep_forward(experts, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_
     # Received rows come by source, then by expert: regroup them by expert for the compute.
     expert_of_row = torch.arange(local, device=flat.device).repeat(ep).repeat_interleave(received.reshape(-1))
     by_expert = torch.argsort(expert_of_row, stable=True)
-    y = torch.empty_like(x).index_copy(0, by_expert, _compute(experts, x[by_expert], received.sum(0).tolist()))
+    out = _compute(experts, x[by_expert], received.sum(0).tolist())  # (bf16 from the grouped kernel)
+    y = torch.empty_like(out).index_copy(0, by_expert, out)
     experts.computed = x.shape[0]  # token-expert pairs computed here (dropped_tokens: routed - computed)
     back = funcol.all_to_all_single_autograd(y, send_splits, recv_splits, group)
     pairs = torch.empty_like(back).index_copy(0, order, back)  # back in (token, k) order

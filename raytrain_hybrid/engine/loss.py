@@ -129,15 +129,20 @@ class RouterLoss:
 
     def _router_hook(self, router, args, output):
         logits, weights, indices = output
-        if not self._recording(logits):
+        if not torch.is_grad_enabled() or logits.is_meta:
             return None
+        # Activation checkpointing's recomputation computes the same (it must save what the
+        # forward saved) and records nothing.
         e, k = self.experts, indices.shape[-1]
         probs = torch.softmax(logits.float(), dim=-1).view(-1, self.seq_len, e)  # [sequences, tokens, E]
         with torch.no_grad():
             hits = F.one_hot(indices.reshape(-1, self.seq_len * k), e).sum(1).float()  # [sequences, E]
         per_seq = e * (hits / self.seq_len * probs.mean(1)).sum(-1)  # load_balancing_loss_func of each sequence
         aux = per_seq.sum()
-        self._record.setdefault(id(router), []).append(torch.cat([(aux.detach() * self.unit).reshape(1), hits.sum(0)]))
+        if self._recording(logits):
+            self._record.setdefault(id(router), []).append(
+                torch.cat([(aux.detach() * self.unit).reshape(1), hits.sum(0)])
+            )
         return logits, _WithAuxGrad.apply(weights, aux, self.scale), indices
 
     def _experts_hook(self, experts, args, output):
