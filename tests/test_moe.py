@@ -86,6 +86,15 @@ def test_expert_parallel_layouts_match_transformers(tmp_path):
     experts = sum(v.size for n, v in full.items() if ".experts." in n)
     others = sum(v.size for n, v in full.items() if ".experts." not in n)
     assert {m["param_bytes"] for m in results["ep2-dp4-zero0"]["memory"]} == {4 * (others + experts // 2)}
+    # The planner's parameter, gradient and AdamW bytes per rank are what the ranks held (within 5 %).
+    from raytrain_hybrid.planner.cost import predict
+    from raytrain_hybrid.planner.hardware import load_hardware
+
+    for name in ("ep2-dp4-zero0", "ep4-dp4-zero3", "ep2-dp2-tp2"):
+        want = predict(load_config(None, jobs[name]), load_hardware("h100"))["memory_bytes"]
+        for key, measured in (("params", "param_bytes"), ("grads", "grad_bytes"), ("optimizer", "optimizer_bytes")):
+            got = max(m[measured] for m in results[name]["memory"])
+            assert abs(got - want[key]) <= 0.05 * got, (name, key, got, want[key])
 
 
 @pytest.mark.parametrize(
