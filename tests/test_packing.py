@@ -4,7 +4,9 @@ The oracle (tests/reference_packing.py) runs every example alone through an unmo
 transformers model and sums the same tokens. A packed row must give each of its examples'
 tokens the logits that example gives alone (test_a_packed_row_is_each_example_alone), and every
 layout, pipeline, tensor and sequence parallel and ZeRO included, must train what the reference
-trains on the same examples (losses, every parameter's gradient norm, final weights).
+trains on the same examples (losses, every parameter's gradient norm, final weights), with the
+rows read in each process or streamed by a replica's leader and broadcast. The single-process
+model is the first test's; the layouts run as four gloo processes in one launch.
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ import numpy as np
 import pytest
 import torch
 from chat_data import VOCAB, conversations, make_tokenizer, write_chat
-from gloo_harness import initial_state, run_gloo, run_gloo_jobs
+from gloo_harness import launch_ranks
 from reference import _buffer_shuffle, corpus_tokens, lm_model
 from reference_chat import chat_examples
-from reference_packing import packed_reference_run, packed_steps, summed_loss, text_examples
+from reference_packing import one_thread, packed_reference_run, packed_steps, summed_loss, text_examples
 from test_oracle import assert_oracle, layout
 
 from raytrain_hybrid.config import load_config
@@ -150,6 +152,11 @@ def test_a_packed_row_is_each_example_alone(arch):
     transformers model; the mean loss of the counted tokens and every parameter's gradient
     equal those of the examples run alone. Without the position ids (one causal sequence) the
     second example of a row is off: the comparison sees the difference."""
+    with one_thread():
+        _a_packed_row_is_each_example_alone(arch)
+
+
+def _a_packed_row_is_each_example_alone(arch):
     _, stage, reference = _models(arch)
     cfg = load_config(None, [f"model.arch={arch}", *COMMON[2:], "data.path=memory"])
     batch = _engine_batches(cfg, 1)[0]
@@ -209,39 +216,69 @@ LAYOUTS = {
     "2x2x1-zero3": layout(2, 2, 1, microbatches=2, zero=3),
     "2x1x2-zero1-gpipe": layout(2, 1, 2, "GPipe", 2, 1),
 }
+# Read as a Ray run reads: each replica's leader streams the rows (here data.path encoded in the
+# process, standing in for Ray Data's iterator) and broadcasts tokens, masks and positions.
+FED = {"1x2x2-1f1b-m2", "2x1x2-zero1-gpipe"}
 
 
-@functools.lru_cache(maxsize=4)
-def _reference(chat: str, sets: tuple[str, ...]):
-    cfg = load_config(None, list(sets))
-    steps = packed_steps(cfg, _examples(Path(chat)), _buffer_shuffle)
-    return packed_reference_run(cfg, steps, initial_state(cfg))
+def _run_jobs(rank: int, world: int, jobs: dict) -> dict:
+    """gloo_harness's jobs in one launch, some fed through the replica feed (run_worker's dataset_fn)."""
+    from gloo_harness import Probe
+
+    from raytrain_hybrid.data.examples import TableIterator
+    from raytrain_hybrid.engine.trainer import Trainer
+    from raytrain_hybrid.engine.worker import run_worker
+
+    out, init = {}, Trainer.__init__
+    for name, (overrides, fed) in jobs.items():
+        probe = Probe()
+        probe.install()
+        try:
+            cfg = load_config(None, overrides)
+            result = run_worker(cfg, node_id="node0", dataset_fn=functools.partial(TableIterator, cfg) if fed else None)
+        finally:
+            Trainer.__init__ = init
+        out[name] = {**result, "probe": probe.report()}
+    return out
+
+
+_REFERENCES: dict = {}
+
+
+def _reference(chat_dir: Path, sets: list[str], initial: dict) -> list[dict]:
+    """The reference run for ``sets`` from ``initial``: the engine's initial state as a run's
+    probe gathered it (the init rule itself is tests/test_oracle.py's), computed once."""
+    key = tuple(sets)
+    if key not in _REFERENCES:
+        cfg = load_config(None, list(sets))
+        steps = packed_steps(cfg, _examples(chat_dir), _buffer_shuffle)
+        _REFERENCES[key] = packed_reference_run(cfg, steps, initial)
+    return _REFERENCES[key]
 
 
 @pytest.fixture(scope="module")
 def layout_runs(chat_dir) -> dict[str, dict]:
     sets = _sets(chat_dir)
-    jobs = {name: [*sets, *overrides] for name, overrides in LAYOUTS.items()}
-    jobs["gpt2-1x2x2"] = [*_sets(chat_dir, "model.arch=gpt2"), *layout(1, 2, 2, "1F1B", 2)]
-    return run_gloo_jobs(4, jobs)
-
-
-def test_packed_single_process_matches_each_example_alone(chat_dir):
-    sets = tuple(_sets(chat_dir))
-    result = run_gloo([*sets, *layout(1, 1, 1, microbatches=1)])
-    assert_oracle(result, _reference(str(chat_dir), sets))
-    counted = [len([m for m in mask[1:] if m]) for _, mask in _examples(chat_dir)]
-    assert all(h["loss_tokens"] <= sum(counted) for h in result["history"])
+    jobs = {name: ([*sets, *overrides], name in FED) for name, overrides in LAYOUTS.items()}
+    jobs["gpt2-1x2x2"] = ([*_sets(chat_dir, "model.arch=gpt2"), *layout(1, 2, 2, "1F1B", 2)], False)
+    return launch_ranks(_run_jobs, 4, jobs)
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_packed_layout_matches_each_example_alone(chat_dir, layout_runs, name):
-    assert_oracle(layout_runs[name], _reference(str(chat_dir), tuple(_sets(chat_dir))))
+    """Each layout starts where the first does and trains what the reference trains from there:
+    the same losses, gradient norms of every parameter, final weights."""
+    initial = layout_runs[sorted(LAYOUTS)[0]]["probe"]["initial"]
+    assert_oracle(layout_runs[name], _reference(chat_dir, _sets(chat_dir), initial))
+    # Fed runs report where the replica's stream stands: rows (packed sequences) of its epoch.
+    assert all(("data_windows_in_epoch" in h) == (name in FED) for h in layout_runs[name]["history"])
+    counted = [len([m for m in mask[1:] if m]) for _, mask in _examples(chat_dir)]
+    assert all(0 < h["loss_tokens"] < sum(counted) for h in layout_runs[name]["history"])
 
 
 def test_packed_gpt2_matches_each_example_alone(chat_dir, layout_runs):
-    sets = tuple(_sets(chat_dir, "model.arch=gpt2"))
-    assert_oracle(layout_runs["gpt2-1x2x2"], _reference(str(chat_dir), sets))
+    run = layout_runs["gpt2-1x2x2"]
+    assert_oracle(run, _reference(chat_dir, _sets(chat_dir, "model.arch=gpt2"), run["probe"]["initial"]))
 
 
 # ------------------------------------------------------------------ refusals

@@ -170,7 +170,8 @@ class DataConfig:
     # "chat" (a column of messages [{role, content}], rendered with the tokenizer's chat
     # template, the loss on assistant tokens only); "prompt_completion" (two text columns,
     # the loss on completion tokens only). Chat and prompt/completion rows are one example
-    # per sequence of model.seq_len+1 tokens, padded; a longer one is cut at the end.
+    # per sequence of model.seq_len+1 tokens, padded (several whole ones with data.packing);
+    # a longer one is cut at the end.
     format: str = "text"
     # data.format="chat": the column of messages (a list of {role, content} structs).
     messages_column: str = "messages"
