@@ -34,7 +34,7 @@ def test_check_refuses_tp_across_nodes():
 def test_plan_ranks_layouts_of_the_world_size():
     cfg = rh.load_config(None, [])
     rows = rh.plan(cfg, world_size=8, hardware="h100")
-    assert rows and all(r["dp"] * r["tp"] * r["pp"] == 8 for r in rows)
+    assert rows and all(r["dp"] * r["cp"] * r["tp"] * r["pp"] == 8 for r in rows)  # ep is carved from dp
     feasible = [r for r in rows if r["feasible"]]
     assert feasible[0]["predicted_tokens_per_s"] == max(r["predicted_tokens_per_s"] for r in feasible)
 
