@@ -23,25 +23,45 @@ def cp_layout(dp: int, cp: int, tp: int, pp: int, zero: int = 0, schedule: str =
     return [*layout(dp, tp, pp, schedule, 2, zero), f"parallelism.cp={cp}"]
 
 
-# (dp, cp, tp, pp): cp=4 alone; cp with dp under FSDP (ZeRO-3, sharded over dp x cp) and ZeRO-1;
+# (dp, cp, tp, pp): cp=4 alone; cp with dp under FSDP (ZeRO-3, sharded over dp x cp; ZeRO-1 at the resume below);
 # cp with tp (sequence parallelism inside each cp slice); cp with a pipeline.
 WORLD4 = {
     "1x4x1x1": cp_layout(1, 4, 1, 1),
     "2x2x1x1-zero3": cp_layout(2, 2, 1, 1, zero=3),
-    "2x2x1x1-zero1": cp_layout(2, 2, 1, 1, zero=1),
     "1x2x2x1-sp": cp_layout(1, 2, 2, 1),
     "1x2x1x2-1f1b": cp_layout(1, 2, 1, 2),
 }
 
 
-def test_cp_layouts_match_single_process():
+@pytest.fixture(scope="module")
+def cp_runs(tmp_path_factory) -> dict:
+    """The WORLD4 layouts in one launch of 4 gloo ranks; the ZeRO-3 one saves a checkpoint at step 2,
+    and a last job resumes from it at cp=4 under ZeRO-1."""
+    out = tmp_path_factory.mktemp("cp")
+    saved = [f"run.output_dir={out / 'saved'}", "checkpoint.interval=2"]
+    jobs = {name: [*BASE, *overrides, *(saved if name == SAVES else ())] for name, overrides in WORLD4.items()}
+    jobs["resumed-1x4x1x1-zero1"] = {
+        "overrides": [*BASE, *cp_layout(1, 4, 1, 1, zero=1), f"run.output_dir={out / 'resumed'}"],
+        "resume": str(out / "saved" / "checkpoints" / "step_2"),
+    }
+    return run_gloo_jobs(4, jobs)
+
+
+SAVES = "2x2x1x1-zero3"
+
+
+@pytest.mark.parametrize("name", sorted(WORLD4))
+def test_cp_layouts_match_single_process(cp_runs, name):
     """Losses, every parameter's gradient norm and the final weights equal the single-process run."""
-    reference = reference_history(BASE, "memory")
-    results = run_gloo_jobs(4, {name: [*BASE, *overrides] for name, overrides in WORLD4.items()})
-    for name, overrides in WORLD4.items():
-        assert_oracle(results[name], reference)
-        # Every rank of a replica (its cp ranks too) read the same rows.
-        assert_replicas_share_rows(results[name]["memory"], overrides)
+    assert_oracle(cp_runs[name], reference_history(BASE, "memory"))
+    # Every rank of a replica (its cp ranks too) read the same rows.
+    assert_replicas_share_rows(cp_runs[name]["memory"], WORLD4[name])
+
+
+def test_cp_checkpoint_resumes_under_another_cp_layout(cp_runs):
+    """Saved at dp=2 x cp=2 under FSDP (sharded over dp x cp), resumed at cp=4 under ZeRO-1: the
+    resumed steps equal the uninterrupted single-process run's."""
+    assert_oracle(cp_runs["resumed-1x4x1x1-zero1"], reference_history(BASE, "memory"), first=2)
 
 
 @pytest.fixture(scope="module")
