@@ -23,15 +23,8 @@ from raytrain_hybrid.errors import ConfigError
 
 SEQ, STEPS = 32, 2
 LORA = ["lora.rank=4", "lora.alpha=8", "lora.targets=all-linear"]
-LAYOUTS = {  # four ranks each: TP with SP and PP; TP, ZeRO-1, recomputation; FSDP and PP; CP and FSDP
+LAYOUTS = {  # four ranks each: TP with SP and PP; FSDP and PP; CP and FSDP
     "1x2x2-sp": ["parallelism.dp=1", "parallelism.tp=2", "parallelism.pp=2"],
-    "2x2x1-zero1": [
-        "parallelism.dp=2",
-        "parallelism.tp=2",
-        "parallelism.pp=1",
-        "parallelism.zero=1",
-        "parallelism.activation_checkpointing=true",
-    ],
     "2x1x2-zero3": ["parallelism.dp=2", "parallelism.tp=1", "parallelism.pp=2", "parallelism.zero=3"],
     # Context parallelism 2 with FSDP over dp x cp, as jobs/lora_llama31_8b_64k.toml runs it.
     "dp2-cp2-zero3": [
@@ -42,6 +35,9 @@ LAYOUTS = {  # four ranks each: TP with SP and PP; TP, ZeRO-1, recomputation; FS
         "parallelism.zero=3",
     ],
 }
+# The run resumed from 1x2x2-sp's step 1: TP, ZeRO-1 and recomputation.
+RESUMED = ["parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=1", "parallelism.zero=1"]
+RESUMED += ["parallelism.activation_checkpointing=true"]
 RTOL = 1e-4
 
 
@@ -62,16 +58,21 @@ def _rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12))
 
 
-def lora_mismatches(result: dict, reference: list[dict]) -> list[str]:
-    """Every way a run differs from the peft reference (losses, norms, final adapters, frozen base)."""
+def lora_mismatches(result: dict, reference: list[dict], first: int = 0) -> list[str]:
+    """Every way a run (from step ``first``: a resumed one) differs from the peft reference: the
+    initial state, every loss, global and per-adapter gradient norm, the final adapters, and a
+    base equal to transformers' load of the checkpoint, with no gradient."""
     history, probe = result["history"], result["probe"]
     bad = []
     start = reference[0]["initial"]
     if sorted(probe["initial"]) != sorted(start):
         return [f"parameter names differ: {sorted(set(probe['initial']) ^ set(start))[:8]}"]
-    bad += [f"initial value of {n}" for n, v in start.items() if not np.array_equal(probe["initial"][n], v.numpy())]
-    assert len(history) == len(reference) == len(probe["grad_norms"])
-    for got, norms, want in zip(history, probe["grad_norms"], reference, strict=True):
+    if not first:
+        bad += [f"initial value of {n}" for n, v in start.items() if not np.array_equal(probe["initial"][n], v.numpy())]
+    assert [h["step"] for h in history] == list(range(first, len(reference))) and len(probe["grad_norms"]) == len(
+        history
+    )
+    for got, norms, want in zip(history, probe["grad_norms"], reference[first:], strict=True):
         for key in ("loss", "grad_norm", "lr"):
             if abs(got[key] - want[key]) > RTOL * abs(want[key]) + 1e-12:
                 bad.append(f"{key} at step {want['step']}: {got[key]!r}, want {want[key]!r}")
@@ -86,8 +87,8 @@ def lora_mismatches(result: dict, reference: list[dict]) -> list[str]:
         if name in reference[0]["grad_norms"]:  # an adapter: trained
             if _rel(got, w.numpy()) > RTOL:
                 bad.append(f"final value of {name}: differs by {_rel(got, w.numpy()):.2e} of its norm")
-        elif not np.array_equal(got, probe["initial"][name]):
-            bad.append(f"frozen {name} changed")
+        elif not np.array_equal(got, w.numpy()):
+            bad.append(f"frozen {name} is not the checkpoint's")
     return bad
 
 
@@ -101,7 +102,7 @@ def runs(llama, tmp_path_factory) -> dict:
     jobs: dict = {name: common(llama, *layout, f"run.output_dir={out / name}") for name, layout in LAYOUTS.items()}
     jobs["1x2x2-sp"] += ["checkpoint.interval=1"]
     jobs["resumed"] = {
-        "overrides": common(llama, *LAYOUTS["2x2x1-zero1"], f"run.output_dir={out / 'resumed'}"),
+        "overrides": common(llama, *RESUMED, f"run.output_dir={out / 'resumed'}"),
         "resume": str(out / "1x2x2-sp" / "checkpoints" / "step_1"),
     }
     jobs["bf16"] = common(llama, *LAYOUTS["2x1x2-zero3"], "train.dtype=bfloat16", f"run.output_dir={out / 'bf16'}")
@@ -120,8 +121,8 @@ def test_every_layout_equals_peft(runs, reference):
     adapters = set(reference[0]["grad_norms"])
     assert len(adapters) == 2 * 7 * 4, sorted(adapters)[:4]  # A and B on 7 linears in 4 blocks
     assert all(reference[-1]["params"][n].abs().max() > 0 for n in adapters)  # B starts at 0: trained
-    for name in LAYOUTS:
-        bad = lora_mismatches(runs[name], reference)
+    for name in [*LAYOUTS, "resumed"]:
+        bad = lora_mismatches(runs[name], reference, first=1 if name == "resumed" else 0)
         assert not bad, f"{name}: {len(bad)} mismatches:\n" + "\n".join(bad[:20])
         for rank in runs[name]["memory"]:
             opt, params = rank["optimizer_bytes"], rank["param_bytes"]
@@ -173,9 +174,9 @@ def _logits(model, ids) -> np.ndarray:
         return model.eval()(input_ids=ids).logits.numpy()
 
 
-def test_resume_export_and_merge(runs, reference, llama, tmp_path, capsys):
-    """A LoRA run checkpoints its adapters and their AdamW state only; resumed under another
-    layout (TP and PP -> TP and ZeRO-1) it continues the run as peft does; a resume that
+def test_resume_export_and_merge(runs, llama, tmp_path, capsys):
+    """A LoRA run checkpoints its adapters and their AdamW state only (resumed under another
+    layout it continues the run as peft does: test_every_layout_equals_peft); a resume that
     changes a lora key is refused naming it. ``export`` writes a PEFT adapter directory that
     ``PeftModel.from_pretrained`` puts on the base to give the trained model's logits, and
     ``export --merge`` full weights that transformers loads alone, with the same logits."""
@@ -188,12 +189,6 @@ def test_resume_export_and_merge(runs, reference, llama, tmp_path, capsys):
 
     full = runs["out"] / "1x2x2-sp"
     step1 = full / "checkpoints" / "step_1"
-    resumed = runs["resumed"]
-    assert [h["step"] for h in resumed["history"]] == [1]
-    assert resumed["history"][0]["loss"] == pytest.approx(reference[1]["loss"], rel=RTOL)
-    for name in reference[0]["grad_norms"]:
-        assert _rel(resumed["probe"]["final"][name], reference[-1]["params"][name].numpy()) <= RTOL, name
-
     md = parse_metadata((step1 / ".metadata").read_bytes())
     keys = [k for k in md.state_dict_metadata if k.startswith(("model.", "optimizer."))]
     assert keys and all(".lora_A." in k or ".lora_B." in k for k in keys), keys[:5]  # no base weight, no base state
