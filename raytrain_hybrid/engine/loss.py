@@ -31,6 +31,8 @@ class TokenLoss:
     count (scale_grads) and DDP/FSDP/ZeRO-1 average them over dp; with this scale what remains
     is sum(cross-entropy of every counted token of the step) / their count, whatever the layout.
     Without masks every micro-batch counts rows*seq_len labels and this is its mean, as before.
+    Under context parallelism each cp rank sums the tokens of its slice and gradients are
+    averaged over dp x cp: the trainer passes dp*cp as ``dp``, and the sum is again the step's.
     """
 
     def __init__(self) -> None:
