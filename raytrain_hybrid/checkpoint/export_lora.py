@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from raytrain_hybrid.checkpoint.reader import safe_load
 from raytrain_hybrid.errors import ConfigError
@@ -36,7 +37,15 @@ def adapter_state(path: str | Path | Store, cfg) -> dict[str, torch.Tensor]:
     meta = build_stage(spec, spec.hf_config(cfg), list(range(spec.num_blocks(cfg.model))), first=True, last=True)
     inject(meta, spec, cfg.lora)
     state = {n: torch.empty(p.shape, dtype=torch.float32) for n, p in meta.named_parameters() if is_adapter(n)}
-    safe_load({"model": state}, path, no_dist=True)
+    try:
+        safe_load({"model": state}, path, no_dist=True)
+    except (CheckpointException, ValueError, RuntimeError) as exc:  # DCP's, a BaseException: one line of it
+        last = [line for line in str(exc).splitlines() if line.strip()][-1:] or [type(exc).__name__]
+        raise ConfigError(
+            "CHECKPOINT",
+            str(path),
+            f"its shards do not hold the adapters its manifest.json describes: {last[0].strip()}",
+        ) from None
     return state
 
 
