@@ -194,6 +194,7 @@ def _check(args, cfg, unverified: list[str] | None = None) -> int:
         print(json.dumps({"ranks": ranks, "groups": groups, "dp_values": usable_dps(asked.parallelism)}))
         return 0
     cp = f" cp={par.cp}" if par.cp > 1 else ""
+    cp += f" ep={par.ep}" if par.ep > 1 else ""  # expert parallelism: experts over ep of the dp replicas
     print(f"layout ok: dp={par.dp}{cp} tp={par.tp} pp={par.pp} on {len(counts)} node(s) {counts}")
     if "cp_placement" in report:
         print(report["cp_placement"])

@@ -16,10 +16,10 @@ from raytrain_hybrid.config import load_config
 from raytrain_hybrid.errors import ConfigError
 
 TINY = (
-    "train.steps=3",
+    "train.steps=2",
     "train.global_batch_size=8",
     "data.path=memory",
-    "model.num_layers=4",
+    "model.num_layers=2",
     "model.seq_len=16",
     "model.hidden_size=64",
     "model.num_heads=4",
@@ -41,45 +41,58 @@ def _check(arch: str, results: dict, names: list[str]) -> list[dict]:
         for got in results[name]["history"]:
             load = got["expert_load"]
             # Every token of the global batch routed to top-k experts in each MoE layer, none dropped.
-            assert len(load) == 4 and sum(load) == 8 * 16 * 2 * 4, (name, load)
+            assert len(load) == 4 and sum(load) == 8 * 16 * 2 * 2, (name, load)
             assert got["dropped_tokens"] == 0
     return reference
 
 
-def test_moe_layouts_match_transformers():
-    """dp, tp (with and without sequence parallelism), pp, ZeRO-1 and FSDP, for both architectures."""
-    cases = {
-        ("qwen3-moe", "1x2x2-sp"): layout(1, 2, 2, "1F1B", 2),
-        ("qwen3-moe", "2x2x1-zero1"): layout(2, 2, 1, "1F1B", 2, 1),
-        ("mixtral", "2x1x2-zero3"): layout(2, 1, 2, "1F1B", 2, 3),
-        ("mixtral", "1x2x2-nosp-gpipe"): layout(1, 2, 2, "GPipe", 2, 0, "parallelism.sequence_parallel=false"),
+AC = "parallelism.activation_checkpointing=true"
+DENSE_LAYOUTS = {  # dp, tp (with and without sequence parallelism), pp, ZeRO-1 and FSDP, at ep = 1
+    "qwen3-moe/1x2x2-sp": layout(1, 2, 2, "1F1B", 2),
+    "qwen3-moe/2x2x1-zero1": layout(2, 2, 1, "1F1B", 2, 1),
+    "mixtral/2x1x2-zero3": layout(2, 1, 2, "1F1B", 2, 3),
+    "mixtral/1x2x2-nosp-gpipe": layout(1, 2, 2, "GPipe", 2, 0, "parallelism.sequence_parallel=false"),
+}
+EP_LAYOUTS = {  # parallelism.ep = 2 and 4 with tp (SP), pp (activation checkpointing), ZeRO-0, ZeRO-2/3
+    "ep2-dp2-tp2": layout(2, 2, 1, "1F1B", 2, 0, "parallelism.ep=2"),
+    "ep2-dp2-pp2-zero2-ac": layout(2, 1, 2, "1F1B", 2, 2, "parallelism.ep=2", AC),
+    "ep4-dp4-zero3": layout(4, 1, 1, "1F1B", 2, 3, "parallelism.ep=4"),
+    "ep2-dp4-zero0": layout(4, 1, 1, "1F1B", 2, 0, "parallelism.ep=2"),
+}
+
+
+def _ep_job(name: str) -> list[str]:
+    return ["model.arch=qwen3-moe", *TINY, *EP_LAYOUTS[name]]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Every layout below in one launch of four gloo ranks; the first EP layout saves a
+    checkpoint that a run at ep = 4 resumes from."""
+    out = tmp_path_factory.mktemp("moe-runs")
+    jobs: dict = {name: [f"model.arch={name.split('/')[0]}", *TINY, *lay] for name, lay in DENSE_LAYOUTS.items()}
+    jobs |= {name: _ep_job(name) for name in EP_LAYOUTS}
+    jobs["ep2-dp2-tp2"] += ["checkpoint.interval=1", f"run.output_dir={out / 'saved'}"]
+    jobs["resumed-at-ep4"] = {
+        "overrides": [*_ep_job("ep4-dp4-zero3"), f"run.output_dir={out / 'resumed'}"],
+        "resume": str(out / "saved" / "checkpoints" / "step_1"),
     }
-    jobs = {f"{arch}/{name}": [f"model.arch={arch}", *TINY, *lay] for (arch, name), lay in cases.items()}
-    results = run_gloo_jobs(4, jobs)
-    for arch in ("qwen3-moe", "mixtral"):
-        _check(arch, results, [job for job in jobs if job.startswith(arch + "/")])
+    return run_gloo_jobs(4, jobs)
 
 
-def test_expert_parallel_layouts_match_transformers(tmp_path):
+def test_moe_layouts_match_transformers(runs):
+    """dp, tp (with and without sequence parallelism), pp, ZeRO-1 and FSDP, for both architectures."""
+    _check("mixtral", runs, [name for name in DENSE_LAYOUTS if name.startswith("mixtral/")])
+    _check("qwen3-moe", runs, [name for name in DENSE_LAYOUTS if name.startswith("qwen3-moe/")])
+
+
+def test_expert_parallel_layouts_match_transformers(runs):
     """parallelism.ep = 2 and 4: experts sharded over data-parallel ranks, tokens sent to them by
     all-to-all; with tp (sequence parallel) and pp (activation checkpointing: the recomputation
     exchanges the tokens again), under ZeRO-0 replication and FSDP; and a run saved at ep = 2
     resumed at ep = 4 (the checkpoint resharded across ep sizes) continues the same training."""
-    ac = "parallelism.activation_checkpointing=true"
-    cases = {
-        "ep2-dp2-tp2": layout(2, 2, 1, "1F1B", 2, 0, "parallelism.ep=2"),
-        "ep2-dp2-pp2-zero2-ac": layout(2, 1, 2, "1F1B", 2, 2, "parallelism.ep=2", ac),
-        "ep4-dp4-zero3": layout(4, 1, 1, "1F1B", 2, 3, "parallelism.ep=4"),
-        "ep2-dp4-zero0": layout(4, 1, 1, "1F1B", 2, 0, "parallelism.ep=2"),
-    }
-    jobs: dict = {name: ["model.arch=qwen3-moe", *TINY, *lay] for name, lay in cases.items()}
-    jobs["ep2-dp2-tp2"] += ["checkpoint.interval=1", f"run.output_dir={tmp_path / 'saved'}"]
-    jobs["resumed-at-ep4"] = {
-        "overrides": [*jobs["ep4-dp4-zero3"], f"run.output_dir={tmp_path / 'resumed'}"],
-        "resume": str(tmp_path / "saved" / "checkpoints" / "step_1"),
-    }
-    results = run_gloo_jobs(4, jobs)
-    reference = _check("qwen3-moe", results, list(cases))
+    results, jobs = runs, {name: _ep_job(name) for name in EP_LAYOUTS}
+    reference = _check("qwen3-moe", results, list(EP_LAYOUTS))
     assert_oracle(results["resumed-at-ep4"], reference, first=1)
     # Under replication (ZeRO-0) each rank holds every weight but the experts, and 1/ep of those.
     full = results["ep2-dp4-zero0"]["probe"]["initial"]
@@ -119,6 +132,11 @@ def test_bad_ep_is_refused_before_workers_start(overrides, key, says, capsys):
     assert cli.main(args) == 2
     err = capsys.readouterr().err
     assert key in err and says in err, err
+
+
+def test_check_shows_ep_for_the_cpu_example(capsys):
+    assert cli.main(["check", "examples/moe_cpu.toml", "--topology", "8"]) == 0
+    assert "layout ok: dp=4 ep=4 tp=1 pp=2 on 1 node(s) [8]" in capsys.readouterr().out
 
 
 def test_expert_weights_follow_the_init_rule():
