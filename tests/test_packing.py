@@ -107,6 +107,28 @@ def test_packed_rows_hold_whole_examples_with_their_masks(chat_dir):
     assert 0 < padding < 0.1 * STEPS * 8 * SEQ
 
 
+def test_a_resumed_packed_stream_stands_where_the_checkpoint_recorded(chat_dir):
+    """A resume skips the steps done by packing the same rows again: after skipping 3 steps the
+    stream stands where the run recorded it (what the replica feed checks against the manifest)
+    and goes on with step 4's rows."""
+    import numpy as np
+
+    from raytrain_hybrid.data.examples import TableIterator, example_stream
+
+    cfg = load_config(None, _sets(chat_dir, "data.shuffle_buffer=4"))
+    rows = TableIterator(cfg)
+    full = example_stream(cfg, rows, dp=1, dp_rank=0)
+    steps = iter(full)
+    for _ in range(3):
+        next(steps)
+    recorded = full.position.manifest_entry()
+    fourth = next(steps)
+    resumed = example_stream(cfg, rows, dp=1, dp_rank=0, skip_steps=3)
+    first = next(iter(resumed))
+    assert resumed.position.skipped_to == recorded and recorded["documents_in_epoch"] > recorded["windows_in_epoch"]
+    assert all(np.array_equal(first[k], fourth[k]) for k in ("tokens", "label_mask", "positions"))
+
+
 @functools.lru_cache(maxsize=2)
 def _models(arch: str):
     """The engine's one-stage model and the transformers reference, with the same weights."""
