@@ -52,7 +52,8 @@ class ParallelismConfig:
     # element-wise ops (norms, activations, RoPE); false (none) stores every activation.
     activation_checkpointing: bool | Literal["selective"] = False
     # torch.compile each transformer block (applied after TP and activation checkpointing, before
-    # FSDP/ZeRO, as TorchTitan does); "auto" (the default): on when the workers have GPUs, off on CPU.
+    # FSDP/ZeRO, as TorchTitan does); "auto" (the default): on when the workers have GPUs, off on CPU and for
+    # mixtures of experts (their routing gives each step new shapes).
     compile: bool | None = None
     # With tp > 1: shard norms and the residual stream along the sequence across the TP
     # group (all-gather / reduce-scatter at the TP regions) so those activations shrink by

@@ -61,8 +61,10 @@ class Trainer:
         split = pipeline.split_layers(self.spec.num_blocks(cfg.model), num_stages)
         ids = pipeline.stage_ids(par.schedule, self.pp_rank, dims.pp, par.stages_per_rank) if dims.pp > 1 else [0]
         self.stage_ids = ids
-        # parallelism.compile "auto": on GPUs (the compiled blocks pay off there), off on CPU.
-        self.compiled = par.compile if par.compile is not None else device.type == "cuda"
+        # parallelism.compile "auto": on GPUs (the compiled blocks pay off there), off on CPU; off for
+        # a mixture of experts, whose routing gives every step new shapes (each expert's tokens).
+        auto = device.type == "cuda" and self.spec.moe is None
+        self.compiled = par.compile if par.compile is not None else auto
         self.compile_clock = CompileClock() if self.compiled else None
         self.has_first = 0 in ids
         self.has_last = num_stages - 1 in ids
