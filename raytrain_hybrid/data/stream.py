@@ -168,7 +168,7 @@ class ReplicaStream:
                 yield row
             if self.position.samples_in_epoch < self.global_batch:
                 raise ValueError(
-                    f"the dataset packs into {self.position.samples_in_epoch} rows, fewer than one global batch "
+                    f"the dataset holds {self.position.samples_in_epoch} rows once packed, fewer than one global batch "
                     f"(train.global_batch_size={self.global_batch}): no step can run (data.path)"
                 )
             epoch += 1  # the epoch's last rows that fill no global batch are dropped
