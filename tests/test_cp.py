@@ -54,8 +54,11 @@ SAVES = "2x2x1x1-zero3"
 def test_cp_layouts_match_single_process(cp_runs, name):
     """Losses, every parameter's gradient norm and the final weights equal the single-process run."""
     assert_oracle(cp_runs[name], reference_history(BASE, "memory"))
-    # Every rank of a replica (its cp ranks too) read the same rows.
-    assert_replicas_share_rows(cp_runs[name]["memory"], WORLD4[name])
+    # Every rank of a replica (its cp ranks too) read the same rows, each cp rank its own slice of them.
+    per_rank = cp_runs[name]["memory"]
+    assert_replicas_share_rows(per_rank, WORLD4[name])
+    cp = int(name.split("x")[1])
+    assert sorted(r["cp"] for r in per_rank) == sorted(list(range(cp)) * (len(per_rank) // cp))
 
 
 def test_cp_checkpoint_resumes_under_another_cp_layout(cp_runs):

@@ -116,7 +116,7 @@ def at_world(cfg: Config, world: int) -> Config:
     par = cfg.parallelism
     if world == par.world_size:
         return cfg
-    replica = par.tp * par.pp
+    replica = par.cp * par.tp * par.pp
     dp, extra = divmod(world, replica)
     dps = usable_dps(par)
     if extra or dp not in dps:

@@ -124,10 +124,10 @@ def arrange_ranks(dims: ParallelDims, node_of_rank: list[str]) -> list[int]:
     with the layouts that would fit, as is an order no mesh can take.
     """
     if len(node_of_rank) != dims.world_size:
-        cp = f"*cp={dims.cp}" if dims.cp > 1 else ""
-        raise LayoutError(
-            f"{len(node_of_rank)} workers for dp*tp*pp={dims.dp}*{dims.tp}*{dims.pp}{cp}={dims.world_size}"
-        )
+        shape = f"dp*tp*pp={dims.dp}*{dims.tp}*{dims.pp}"
+        if dims.cp > 1:
+            shape = f"dp*cp*tp*pp={dims.dp}*{dims.cp}*{dims.tp}*{dims.pp}"
+        raise LayoutError(f"{len(node_of_rank)} workers for {shape}={dims.world_size}")
     by_node: dict[str, list[int]] = defaultdict(list)
     for rank, node in enumerate(node_of_rank):
         by_node[node].append(rank)

@@ -293,6 +293,8 @@ class StepLoop:
 def gather_reports(trainer: Trainer, node_id: str, inputs: dict) -> tuple[dict, list[dict]]:
     """This rank's coordinates, and every rank's report (node, coordinates, inputs, memory)."""
     coords = {"pp": trainer.pp_rank, "dp": trainer.dp_rank, "tp": trainer.mesh.tp.get_local_rank()}
+    if trainer.dims.cp > 1:  # which slice of the sequence this rank trains on
+        coords["cp"] = trainer.cp_rank
     per_rank: list = [None] * dist.get_world_size()
     mine = {"rank": dist.get_rank(), "node": node_id, **coords, **inputs, **trainer.memory_stats()}
     dist.all_gather_object(per_rank, mine)

@@ -27,7 +27,7 @@ RESIZE_CHECK_ENV = "RAYTRAIN_HYBRID_RESIZE_CHECK_S"
 def worker_counts(cfg: Config) -> list[int]:
     """The worker counts a start may have, ascending (one for a fixed run)."""
     par = cfg.parallelism
-    return [dp * par.tp * par.pp for dp in usable_dps(par)]
+    return [dp * par.cp * par.tp * par.pp for dp in usable_dps(par)]  # a replica: cp*tp*pp workers
 
 
 def scaling_workers(cfg: Config) -> dict:
