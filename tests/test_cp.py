@@ -176,6 +176,18 @@ def test_start_line_says_where_cp_groups_run():
     assert "cp groups cross nodes" in lines[4]
 
 
+def test_a_cp_run_asks_ray_for_every_rank_and_reports_cp():
+    """Ray Train starts dp*cp*tp*pp workers (one replica is cp*tp*pp of them); summary.json's layout names cp."""
+    from raytrain_hybrid.config import load_config
+    from raytrain_hybrid.launch.elastic import scaling_workers
+    from raytrain_hybrid.launch.summary import summarize
+
+    cfg = load_config(None, ["parallelism.dp=2", "parallelism.cp=2", "parallelism.tp=2", "model.seq_len=32"])
+    assert scaling_workers(cfg) == {"num_workers": 16} and cfg.parallelism.world_size == 16
+    layout = summarize(cfg, [], [])["layout"]
+    assert layout["cp"] == 2 and (layout["dp"], layout["tp"], layout["pp"]) == (2, 2, 2)
+
+
 # An 8B Llama (Llama 3 sizes) at a 128k-token sequence on one node of 8 H100s (the planner's profile).
 LONG = {
     "model.arch": "llama",
