@@ -25,6 +25,15 @@ os.environ.setdefault("RAY_DATA_PARQUET_FOOTER_NUM_ACTORS", "1")
 # heads') through this environment.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+# One torch thread in this process and those it starts, set before torch is first imported. The
+# single-process references (tests/reference.py) run here, often beside Ray workers and gloo
+# ranks; with torch's default of a thread per core, each tiny op's parallel region spins its
+# OpenMP threads on a machine with no core to spare: the 60-step reference of the topology test's
+# elastic run took 36 s of CPU (2 min of wall) on 2 threads and 3 s on 1. Ray's workers and the
+# gloo ranks set their own count (launch/entry.py, tests/gloo_harness.py) as before.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+if "torch" in sys.modules:  # imported before this file (a plugin): the variable came too late
+    sys.modules["torch"].set_num_threads(1)
 # Every Ray the suite starts (~25: the session's, `ray start` heads, simulated nodes, CLI runs)
 # would cost CPU this 2-core machine lacks, for nothing a test looks at:
 # - the raylet starts a worker process per CPU when the first driver connects, for that job's
