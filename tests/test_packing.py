@@ -306,6 +306,26 @@ def test_packed_gpt2_matches_each_example_alone(chat_dir, layout_runs):
 # ------------------------------------------------------------------ refusals
 
 
+def test_packed_rows_that_fill_no_global_batch_are_refused_before_workers_start(chat_dir):
+    """The input check packs the rows' lengths as the stream packs the rows: 90 conversations
+    fill fewer sequences than a global batch of 48 (unpacked, 90 rows fill one), said with the
+    count the stream makes in the stored order."""
+    import re
+
+    from raytrain_hybrid.data.examples import TableIterator, example_stream
+    from raytrain_hybrid.launch.inputs import prepare_input
+
+    sets = _sets(chat_dir, "train.global_batch_size=48", "data.shuffle_buffer=0")
+    with pytest.raises(ConfigError) as err:
+        prepare_input(load_config(None, sets), say=print)
+    assert err.value.key == "train.global_batch_size" and "data.packing=true" in str(err.value)
+    rows = int(re.search(r"pack into (\d+) sequences", str(err.value)).group(1))
+    prepare_input(load_config(None, [*sets, "data.packing=false"]), say=print)
+    one = ["train.global_batch_size=1", "data.shuffle_buffer=0", "data.epochs=1", *layout(1, 1, 1, microbatches=1)]
+    cfg = load_config(None, _sets(chat_dir, *one))
+    assert sum(1 for _ in example_stream(cfg, TableIterator(cfg), dp=1, dp_rank=0)) == rows
+
+
 def test_packing_is_refused_for_classifiers_and_on_a_resume_that_changes_it():
     with pytest.raises(ConfigError) as err:
         load_config(None, ["model.arch=multimodal-bert", "model.pretrained=none", "data.packing=true"])

@@ -21,7 +21,7 @@ rows unless ``data.drop_long_prompts``, and the rows that are wrong in themselve
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -178,19 +178,20 @@ def encode_table(batch: pa.Table, *, spec: ExampleSpec) -> pa.Table:
 def row_outcomes(batch: pa.Table, *, spec: ExampleSpec) -> pa.Table:
     """What each row of ``batch`` becomes, for the input check (in this process, or in Ray
     Data's tasks for a large data set): ``status`` (OK, CUT, LONG_PROMPT or "error"),
-    ``prompt`` (a LONG_PROMPT row's tokens before its first counted one), and for an error the
-    config ``key`` and ``message``."""
+    ``prompt`` (a LONG_PROMPT row's tokens before its first counted one), for an error the
+    config ``key`` and ``message``, and ``tokens`` (the row's, cut to the window)."""
     tok = load_hf_tokenizer(spec.tokenizer)
-    out: dict[str, list] = {"status": [], "prompt": [], "key": [], "message": []}
+    out: dict[str, list] = {"status": [], "prompt": [], "key": [], "message": [], "tokens": []}
     for values in zip(*(batch.column(c).to_pylist() for c in spec.columns), strict=True):
-        prompt, key, message = 0, "", ""
+        prompt, key, message, tokens = 0, "", "", 0
         try:
-            _, _, status = encode_row(tok, spec, values)
+            ids, _, status = encode_row(tok, spec, values)
+            tokens = len(ids)
             if status == LONG_PROMPT:
                 prompt = _prompt_length(tok, spec, values)
         except RowError as exc:
             status, key, message = "error", exc.key, str(exc)
-        for name, value in zip(out, (status, prompt, key, message), strict=True):
+        for name, value in zip(out, (status, prompt, key, message, tokens), strict=True):
             out[name].append(value)
     return pa.table(out)
 
@@ -213,15 +214,18 @@ class ExampleReport:
     long_prompts: int = 0
     first_long: int = -1  # row index of the first LONG_PROMPT row
     longest_prompt: int = 0  # tokens before the first counted token, over LONG_PROMPT rows
+    lengths: list[int] = field(default_factory=list)  # tokens of each row that trains, in order
 
     def add(self, outcomes: pa.Table) -> None:
         """The next rows' outcomes (row_outcomes); the first bad row raises RowError, naming it."""
-        columns = [outcomes.column(c).to_pylist() for c in ("status", "prompt", "key", "message")]
-        for status, prompt, key, message in zip(*columns, strict=True):
+        columns = [outcomes.column(c).to_pylist() for c in ("status", "prompt", "key", "message", "tokens")]
+        for status, prompt, key, message, tokens in zip(*columns, strict=True):
             index, self.rows = self.rows, self.rows + 1
             if status == "error":
                 raise RowError(key, f"row {index}: {message}")
             self.cut += status == CUT
+            if status != LONG_PROMPT:
+                self.lengths.append(tokens)
             if status == LONG_PROMPT:
                 self.long_prompts += 1
                 self.first_long = index if self.first_long < 0 else self.first_long

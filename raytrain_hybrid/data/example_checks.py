@@ -65,6 +65,7 @@ def check_examples(cfg: Config, say=print) -> int:
             d.path,
             f"has {report.trained} rows to train on, fewer than train.global_batch_size={cfg.train.global_batch_size}",
         )
+    _check_packed(cfg, report)
     notes = []
     if report.cut:
         notes.append(
@@ -79,6 +80,25 @@ def check_examples(cfg: Config, say=print) -> int:
     if notes:
         say(f"warning: data.format={d.format}: " + "; ".join(notes))
     return report.trained
+
+
+def _check_packed(cfg: Config, report) -> None:
+    """With data.packing, the rows must fill one global batch of sequences (in their stored
+    order; the shuffle moves the count by a row or so)."""
+    from raytrain_hybrid.data.packing import packed_rows
+
+    if not cfg.data.packing:
+        return
+    width, gb = cfg.model.seq_len + 1, cfg.train.global_batch_size
+    rows = packed_rows(report.lengths, width)
+    if rows < gb:
+        raise ConfigError(
+            "train.global_batch_size",
+            gb,
+            f"with data.packing=true the {report.trained} rows of data.path pack into {rows} sequences of "
+            f"model.seq_len+1={width} tokens, fewer than one global batch; lower train.global_batch_size "
+            f"(to at most {rows}, a multiple of dp*microbatches) or model.seq_len, or train on more rows",
+        )
 
 
 def _outcomes(dataset, spec, path: str):

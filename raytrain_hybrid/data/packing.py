@@ -36,38 +36,48 @@ OPEN_ROWS = 16
 Row = tuple[np.ndarray, np.ndarray, np.ndarray]  # (tokens, label mask, position ids), each [width]
 
 
-class _OpenRow:
-    def __init__(self, width: int) -> None:
-        self.width, self.used = width, 0
-        self.parts: list[tuple[np.ndarray, np.ndarray]] = []
+def _close(parts: list[tuple[np.ndarray, np.ndarray]], width: int) -> Row:
+    tokens, mask, positions = (np.zeros(width, dtype=np.int64) for _ in range(3))
+    at = 0
+    for ids, m in parts:
+        tokens[at : at + ids.size], mask[at : at + ids.size] = ids, m
+        positions[at : at + ids.size] = np.arange(ids.size)
+        at += ids.size
+    positions[at:] = np.arange(width - at)  # padding: one more example, never counted
+    return tokens, mask, positions
 
-    def close(self) -> Row:
-        tokens, mask, positions = (np.zeros(self.width, dtype=np.int64) for _ in range(3))
-        at = 0
-        for ids, m in self.parts:
-            tokens[at : at + ids.size], mask[at : at + ids.size] = ids, m
-            positions[at : at + ids.size] = np.arange(ids.size)
-            at += ids.size
-        positions[at:] = np.arange(self.width - at)  # padding: one more example, never counted
-        return tokens, mask, positions
+
+def first_fit(items: Iterable, size, width: int, open_rows: int = OPEN_ROWS) -> Iterator[list]:
+    """``items`` (each ``size(item)`` tokens, at most ``width``) -> the rows as lists of items, in
+    the order they close (see the module)."""
+    rows: list[list] = []
+    used: list[int] = []
+    for item in items:
+        n = size(item)
+        assert 0 < n <= width, (n, width)
+        at = next((i for i, u in enumerate(used) if u + n <= width), None)
+        if at is None:
+            if len(rows) == open_rows:
+                fullest = used.index(max(used))  # the first of equals
+                used.pop(fullest)
+                yield rows.pop(fullest)
+            rows.append([])
+            used.append(0)
+            at = len(rows) - 1
+        rows[at].append(item)
+        used[at] += n
+    yield from rows
 
 
 def pack(examples: Iterable[tuple[np.ndarray, np.ndarray]], width: int, open_rows: int = OPEN_ROWS) -> Iterator[Row]:
     """(ids, mask) examples of at most ``width`` tokens -> rows of ``width`` (see the module)."""
-    rows: list[_OpenRow] = []
-    for ids, mask in examples:
-        assert 0 < ids.size <= width, (ids.size, width)
-        row = next((r for r in rows if r.used + ids.size <= width), None)
-        if row is None:
-            if len(rows) == open_rows:
-                fullest = max(range(len(rows)), key=lambda i: rows[i].used)  # the first of equals
-                yield rows.pop(fullest).close()
-            row = _OpenRow(width)
-            rows.append(row)
-        row.parts.append((ids, mask))
-        row.used += ids.size
-    for row in rows:
-        yield row.close()
+    for parts in first_fit(examples, lambda e: e[0].size, width, open_rows):
+        yield _close(parts, width)
+
+
+def packed_rows(lengths: Iterable[int], width: int) -> int:
+    """How many rows examples of these lengths fill, in this order (the input check)."""
+    return sum(1 for _ in first_fit(lengths, int, width))
 
 
 def document_pieces(ids: np.ndarray, width: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
