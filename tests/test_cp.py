@@ -24,12 +24,13 @@ def cp_layout(dp: int, cp: int, tp: int, pp: int, zero: int = 0, schedule: str =
 
 
 # (dp, cp, tp, pp): cp=4 alone; cp with dp under FSDP (ZeRO-3, sharded over dp x cp; ZeRO-1 at the resume below);
-# cp with tp (sequence parallelism inside each cp slice); cp with a pipeline.
+# cp with tp (sequence parallelism inside each cp slice); cp with a pipeline; the all-to-alls recomputed
+# in backward under full and selective activation checkpointing.
 WORLD4 = {
-    "1x4x1x1": cp_layout(1, 4, 1, 1),
+    "1x4x1x1-selective-ac": [*cp_layout(1, 4, 1, 1), "parallelism.activation_checkpointing=selective"],
     "2x2x1x1-zero3": cp_layout(2, 2, 1, 1, zero=3),
     "1x2x2x1-sp": cp_layout(1, 2, 2, 1),
-    "1x2x1x2-1f1b": cp_layout(1, 2, 1, 2),
+    "1x2x1x2-1f1b-ac": [*cp_layout(1, 2, 1, 2), "parallelism.activation_checkpointing=true"],
 }
 
 
