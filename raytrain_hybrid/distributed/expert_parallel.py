@@ -29,23 +29,21 @@ from torch.distributed.tensor import DTensor, Shard
 from raytrain_hybrid.models.spec import ArchSpec
 
 EP_DIMS = ("pp", "erep", "eshard", "ep", "cp", "tp")
-_MESHES: dict[int, object] = {}
 
 
 def ep_mesh(world, dims):
     """The world's ranks as (pp, erep, eshard, ep, cp, tp): an ep group is ``ep`` consecutive
     dp replicas; the dp/ep ranks holding the same experts are erep (ZeRO-0: replicas) or eshard
     (ZeRO-2/3: FSDP shards). Built once per world mesh (its process groups are created by every
-    rank together, on the first stage each builds)."""
-    if id(world) not in _MESHES:
+    rank together, on the first stage each builds; kept on the world mesh, no module state)."""
+    if getattr(world, "_expert_mesh", None) is None:
         from torch.distributed.device_mesh import DeviceMesh
 
-        pp, cp, tp, ep = dims.pp, getattr(dims, "cp", 1), dims.tp, dims.ep
+        pp, cp, tp, ep = dims.pp, dims.cp, dims.tp, dims.ep
         same = dims.dp // ep
         shape = (pp, same, 1, ep, cp, tp) if dims.zero in (0, 1) else (pp, 1, same, ep, cp, tp)
-        ranks = world.mesh.reshape(shape)
-        _MESHES[id(world)] = DeviceMesh(world.device_type, ranks, mesh_dim_names=EP_DIMS)
-    return _MESHES[id(world)]
+        world._expert_mesh = DeviceMesh(world.device_type, world.mesh.reshape(shape), mesh_dim_names=EP_DIMS)
+    return world._expert_mesh
 
 
 def _experts(stage, spec: ArchSpec):
