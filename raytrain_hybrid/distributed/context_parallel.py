@@ -4,8 +4,9 @@ Everything in a transformer block but attention works token by token, so a rank 
 model on its slice (inputs, labels, RoPE positions of the slice). Attention needs every key: an
 all-to-all (DeepSpeed-Ulysses) turns q/k/v from sequence-sharded, all heads, into head-sharded,
 whole sequence; SDPA runs causal over the whole sequence for cp's share of the heads; a second
-all-to-all turns the output back. Two all-to-alls a layer forward (and two backward), each moving
-a rank's q, k, v or output once; no ring. all_to_all runs on gloo (CPU) and NCCL.
+all-to-all turns the output back: four all-to-alls a layer forward (q, k, v in, the output back)
+and four in backward, each moving (cp-1)/cp of one tensor of the rank's; no ring. all_to_all runs
+on gloo (CPU) and NCCL.
 
 The attention is a transformers attention function (``ALL_ATTENTION_FUNCTIONS``) selected by the
 hf config's attention implementation; its cp group is an attribute of each attention module set
