@@ -53,6 +53,34 @@ def test_memory_prediction_matches_a_hand_count():
     assert pred["bubble_fraction"] == pytest.approx(1 / 5)  # (pp-1)/(m+pp-1) with m=4
 
 
+@pytest.mark.parametrize(
+    ("recompute", "biases"),
+    [("true", 1), ("false", 2 * 2)],  # one layer at a time; else every layer of the stage, 2 in flight
+)
+def test_packing_counts_its_dense_document_mask(recompute, biases):
+    """data.packing adds rows x seq^2 bytes of boolean mask per micro-batch in flight and the bf16
+    bias SDPA makes of it per layer keeping its inputs: 4x the bytes at twice the sequence."""
+    base = [
+        "parallelism.dp=1",
+        "parallelism.tp=1",
+        "parallelism.pp=2",
+        "parallelism.microbatches=2",
+        "model.num_layers=4",
+        "train.global_batch_size=4",
+        "train.dtype=bfloat16",
+        f"parallelism.activation_checkpointing={recompute}",
+    ]
+    extra = {}
+    for seq in (2048, 4096):
+        sized = [*base, f"model.seq_len={seq}"]
+        packed = predict(load_config(None, [*sized, "data.packing=true"]), PROFILES["h100"])
+        plain = predict(load_config(None, sized), PROFILES["h100"])
+        extra[seq] = packed["memory_bytes"]["activations"] - plain["memory_bytes"]["activations"]
+        rows, in_flight = 2, 2  # micro-batch rows; 1F1B holds min(microbatches, pp) on the first stage
+        assert extra[seq] == pytest.approx(rows * seq**2 * (in_flight + 2 * biases))
+    assert extra[4096] == pytest.approx(4 * extra[2048])
+
+
 def _published(arch_overrides, world, gbs):
     return load_config(None, [*arch_overrides, f"train.global_batch_size={gbs}", "train.dtype=bfloat16"])
 

@@ -151,7 +151,21 @@ def activation_bytes(cfg: Config, micro_batch: int) -> float:
         stash += layer_activation_bytes(s, b, h, t, sp=sp, checkpointed=False) * (width / 2)
     # fp32 logits and their gradient, gathered on the last stage.
     logits = 2 * 4.0 * b * get_arch(m.arch).logits_per_row(m) / par.cp
-    return stash + logits
+    return stash + logits + packing_mask_bytes(cfg, b, layers_per_rank, in_flight)
+
+
+def packing_mask_bytes(cfg: Config, micro_batch: int, layers: float, in_flight: float) -> float:
+    """data.packing: the dense document mask attention reads, [rows, 1, seq, seq] over the whole
+    sequence (under cp too: the all-to-all attention spans it). One boolean copy per micro-batch
+    in flight (the blocks keep it for backward), and the additive bias SDPA turns it into, in the
+    activation dtype, per layer that keeps its attention inputs (one at a time under full
+    recomputation). Quadratic in seq_len: 12 GiB a row at 65,536 tokens in bf16."""
+    if not cfg.data.packing:
+        return 0.0
+    square = micro_batch * float(cfg.model.seq_len) ** 2
+    width = 2.0 if cfg.train.dtype == "bfloat16" else 4.0
+    biases = 1.0 if cfg.parallelism.activation_checkpointing is True else layers * in_flight
+    return square * (in_flight + width * biases)
 
 
 def _allreduce_s(nbytes: float, n: int, gbps: float, latency: float) -> float:
