@@ -19,6 +19,8 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -73,6 +75,11 @@ def ray_head(workdir: Path, env: dict):
         on_stop(functools.partial(_kill_group, head.pid))
         address = f"http://127.0.0.1:{dash}"
         deadline = time.time() + 120
+        # First the dashboard's HTTP port, looked at from here: a `ray job submit` before it
+        # answers fails at once, but costs a Python start and Ray's import (~1.5 s of CPU) each
+        # time, every 2 s through the head's start (tens of seconds on a loaded machine).
+        while head.poll() is None and time.time() < deadline and not _answers(f"{address}/api/version"):
+            time.sleep(0.5)
         while True:
             # Ready when a job can be submitted: the dashboard answers before its job agent does
             # ("No available agent to submit job").
@@ -109,6 +116,17 @@ def ray_head(workdir: Path, env: dict):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _answers(url: str) -> bool:
+    """Whether an HTTP server answers at ``url`` (any status: the head may want its token)."""
+    try:
+        urllib.request.urlopen(url, timeout=2).close()
+    except urllib.error.HTTPError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
 def _kill_group(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
@@ -132,8 +150,11 @@ def _submit(head, job_id: str, *train_args: str, wait: bool = True):
 
 REFUSED = {
     "rh-bad": ["parallelism.tp=3"],
-    # 10 workers on the 10-CPU head would leave Ray Data's reads waiting forever.
-    "rh-cpus": ["parallelism.dp=5", "parallelism.pp=1", "parallelism.microbatches=1", "train.global_batch_size=20"],
+    # 10 workers on the 10-CPU head would leave Ray Data's reads waiting forever. An output
+    # directory of its own: the job file's is the stuck job's, whose run holds its lease for 45 s
+    # (on a loaded machine this job's CPU check once came after that lease, and was refused by it).
+    "rh-cpus": ["parallelism.dp=5", "parallelism.pp=1", "parallelism.microbatches=1", "train.global_batch_size=20",
+                "run.output_dir=runs/rh-cpus"],
     # 12 workers cannot be placed on 10 CPUs (an autoscaler might add nodes, so no refusal up
     # front). run.shared_fs: the group may wait for nodes still to come, so a local output
     # directory is refused up front unless every node shares it (here they would: one machine).
