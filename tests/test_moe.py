@@ -139,6 +139,29 @@ def test_check_shows_ep_for_the_cpu_example(capsys):
     assert "layout ok: dp=4 ep=4 tp=1 pp=2 on 1 node(s) [8]" in capsys.readouterr().out
 
 
+def test_start_line_and_summary_name_ep():
+    """The start line and summary.json's layout name ep, as check's layout line does."""
+    from types import SimpleNamespace
+
+    from raytrain_hybrid.launch.start import StartPlan
+    from raytrain_hybrid.launch.summary import summarize
+
+    cfg = load_config("examples/moe_cpu.toml")
+    plan = StartPlan(
+        cfg=cfg,
+        point=SimpleNamespace(path=None, step=0),
+        reach=None,
+        use_gpu=False,
+        resources={"CPU": 1},
+        counts=[8],
+        placement=[8],
+        layout_hw=None,
+        end=20,
+    )
+    assert plan.lines()[0].startswith("start: dp=4 ep=4 tp=1 pp=2, 8 workers"), plan.lines()
+    assert summarize(cfg, [], [])["layout"]["ep"] == 4
+
+
 def test_expert_weights_follow_the_init_rule():
     """The experts' stacked 3D weights and the router are drawn like any weight matrix (not the ones of a norm)."""
     import torch

@@ -149,6 +149,7 @@ class StartPlan:
             from raytrain_hybrid.distributed.parallel_dims import ParallelDims, placement_report
 
             placed += f" ({placement_report(ParallelDims.from_config(par), self.placement)['cp_placement']})"
+        cp += f" ep={par.ep}" if par.ep > 1 else ""  # as check's layout line names it
         return [
             f"start: dp={par.dp}{cp} tp={par.tp} pp={par.pp}, {counts} workers ({each} each){placed}; "
             f"{self.end} steps; output {out.uri} ({where}); {start}"

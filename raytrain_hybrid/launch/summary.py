@@ -68,7 +68,9 @@ def summarize(
         "restarts": restarts,
         "restarted_from": restarted_from or [],  # per restart, the checkpoint's step it continued from
         "world_size": par.world_size,
-        "layout": layout_dict(par, SUMMARY_LAYOUT) | ({"cp": par.cp} if par.cp > 1 else {}),
+        "layout": layout_dict(par, SUMMARY_LAYOUT)
+        | ({"cp": par.cp} if par.cp > 1 else {})
+        | ({"ep": par.ep} if par.ep > 1 else {}),
         "model": {"arch": cfg.model.arch, "num_layers": cfg.model.num_layers, "hidden_size": cfg.model.hidden_size},
         "mean_tokens_per_s": (sum(h["tokens_per_s"] for h in steady) / len(steady)) if steady else None,
         "mean_step_time_s": (sum(h["step_time_s"] for h in steady) / len(steady)) if steady else None,
