@@ -207,6 +207,8 @@ def _check(args, cfg, unverified: list[str] | None = None) -> int:
         print(f"{r['rank']:>4} {r['node']:>8} {r['pp']:>3} {r['dp']:>3}{cp_col} {r['tp']:>3}")
     for axis, gs in groups.items():
         print(f"{axis} groups: {gs}")
+    if par.ep > 1:  # each dp group's ep consecutive replicas share out the experts
+        print(f"ep groups: {[g[i : i + par.ep] for g in groups['dp'] for i in range(0, len(g), par.ep)]}")
     if args.hardware:
         from raytrain_hybrid.planner.hardware import load_hardware
         from raytrain_hybrid.planner.search import describe

@@ -136,7 +136,11 @@ def test_bad_ep_is_refused_before_workers_start(overrides, key, says, capsys):
 
 def test_check_shows_ep_for_the_cpu_example(capsys):
     assert cli.main(["check", "examples/moe_cpu.toml", "--topology", "8"]) == 0
-    assert "layout ok: dp=4 ep=4 tp=1 pp=2 on 1 node(s) [8]" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "layout ok: dp=4 ep=4 tp=1 pp=2 on 1 node(s) [8]" in out
+    assert "ep groups: [[0, 1, 2, 3], [4, 5, 6, 7]]" in out  # each pipeline stage's 4 replicas share the experts
+    assert cli.main(["check", "examples/moe_cpu.toml", "--topology", "8", "--set", "parallelism.ep=2"]) == 0
+    assert "ep groups: [[0, 1], [2, 3], [4, 5], [6, 7]]" in capsys.readouterr().out
 
 
 def test_start_line_and_summary_name_ep():
