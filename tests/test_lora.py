@@ -13,6 +13,8 @@ adapters on the unmodified transformers model in one process.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -153,6 +155,15 @@ def test_refusals_name_the_key(llama, extra, key, words):
         load_config(None, [f"model.pretrained={llama}", *extra])
     assert info.value.key == key
     assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_lora_on_a_mixture_of_experts_is_refused():
+    moe = Path(__file__).parent / "assets" / "Qwen3-30B-A3B"
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"model.pretrained={moe}", "lora.rank=8"])
+    assert (
+        info.value.key == "lora.rank" and "mixture of experts" in str(info.value) and "lora.rank=0" in str(info.value)
+    )
 
 
 def test_frozen_base_is_not_trained_single_process(llama):
