@@ -189,6 +189,8 @@ def test_expert_weights_follow_the_init_rule():
     [
         (["model.arch=mixtral", "model.num_experts=4", "model.experts_per_token=5"], "model.experts_per_token"),
         (["model.arch=qwen3-moe", "model.router_aux_loss_coef=-1"], "model.router_aux_loss_coef"),
+        (["model.arch=llama", "model.num_experts=16"], "model.num_experts"),  # a dense model has no experts
+        (["model.arch=llama", "model.router_aux_loss_coef=0.01"], "model.router_aux_loss_coef"),
     ],
 )
 def test_moe_keys_refused(overrides, key):

@@ -13,6 +13,7 @@ from raytrain_hybrid.config.schedule_rules import too_few_microbatches, uneven_m
 from raytrain_hybrid.config.schema import (
     SINGLE_STAGE_SCHEDULES,
     Config,
+    ModelConfig,
 )
 from raytrain_hybrid.errors import ConfigError
 from raytrain_hybrid.models import arch_names, get_arch
@@ -183,6 +184,16 @@ def _validate_experts(cfg: Config, spec: ArchSpec) -> None:
             par.cp,
             f"{model.arch}'s routers balance each whole sequence (model.router_aux_loss_coef); use cp=1",
         )
+    if spec.moe is None:  # an expert key set on a dense model would be silently ignored
+        defaults = ModelConfig()
+        for key in ("num_experts", "experts_per_token", "router_aux_loss_coef"):
+            if getattr(model, key) != getattr(defaults, key):
+                raise ConfigError(
+                    f"model.{key}",
+                    getattr(model, key),
+                    f"only a mixture of experts reads it (model.arch mixtral or qwen3-moe); {model.arch} has no "
+                    "experts: leave it out",
+                )
     if par.ep == 1:
         return
     if spec.moe is None:
