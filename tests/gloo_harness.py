@@ -134,16 +134,20 @@ class Probe:
         with torch.no_grad():
             if isinstance(opt, ZeroOneOptimizer):
                 # The reduced, clipped gradients are the flat slice this rank updates.
+                # Under ep, in parts: each sliced over its own group (the experts over the dp/ep ranks
+                # holding the same experts), so the stage's other ranks lay out dp*tp / group size copies.
                 name_of = {id(p): n for n, p in self.local}
-                lo, hi = opt.start, opt.start + opt.slice_len
-                for p, off, size in zip(opt.model_params, opt.offsets, opt.sizes, strict=True):
-                    a, b = max(lo, off), min(hi, off + size)
-                    if a >= b:
-                        continue
-                    part = opt.shard.grad[a - lo : b - lo]
-                    if self.scale and name_of[id(p)] == self.scale[0]:
-                        part.mul_(self.scale[1])
-                    sq[self.index[name_of[id(p)]]] += part.double().pow(2).sum().item() / _holders(p, dims.tp)
+                for z in getattr(opt, "parts", [opt]):
+                    ranks = dims.dp * dims.cp * dims.tp // dist.get_world_size(z.group)
+                    lo, hi = z.start, z.start + z.slice_len
+                    for p, off, size in zip(z.model_params, z.offsets, z.sizes, strict=True):
+                        a, b = max(lo, off), min(hi, off + size)
+                        if a >= b:
+                            continue
+                        part = z.shard.grad[a - lo : b - lo]
+                        if self.scale and name_of[id(p)] == self.scale[0]:
+                            part.mul_(self.scale[1])
+                        sq[self.index[name_of[id(p)]]] += part.double().pow(2).sum().item() / _holders(p, ranks)
             else:
                 for n, p in self.local:
                     if p.grad is None:

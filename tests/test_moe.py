@@ -53,11 +53,12 @@ DENSE_LAYOUTS = {  # dp, tp (with and without sequence parallelism), pp, ZeRO-1 
     "mixtral/2x1x2-zero3": layout(2, 1, 2, "1F1B", 2, 3),
     "mixtral/1x2x2-nosp-gpipe": layout(1, 2, 2, "GPipe", 2, 0, "parallelism.sequence_parallel=false"),
 }
-EP_LAYOUTS = {  # parallelism.ep = 2 and 4 with tp (SP), pp (activation checkpointing), ZeRO-0, ZeRO-2/3
+EP_LAYOUTS = {  # parallelism.ep = 2 and 4 with tp (SP), pp (activation checkpointing), ZeRO-0, ZeRO-1, ZeRO-2/3
     "ep2-dp2-tp2": layout(2, 2, 1, "1F1B", 2, 0, "parallelism.ep=2"),
     "ep2-dp2-pp2-zero2-ac": layout(2, 1, 2, "1F1B", 2, 2, "parallelism.ep=2", AC),
     "ep4-dp4-zero3": layout(4, 1, 1, "1F1B", 2, 3, "parallelism.ep=4"),
     "ep2-dp4-zero0": layout(4, 1, 1, "1F1B", 2, 0, "parallelism.ep=2"),
+    "ep2-dp4-zero1": layout(4, 1, 1, "1F1B", 2, 1, "parallelism.ep=2"),
 }
 
 
@@ -68,11 +69,22 @@ def _ep_job(name: str) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     """Every layout below in one launch of four gloo ranks; the first EP layout saves a
-    checkpoint that a run at ep = 4 resumes from."""
+    checkpoint that a run at ep = 4 resumes from, the ZeRO-1 one a checkpoint that a run at
+    dp = 2, tp = 2 (ZeRO-1, ep = 2) resumes from."""
     out = tmp_path_factory.mktemp("moe-runs")
     jobs: dict = {name: [f"model.arch={name.split('/')[0]}", *TINY, *lay] for name, lay in DENSE_LAYOUTS.items()}
     jobs |= {name: _ep_job(name) for name in EP_LAYOUTS}
     jobs["ep2-dp2-tp2"] += ["checkpoint.interval=1", f"run.output_dir={out / 'saved'}"]
+    # ZeRO-1 under ep saves its sliced AdamW state whole and loads it back into other slices.
+    jobs["ep2-dp4-zero1"] += ["checkpoint.interval=1", f"run.output_dir={out / 'saved-zero1'}"]
+    jobs["resumed-at-ep2-tp2-zero1"] = {
+        "overrides": [
+            *_ep_job("ep2-dp2-tp2"),
+            "parallelism.zero=1",
+            f"run.output_dir={out / 'resumed-zero1'}",
+        ],
+        "resume": str(out / "saved-zero1" / "checkpoints" / "step_1"),
+    }
     jobs["resumed-at-ep4"] = {
         "overrides": [*_ep_job("ep4-dp4-zero3"), f"run.output_dir={out / 'resumed'}"],
         "resume": str(out / "saved" / "checkpoints" / "step_1"),
@@ -89,21 +101,28 @@ def test_moe_layouts_match_transformers(runs):
 def test_expert_parallel_layouts_match_transformers(runs):
     """parallelism.ep = 2 and 4: experts sharded over data-parallel ranks, tokens sent to them by
     all-to-all; with tp (sequence parallel) and pp (activation checkpointing: the recomputation
-    exchanges the tokens again), under ZeRO-0 replication and FSDP; and a run saved at ep = 2
-    resumed at ep = 4 (the checkpoint resharded across ep sizes) continues the same training."""
+    exchanges the tokens again), under ZeRO-0 replication, ZeRO-1 (the experts' AdamW state sliced
+    over the ranks holding the same experts) and FSDP; and a run saved at ep = 2
+    resumed at ep = 4 (the checkpoint resharded across ep sizes), and one saved under ZeRO-1
+    resumed at another dp and tp, continue the same training."""
     results, jobs = runs, {name: _ep_job(name) for name in EP_LAYOUTS}
     reference = _check("qwen3-moe", results, list(EP_LAYOUTS))
     assert_oracle(results["resumed-at-ep4"], reference, first=1)
+    assert_oracle(results["resumed-at-ep2-tp2-zero1"], reference, first=1)
     # Under replication (ZeRO-0) each rank holds every weight but the experts, and 1/ep of those.
     full = results["ep2-dp4-zero0"]["probe"]["initial"]
     experts = sum(v.size for n, v in full.items() if ".experts." in n)
     others = sum(v.size for n, v in full.items() if ".experts." not in n)
     assert {m["param_bytes"] for m in results["ep2-dp4-zero0"]["memory"]} == {4 * (others + experts // 2)}
+    # ZeRO-1: each rank keeps AdamW's two moments of 1/4 of the other weights and of 1/2 of its
+    # 1/ep of the experts (plus one step counter per part).
+    sliced = -(-others // 4) + -(-experts // 2 // 2)
+    assert {m["optimizer_bytes"] for m in results["ep2-dp4-zero1"]["memory"]} == {2 * 4 * sliced + 2 * 4}
     # The planner's parameter, gradient and AdamW bytes per rank are what the ranks held (within 5 %).
     from raytrain_hybrid.planner.cost import predict
     from raytrain_hybrid.planner.hardware import load_hardware
 
-    for name in ("ep2-dp4-zero0", "ep4-dp4-zero3", "ep2-dp2-tp2"):
+    for name in ("ep2-dp4-zero0", "ep4-dp4-zero3", "ep2-dp2-tp2", "ep2-dp4-zero1"):
         want = predict(load_config(None, jobs[name]), load_hardware("h100"))["memory_bytes"]
         for key, measured in (("params", "param_bytes"), ("grads", "grad_bytes"), ("optimizer", "optimizer_bytes")):
             got = max(m[measured] for m in results[name]["memory"])
@@ -120,7 +139,6 @@ def test_expert_parallel_layouts_match_transformers(runs):
             "model.num_experts=8",
         ),
         (["parallelism.ep=4", "parallelism.dp=2"], "parallelism.ep", "parallelism.dp=2"),
-        (["parallelism.ep=2", "parallelism.zero=1"], "parallelism.zero", "parallelism.ep"),
         (["parallelism.cp=2"], "parallelism.cp", "whole sequence"),
     ],
 )

@@ -204,8 +204,6 @@ def _validate_experts(cfg: Config, spec: ArchSpec) -> None:
     for key, value in (("parallelism.dp", par.dp), ("model.num_experts", model.num_experts)):
         if value % par.ep:
             raise ConfigError("parallelism.ep", par.ep, f"must divide {key}={value}; try ep in {choices(fits)}")
-    if par.zero == 1:
-        raise ConfigError("parallelism.zero", 1, "is not available with parallelism.ep > 1; use zero 0, 2 or 3")
     if par.min_dp:
         raise ConfigError("parallelism.min_dp", par.min_dp, "elastic runs keep ep=1; use min_dp=0 or ep=1")
 

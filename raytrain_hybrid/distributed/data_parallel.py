@@ -4,7 +4,8 @@ zero=0: FSDP2 on a (dp_replicate=dp, dp_shard=1) HSDP mesh, i.e. plain replicati
         with gradient all-reduce. torch DDP cannot hold DTensor (TP) parameters, FSDP2
         composes with TP, so replication goes through FSDP2 at every tp.
 zero=1: no wrapper; ZeroOneOptimizer reduce-scatters gradients and shards AdamW state and
-        the update over dp (distributed/zero1.py), at every tp and pp.
+        the update over dp (distributed/zero1.py), at every tp and pp; under ep the experts in
+        their own ZeRO-1 over the dp/ep ranks holding the same experts.
 zero=2: FSDP2 sharding, parameters kept gathered between forward and backward.
 zero=3: FSDP2 full sharding, parameters re-gathered for backward.
 """
@@ -14,9 +15,9 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from raytrain_hybrid.distributed.expert_parallel import shard_experts
+from raytrain_hybrid.distributed.expert_parallel import ep_mesh, is_expert, shard_experts
 from raytrain_hybrid.distributed.parallel_dims import ParallelDims
-from raytrain_hybrid.distributed.zero1 import ZeroOneOptimizer
+from raytrain_hybrid.distributed.zero1 import SplitZeroOne, ZeroOneOptimizer
 from raytrain_hybrid.models.spec import ArchSpec
 
 
@@ -46,5 +47,20 @@ def build_optimizer(params, mesh, dims: ParallelDims, *, device: torch.device, *
     adamw = {**adamw, **adamw_kernel(device)}
     if dims.zero == 1 and dims.dp * dims.cp > 1:
         group = (mesh.grads if dims.cp > 1 else mesh.dp).get_group()  # sharded over dp x cp
+        if dims.ep > 1:
+            return _zero1_with_experts(list(params), mesh, dims, group, adamw)
         return ZeroOneOptimizer(params, dp_group=group, tp=dims.tp, **adamw)
     return torch.optim.AdamW(params, **adamw)
+
+
+def _zero1_with_experts(params, mesh, dims: ParallelDims, dp_group, adamw: dict) -> ZeroOneOptimizer:
+    """ZeRO-1 under ep: the dense weights sliced over dp as without experts; the experts' local
+    shards sliced over the dp/ep ranks holding the same experts, their gradients summed there and
+    divided by dp (as the experts' FSDP unit does at ZeRO-0, expert_parallel.py). An expert element
+    is whole on each tp rank, on one rank of the ep group: tp copies in the gradient norm."""
+    experts = [p for p in params if is_expert(p)]
+    parts = [ZeroOneOptimizer([p for p in params if not is_expert(p)], dp_group=dp_group, tp=dims.tp, **adamw)]
+    if experts:  # a pipeline stage without MoE layers has none (nor do the other ranks of its group)
+        same = ep_mesh(mesh.world, dims)["erep"].get_group()
+        parts.append(ZeroOneOptimizer(experts, dp_group=same, tp=dims.tp, divide=dims.dp, copies=dims.tp, **adamw))
+    return SplitZeroOne(*parts)

@@ -13,7 +13,8 @@ Dispatch is dropless: every pair is computed, however uneven the routing.
 
 Gradients: an expert's gradient on its rank already sums the contributions of the ep group's
 tokens, so the expert weights are averaged over the dp/ep ranks holding the same experts (their
-own FSDP2 unit on that mesh, gradients divided by dp), the other weights over dp as before.
+own FSDP2 unit on that mesh, gradients divided by dp; under ZeRO-1 their own ZeRO-1 slices on
+that group, data_parallel.py), the other weights over dp as before.
 This is a module transformation: the transformers model code is unchanged.
 """
 
@@ -33,7 +34,7 @@ EP_DIMS = ("pp", "erep", "eshard", "ep", "cp", "tp")
 
 def ep_mesh(world, dims):
     """The world's ranks as (pp, erep, eshard, ep, cp, tp): an ep group is ``ep`` consecutive
-    dp replicas; the dp/ep ranks holding the same experts are erep (ZeRO-0: replicas) or eshard
+    dp replicas; the dp/ep ranks holding the same experts are erep (ZeRO-0 replicas, ZeRO-1 slices) or eshard
     (ZeRO-2/3: FSDP shards). Built once per world mesh (its process groups are created by every
     rank together, on the first stage each builds; kept on the world mesh, no module state)."""
     if getattr(world, "_expert_mesh", None) is None:
@@ -78,6 +79,11 @@ def shard_experts(stage, spec: ArchSpec, mesh, dims, **fsdp) -> None:
     for experts in _experts(stage, spec):
         fully_shard(experts, mesh=em["erep", "eshard"], **fsdp)
         experts.set_gradient_divide_factor(float(dims.dp))
+
+
+def is_expert(p) -> bool:
+    """Whether ``p`` is an expert weight sharded over the ep mesh (by apply_ep)."""
+    return isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("ep",)
 
 
 def _local(t):

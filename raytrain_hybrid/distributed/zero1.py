@@ -28,10 +28,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class ZeroOneOptimizer(torch.optim.Optimizer):
-    def __init__(self, params, *, dp_group, tp: int, **adamw) -> None:
+    def __init__(self, params, *, dp_group, tp: int, divide: int = 0, copies: int = 0, **adamw) -> None:
+        """``divide``: what the summed gradients are divided by (default: the group's size);
+        ``copies``: the ranks of a replica's stage holding each element (default: from its placements)."""
         self.model_params = list(params)
         self.group = dp_group
         self.dp = dist.get_world_size(dp_group)
+        self.divide = divide or self.dp
         self.dp_rank = dist.get_rank(dp_group)
         sizes = [_local(p).numel() for p in self.model_params]
         self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
@@ -42,7 +45,7 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         self.start = self.dp_rank * self.slice_len
         # How many ranks of one DP replica's stage hold each element: TP-replicated
         # parameters (norms, row-parallel biases) count once in the gradient norm.
-        self.copies = [shard_copies(p, tp) for p in self.model_params]
+        self.copies = [copies or shard_copies(p, tp) for p in self.model_params]
         device = _local(self.model_params[0]).device
         self.shard = torch.nn.Parameter(torch.zeros(self.slice_len, device=device))
         self.optim = torch.optim.AdamW([self.shard], **adamw)
@@ -83,7 +86,7 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
                 flat[off : off + n] = _local(p.grad).reshape(-1)
         out = torch.empty(self.slice_len, device=flat.device)
         dist.reduce_scatter_single(out, flat, group=self.group)
-        self.shard.grad = out.div_(self.dp)
+        self.shard.grad = out.div_(self.divide)
         self._grad_ready = True
 
     @torch.no_grad()
@@ -161,3 +164,51 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         # The fused kernel (CUDA) reads its step counter on the device, the for-loop on the host.
         inner["step"] = step.to(self.shard.device if self.optim.defaults.get("fused") else "cpu")
         self._pull_params()
+
+
+class SplitZeroOne(ZeroOneOptimizer):
+    """ZeRO-1 in parts, each sharded over its own group (under expert parallelism: the dense weights
+    over dp, the experts over the dp/ep ranks holding the same experts), stepped, clipped and
+    checkpointed as one optimizer. The parts hold all state, hence no ZeroOneOptimizer.__init__."""
+
+    def __init__(self, *parts: ZeroOneOptimizer) -> None:
+        self.parts = parts
+        self.model_params = [p for part in parts for p in part.model_params]
+        self.defaults = parts[0].defaults
+        self.param_groups = [g for part in parts for g in part.param_groups]  # the scheduler sets each LR
+        self._grad_ready = False
+
+    @property
+    def state(self) -> dict:
+        """The parts' AdamW state (a ChainMap would fill the first part's defaultdict on lookups)."""
+        return {k: v for part in self.parts for k, v in part.state.items()}
+
+    def reduce_gradients(self) -> None:
+        for part in self.parts:
+            part.reduce_gradients()
+        self._grad_ready = True
+
+    def grad_norm_sq(self) -> torch.Tensor:
+        return sum(part.grad_norm_sq() for part in self.parts)
+
+    def clip_(self, coef: float | torch.Tensor) -> None:
+        for part in self.parts:
+            part.clip_(coef)
+
+    def step(self, closure=None):
+        if not self._grad_ready:
+            self.reduce_gradients()
+        for part in self.parts:
+            part.step()
+        self._grad_ready = False
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts:
+            part.zero_grad(set_to_none)
+
+    def gathered_state(self) -> dict[int, dict[str, torch.Tensor]]:
+        return {k: v for part in self.parts for k, v in part.gathered_state().items()}
+
+    def scatter_state(self, per_param: dict[int, dict[str, torch.Tensor]]) -> None:
+        for part in self.parts:
+            part.scatter_state(per_param)
