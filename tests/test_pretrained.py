@@ -329,7 +329,9 @@ def test_bad_directories_are_refused(checkpoints, tmp_path):
     bert = tmp_path / "bert"
     bert.mkdir()
     (bert / "config.json").write_text(json.dumps({"model_type": "bert"}))
-    with pytest.raises(ConfigError, match=r"model_type 'bert' has no spec; supported: gpt2, llama, mistral, mixtral, qwen2, qwen3_moe"):
+    with pytest.raises(
+        ConfigError, match=r"model_type 'bert' has no spec; supported: gpt2, llama, mistral, mixtral, qwen2, qwen3_moe"
+    ):
         load_config(None, [f"model.pretrained={bert}"])
     bare = tmp_path / "bare"
     bare.mkdir()
