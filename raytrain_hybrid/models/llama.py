@@ -19,22 +19,28 @@ if TYPE_CHECKING:  # imported where a model runs: the spec itself is data (see T
     import torch
 
 
+def config_kwargs(m) -> dict:
+    """The transformers config keywords of a Llama-family model built from model.* sizes (no
+    checkpoint); a variant adds its own (the MoE specs: their experts)."""
+    return {
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.hidden_size,
+        "intermediate_size": m.ffn_hidden_size,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads,
+        "num_key_value_heads": m.num_kv_heads,
+        "max_position_embeddings": m.seq_len,
+        "tie_word_embeddings": False,  # embedding and head live on different pipeline stages
+        "attn_implementation": "sdpa",  # causal without a mask tensor
+        "use_cache": False,
+    }
+
+
 def _hf_config(config_cls, cfg):
     m = cfg.model
     if is_set(m.pretrained):  # every setting from the checkpoint (RoPE scaling, eps, theta, ...)
         return checkpoint_config(config_cls, m, attention_dropout=0.0)
-    return config_cls(
-        vocab_size=m.vocab_size,
-        hidden_size=m.hidden_size,
-        intermediate_size=m.ffn_hidden_size,
-        num_hidden_layers=m.num_layers,
-        num_attention_heads=m.num_heads,
-        num_key_value_heads=m.num_kv_heads,
-        max_position_embeddings=m.seq_len,
-        tie_word_embeddings=False,  # embedding and head live on different pipeline stages
-        attn_implementation="sdpa",  # causal without a mask tensor
-        use_cache=False,
-    )
+    return config_cls(**config_kwargs(m))
 
 
 def stage_forward(stage, x: torch.Tensor, position_ids: torch.Tensor | None = None):

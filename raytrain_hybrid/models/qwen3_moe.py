@@ -14,7 +14,7 @@ import dataclasses
 import functools
 
 from raytrain_hybrid.models.hf_checkpoint import checkpoint_config, is_set
-from raytrain_hybrid.models.llama import family_spec
+from raytrain_hybrid.models.llama import config_kwargs, family_spec
 from raytrain_hybrid.models.llama import from_hf as llama_from_hf
 from raytrain_hybrid.models.llama import sizes_from_hf as llama_sizes
 from raytrain_hybrid.models.spec import ArchSpec, TransformersClass
@@ -35,18 +35,9 @@ def _hf_config(config_cls, mixtral: bool, cfg):
         }
     )
     return config_cls(
-        vocab_size=m.vocab_size,
-        hidden_size=m.hidden_size,
-        intermediate_size=m.ffn_hidden_size,
-        num_hidden_layers=m.num_layers,
-        num_attention_heads=m.num_heads,
-        num_key_value_heads=m.num_kv_heads,
-        max_position_embeddings=m.seq_len,
+        **config_kwargs(m),
         num_experts_per_tok=m.experts_per_token,
         router_aux_loss_coef=m.router_aux_loss_coef,
-        tie_word_embeddings=False,  # embedding and head live on different pipeline stages
-        attn_implementation="sdpa",
-        use_cache=False,
         **experts,
     )
 
