@@ -8,7 +8,7 @@ import functools
 import json
 import sys
 
-from raytrain_hybrid.cli_help import ADDRESS_HELP, DESCRIPTION, EPILOG, count, csv, topology, version
+from raytrain_hybrid.cli_help import ADDRESS_HELP, DESCRIPTION, EPILOG, count, topology, version
 from raytrain_hybrid.config import LAYOUT_KEYS, load_config
 from raytrain_hybrid.errors import ConfigError, LayoutError
 
@@ -31,6 +31,24 @@ def _command(sub, name: str, text: str) -> argparse.ArgumentParser:
     return sub.add_parser(name, help=text, description=text)
 
 
+def _add_resume_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--resume",
+        metavar="PATH",
+        help="continue from a checkpoint: a run directory (its newest checkpoint) or checkpoints/step_<N>; "
+        "any layout, the same model",
+    )
+    p.add_argument(
+        "--allow-change",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="with --resume: let this key differ from the checkpoint's on purpose (repeatable, or KEY,KEY): "
+        "train.global_batch_size, train.seed, train.lr, train.min_lr_ratio, train.warmup_steps, data.path, "
+        "data.tokenizer, data.shuffle_seed, ...; a data or batch-size change starts the data from its beginning",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="raytrain-hybrid",
@@ -42,21 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
     train = _command(sub, "train", "train on Ray: join a cluster, or start a local one when none is named")
     _add_config_args(train)
-    train.add_argument(
-        "--resume",
-        metavar="PATH",
-        help="continue from a checkpoint: a run directory (its newest checkpoint) or checkpoints/step_<N>; "
-        "any layout, the same model",
-    )
-    train.add_argument(
-        "--allow-change",
-        action="append",
-        default=[],
-        metavar="KEY",
-        help="with --resume: let this key differ from the checkpoint's on purpose (repeatable, or KEY,KEY): "
-        "train.global_batch_size, train.seed, train.lr, train.min_lr_ratio, train.warmup_steps, data.path, "
-        "data.tokenizer, data.shuffle_seed, ...; a data or batch-size change starts the data from its beginning",
-    )
+    _add_resume_args(train)
     train.add_argument(
         "--verbose",
         action="store_true",
@@ -73,7 +77,9 @@ def _parser() -> argparse.ArgumentParser:
         "weights, which transformers loads alone (default: a PEFT adapter directory, adapter_config.json + "
         "adapter_model.safetensors, for peft.PeftModel.from_pretrained on the base model)",
     )
-    check = _command(sub, "check", "validate a config and show where each rank goes, without training")
+    check = _command(
+        sub, "check", "validate a config, show where each rank goes and how train would start, without training"
+    )
     _add_config_args(check)
     check.add_argument(
         "--topology",
@@ -81,7 +87,8 @@ def _parser() -> argparse.ArgumentParser:
         type=topology,
         help="workers per node, e.g. 4,4 (default: the joined cluster's placement, else one node holding all)",
     )
-    check.add_argument("--json", action="store_true", help="print the ranks and groups as JSON on stdout")
+    _add_resume_args(check)
+    check.add_argument("--json", action="store_true", help="print the ranks, groups and start plan as JSON on stdout")
     check.add_argument(
         "--hardware",
         default="",
@@ -150,48 +157,34 @@ def _prepare(args) -> int:
     return 0
 
 
-def _auto_layout(args, cfg):
-    """check with parallelism.layout=auto: the planner's pick for --topology's nodes (the workers
-    each holds) or the connected cluster's; (config at the pick, workers per node)."""
-    from raytrain_hybrid.launch.autolayout import pick_for_check
-    from raytrain_hybrid.launch.session import join_ray, ray_address
-
-    if not args.topology and ray_address(cfg):
-        join_ray(ray_address(cfg))
-    return pick_for_check(cfg, args.topology, _say(args))
-
-
 def _say(args):
     """print, on stderr with --json (its stdout is the JSON)."""
     return functools.partial(print, file=sys.stderr if args.json else sys.stdout)
 
 
 def _check(args, cfg, unverified: list[str] | None = None) -> int:
+    from raytrain_hybrid.config.elastic import describe, is_elastic, usable_dps
     from raytrain_hybrid.distributed.parallel_dims import ParallelDims, placement_report
+    from raytrain_hybrid.launch.startcheck import check_layout, check_plan
 
     for note in unverified or ():  # what could not be read here (no network, no credentials)
         _say(args)(f"not verified: {note}")
-    counts, asked = None, cfg
-    if cfg.parallelism.layout == "auto":  # the planner's pick, printed; then the usual check of it
-        cfg, counts = _auto_layout(args, cfg)
+    asked = cfg
+    cfg, counts = check_layout(cfg, args.topology, _say(args))  # layout=auto: the planner's pick, printed
     par = cfg.parallelism
-    dims = ParallelDims.from_config(par)
-    if counts is None and args.topology:
-        counts = args.topology
-        if sum(counts) != dims.world_size:
-            raise ConfigError(
-                "--topology", csv(counts), f"places {sum(counts)} workers; the layout needs {dims.world_size}"
-            )
-    elif counts is None:
-        from raytrain_hybrid.launch.session import live_workers_per_node
-
-        counts = live_workers_per_node(cfg, dims.world_size, _say(args))
-    report = placement_report(dims, counts)
+    report = placement_report(ParallelDims.from_config(par), counts)
     ranks, groups = report["ranks"], report["groups"]
-    from raytrain_hybrid.config.elastic import describe, is_elastic, usable_dps
-
+    notes, said = [], []  # the driver's start plan, made as it would make it; refused where it would refuse
+    plan = check_plan(cfg, asked, args.topology, args.resume, args.allow_change, notes, said.append)
+    for note in notes:
+        _say(args)(f"not verified: {note}")
     if args.json:
-        print(json.dumps({"ranks": ranks, "groups": groups, "dp_values": usable_dps(asked.parallelism)}))
+        for line in said:
+            _say(args)(line)
+        start = {"line": plan.lines()[0], **plan.facts()}
+        print(
+            json.dumps({"ranks": ranks, "groups": groups, "dp_values": usable_dps(asked.parallelism), "start": start})
+        )
         return 0
     cp = f" cp={par.cp}" if par.cp > 1 else ""
     cp += f" ep={par.ep}" if par.ep > 1 else ""  # expert parallelism: experts over ep of the dp replicas
@@ -209,6 +202,7 @@ def _check(args, cfg, unverified: list[str] | None = None) -> int:
         print(f"{axis} groups: {gs}")
     if par.ep > 1:  # each dp group's ep consecutive replicas share out the experts
         print(f"ep groups: {[g[i : i + par.ep] for g in groups['dp'] for i in range(0, len(g), par.ep)]}")
+    print(*said, *plan.lines(), f"lease: {plan.lease}", sep="\n")  # as the driver says them
     if args.hardware:
         from raytrain_hybrid.planner.hardware import load_hardware
         from raytrain_hybrid.planner.search import describe

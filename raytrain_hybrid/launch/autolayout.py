@@ -140,6 +140,13 @@ def use_gpu_for(cfg: Config, nodes: list[dict[str, float]]) -> bool:
     return cfg.cluster.use_gpu if cfg.cluster.use_gpu is not None else any(n.get("GPU", 0) for n in nodes)
 
 
+def held_nodes(cfg: Config, held: list[int]) -> list[dict[str, float]]:
+    """Nodes holding ``held`` workers each (`check --topology`): their CPUs, and a GPU each unless
+    cluster.use_gpu=false."""
+    gpu, cpus = cfg.cluster.use_gpu is not False, cfg.cluster.cpus_per_worker
+    return [{"CPU": c * cpus, **({"GPU": c} if gpu else {})} for c in held]
+
+
 def pick_for_check(cfg: Config, held: list[int] | None, say: Callable[[str], None]) -> tuple[Config, list[int]]:
     """`check` with layout=auto: the pick for nodes holding ``held`` workers each (a GPU each
     unless cluster.use_gpu=false), or for the connected cluster's nodes (None); returns the
@@ -148,9 +155,7 @@ def pick_for_check(cfg: Config, held: list[int] | None, say: Callable[[str], Non
 
     if held is not None:
         gpu = cfg.cluster.use_gpu is not False
-        cpus = cfg.cluster.cpus_per_worker
-        held_nodes = [{"CPU": c * cpus, **({"GPU": c} if gpu else {})} for c in held]
-        reach = Reach([*held_nodes, {"CPU": 1}])  # and a head's CPU
+        reach = Reach([*held_nodes(cfg, held), {"CPU": 1}])  # and a head's CPU
     elif ray.is_initialized():
         reach = cluster_reach(True, cfg.cluster.accelerator_type)
         gpu = use_gpu_for(cfg, reach.nodes)

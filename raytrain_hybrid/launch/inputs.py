@@ -87,7 +87,8 @@ def steps_to_train(cfg: Config) -> int:
         return cfg.train.steps
     import pyarrow.dataset as pads
 
-    from raytrain_hybrid.data.rows import BUILTIN_TRAIN, steps_in_passes  # "memory": the shipped rows
+    from raytrain_hybrid.data.rows import BUILTIN_TRAIN, steps_in_passes  # "memory", "builtin": the shipped rows
 
-    rows = pads.dataset(str(BUILTIN_TRAIN) if d.path == "memory" else d.path, format="parquet").count_rows()
+    path = str(BUILTIN_TRAIN) if d.path in ("memory", "builtin") else d.path
+    rows = pads.dataset(path, format="parquet").count_rows()
     return min(cfg.train.steps, steps_in_passes(rows, d.epochs, cfg.train.global_batch_size))

@@ -21,11 +21,7 @@ def check_placement(
     yet, e.g. while an autoscaler adds nodes; the workers then check what they got).
     """
     nodes = live_node_totals() if nodes is None else nodes  # the start plan's reach.live
-    # An elastic run starts with the most workers of a usable layout the nodes hold now.
-    for world in reversed(counts or worker_counts(cfg)):
-        counts = predict_workers_per_node(nodes, world, resources, cfg.cluster.placement_strategy)
-        if counts is not None:
-            break
+    world, counts = predict_start(cfg, resources, nodes, counts)
     dims = ParallelDims.from_config(at_world(cfg, world).parallelism)
     _check_output_dir(cfg, nodes, resources)
     if hf_checkpoint.is_set(cfg.model.pretrained) and get_arch(cfg.model.arch).from_hf is not None:
@@ -35,6 +31,18 @@ def check_placement(
         arrange_ranks(dims, [f"node{i}" for i, c in enumerate(counts) for _ in range(c)])
         _check_data_cpus(cfg, nodes, dims.world_size)
     return counts
+
+
+def predict_start(
+    cfg: Config, resources: dict[str, float], nodes: list[dict], counts: list[int] | None = None
+) -> tuple[int, list[int] | None]:
+    """The workers a start has on ``nodes`` and how many each node gets (None: the nodes cannot hold
+    it yet). An elastic run starts with the most workers of a usable layout the nodes hold now."""
+    for world in reversed(counts or worker_counts(cfg)):
+        placed = predict_workers_per_node(nodes, world, resources, cfg.cluster.placement_strategy)
+        if placed is not None:
+            break
+    return world, placed
 
 
 def _check_output_dir(cfg: Config, nodes: list[dict], resources: dict[str, float]) -> None:

@@ -30,7 +30,13 @@ def use_train_v2() -> None:
 def ensure_ray(cfg: Config, world_size: int) -> None:
     """Join the cluster ray_address(cfg) names, else start a private local Ray with enough logical
     CPUs for every worker (plus one for Ray Train's controller), however few cores the machine has."""
-    join_ray(ray_address(cfg), need_cpus=math.ceil(world_size * cfg.cluster.cpus_per_worker) + 1)
+    join_ray(ray_address(cfg), need_cpus=local_cpus(cfg, world_size))
+
+
+def local_cpus(cfg: Config, world_size: int) -> int:
+    """The logical CPUs of the private local Ray a run starts without a cluster: one for every
+    worker's cluster.cpus_per_worker, one for Ray Train's controller, at least the machine's cores."""
+    return max(math.ceil(world_size * cfg.cluster.cpus_per_worker) + 1, os.cpu_count() or 1)
 
 
 def join_ray(address: str, need_cpus: int = 0) -> None:

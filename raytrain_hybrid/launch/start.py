@@ -22,11 +22,11 @@ from raytrain_hybrid.launch.autolayout import choose_layout, use_gpu_for
 from raytrain_hybrid.launch.elastic import start_line, worker_counts
 from raytrain_hybrid.launch.inputs import prepare_input, steps_to_train
 from raytrain_hybrid.launch.placement import worker_resources
-from raytrain_hybrid.launch.preflight import check_placement
+from raytrain_hybrid.launch.preflight import check_placement, predict_start
 from raytrain_hybrid.launch.reach import Reach, cluster_reach
 from raytrain_hybrid.launch.session import ensure_ray, ray_address, resolve_use_gpu
 from raytrain_hybrid.planner.hardware import Hardware
-from raytrain_hybrid.storage import open_store
+from raytrain_hybrid.storage import Store, open_store
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,12 +41,21 @@ class ResumePoint:
     step: int = 0  # the checkpoint's steps done
 
 
-def check_resume(cfg: Config, resume: str | None, allow_change: list[str] | None = None, say=print) -> ResumePoint:
+def check_resume(
+    cfg: Config,
+    resume: str | None,
+    allow_change: list[str] | None = None,
+    say=print,
+    *,
+    out: Store | None = None,
+    dry: bool = False,
+) -> ResumePoint:
     """Before anything starts: the checkpoint to resume is intact, fits this config and continues
     its trajectory (or the change is allowed: ``allow_change``), and no earlier run's checkpoints
     in run.output_dir would be overwritten. The history kept is the resumed run's, when it
-    continues in place."""
-    out = open_store(cfg.run.output_dir)
+    continues in place. ``out``: run.output_dir as opened to read it (default: opened here);
+    ``dry`` (``check``): nothing is written or deleted, and a run from scratch gets no trajectory."""
+    out = out or open_store(cfg.run.output_dir)
     ckpt_root = out.child("checkpoints")
     existing = step_dirs(ckpt_root)
     if resume is None:
@@ -59,6 +68,8 @@ def check_resume(cfg: Config, resume: str | None, allow_change: list[str] | None
                 f"holds checkpoints of an earlier run ({existing[-1].name}); continue it with "
                 f"--resume {out.uri}, or choose another run.output_dir",
             )
+        if dry:
+            return ResumePoint(None, [], {})
         ckpt_root.child("checkpoint_manager_snapshot.json").delete()  # Ray's, of a run with none
         return ResumePoint(None, [], describe(cfg))
     allowed = check_allowed(allow_change or [])
@@ -109,18 +120,21 @@ def _intact(path) -> bool:
 
 
 def prepare_run_dir(
-    cfg: Config, resume: str | None, allow_change: list[str] | None = None, say=print
+    cfg: Config, resume: str | None, allow_change: list[str] | None = None, say=print, *, reader=None
 ) -> tuple[Config, ResumePoint]:
     """run.output_dir as workers on any node reach it (a local path made absolute, a URI as
-    it is), and the resume checked (see check_resume)."""
+    it is), and the resume checked (see check_resume). ``reader`` (``check``): opens the store
+    to read it; given, nothing is written or deleted."""
     out = open_store(cfg.run.output_dir)
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, output_dir=out.uri))
-    return cfg, check_resume(cfg, resume, allow_change, say)
+    if reader is None:
+        return cfg, check_resume(cfg, resume, allow_change, say)
+    return cfg, check_resume(cfg, resume, allow_change, say, out=reader(out), dry=True)
 
 
 @dataclasses.dataclass(frozen=True)
 class StartPlan:
-    """What a run's start decided, once: every check and the launch read it."""
+    """What a run's start decided, once: every check and the launch read it, and `check` prints it."""
 
     cfg: Config  # at the layout it starts with; run.output_dir absolute or a URI; data.path resolved
     point: ResumePoint  # the checkpoint it starts from, the history kept, the trajectory, the data's origin
@@ -131,15 +145,31 @@ class StartPlan:
     placement: list[int] | None  # predicted workers per node at the first start (None: nodes still to come)
     layout_hw: Hardware | None  # the profile layout=auto priced on (an elastic run's workers pick on it)
     end: int  # the steps it trains (data.epochs may end it before train.steps)
+    lease: str = "held by this run"  # run.output_dir's lease when planned (`check` reads it, never takes it)
+
+    def facts(self) -> dict:
+        """The plan as data (`check --json`'s "start"); ``lines`` says the same."""
+        par, out = self.cfg.parallelism, open_store(self.cfg.run.output_dir)
+        added = self.reach.added if self.reach else {}
+        return {
+            **{axis: getattr(par, axis) for axis in ("dp", "cp", "tp", "pp", "ep")},
+            "workers": list(self.counts),
+            "resources": dict(self.resources),
+            "use_gpu": self.use_gpu,
+            "placement": self.placement,
+            "live_nodes": len(self.reach.live) if self.reach else None,
+            "autoscaler_may_add": {name: n for name, (n, _) in added.items()},
+            "steps": self.end,
+            "output": out.uri,
+            "output_store": output_where(self.cfg),
+            "lease": self.lease,
+            "resume": self.point.path,
+            "resume_step": self.point.step,
+        }
 
     def lines(self) -> list[str]:
-        """The plan as the driver says it before the workers start."""
-        par, out = self.cfg.parallelism, open_store(self.cfg.run.output_dir)
-        where = (
-            "this node's disk"
-            if out.local and not self.cfg.run.shared_fs
-            else ("a shared mount" if out.local else "object storage")
-        )
+        """The plan as the driver says it before the workers start, and as `check` prints it."""
+        f, par = self.facts(), self.cfg.parallelism
         counts = f"{self.counts[0]} to {self.counts[-1]}" if len(self.counts) > 1 else f"{self.counts[0]}"
         each = ", ".join(f"{v:g} {k}" for k, v in self.resources.items())
         placed = f" on nodes holding {self.placement}" if self.placement else " on nodes still to come"
@@ -152,8 +182,16 @@ class StartPlan:
         cp += f" ep={par.ep}" if par.ep > 1 else ""  # as check's layout line names it
         return [
             f"start: dp={par.dp}{cp} tp={par.tp} pp={par.pp}, {counts} workers ({each} each){placed}; "
-            f"{self.end} steps; output {out.uri} ({where}); {start}"
+            f"{self.end} steps; output {f['output']} ({f['output_store']}); {start}"
         ]
+
+
+def output_where(cfg: Config) -> str:
+    """Where run.output_dir's bytes live, as the start line says it."""
+    out = open_store(cfg.run.output_dir)
+    if not out.local:
+        return "object storage"
+    return "a shared mount" if cfg.run.shared_fs else "this node's disk"
 
 
 def open_session(cfg: Config, marks: dict, say=print) -> tuple[Config, Reach, Hardware | None]:
@@ -171,13 +209,52 @@ def plan_start(cfg: Config, point: ResumePoint, marks: dict, say=print) -> Start
     """Ray joined, the layout picked, the placement checked against the live nodes, the output
     directory made and the input checked: the run's StartPlan (ConfigError/LayoutError if none)."""
     cfg, reach, layout_hw = open_session(cfg, marks, say)
+
+    def ready(cfg: Config) -> Config:
+        open_store(cfg.run.output_dir).makedirs()  # only now: a refused run leaves nothing behind
+        return prepare_input(cfg, say=say)
+
+    plan = derive_plan(cfg, point, reach, layout_hw, say, ready=ready)
+    marks["input_checked"] = time.time()
+    return plan
+
+
+def derive_plan(
+    cfg: Config,
+    point: ResumePoint,
+    reach: Reach,
+    layout_hw: Hardware | None,
+    say=print,
+    *,
+    ready=None,
+    placement: list[int] | None = None,
+    checked: bool = True,
+    lease: str = StartPlan.lease,
+    unverified: list[str] | None = None,
+) -> StartPlan:
+    """The plan of ``cfg`` (at its layout) on the nodes of ``reach``, the one derivation `train`
+    and `check` share: the worker counts, whether they use GPUs, what each asks of Ray, where
+    they are placed and the steps trained. ``placement``: None, predicted for the live nodes and,
+    ``checked``, checked against them (check_placement); else the workers per node given
+    (`check --topology`). ``ready``: makes the output directory and prepares the input (the
+    driver's; `check` writes nothing). ``unverified`` (`check`): rows that cannot be counted here
+    are noted there, not refused."""
     counts = worker_counts(cfg)
     use_gpu = resolve_use_gpu(cfg, counts[0], reach.nodes)  # an elastic run starts on fewer
     resources = worker_resources(cfg, use_gpu)
-    placement = check_placement(cfg, resources, reach.live, counts)
-    open_store(cfg.run.output_dir).makedirs()  # only now: a refused run leaves nothing behind
-    cfg = prepare_input(cfg, say=say)
-    end = steps_to_train(cfg)
+    if placement is None and checked:
+        placement = check_placement(cfg, resources, reach.live, counts)
+    elif placement is None:  # `check`: the prediction alone (the weights and the output directory are not read)
+        placement = predict_start(cfg, resources, reach.live, counts)[1]
+    if ready is not None:
+        cfg = ready(cfg)
+    try:
+        end = steps_to_train(cfg)
+    except (OSError, ValueError) as exc:  # pyarrow's errors: a bucket out of reach, files not Parquet
+        if unverified is None:
+            raise
+        unverified.append(f"data.path={cfg.data.path!r}: its rows were not counted here ({exc})")
+        end = cfg.train.steps
     if end < cfg.train.steps:
         say(
             f"data.epochs={cfg.data.epochs}: the rows hold {end} global batches of {cfg.train.global_batch_size}; "
@@ -185,5 +262,4 @@ def plan_start(cfg: Config, point: ResumePoint, marks: dict, say=print) -> Start
         )
     if is_elastic(cfg.parallelism):
         say(start_line(cfg))
-    marks["input_checked"] = time.time()
-    return StartPlan(cfg, point, reach, use_gpu, resources, counts, placement, layout_hw, end)
+    return StartPlan(cfg, point, reach, use_gpu, resources, counts, placement, layout_hw, end, lease)

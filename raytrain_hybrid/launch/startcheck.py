@@ -1,0 +1,152 @@
+"""`check`'s start plan: the plan `train`'s driver would make (launch.start.derive_plan, the same
+derivation and the same start line), made without starting anything.
+
+Nothing is written: no output directory is made, no lease taken, no Ray snapshot removed, no
+input prepared. The nodes are those `--topology` gives (workers per node), else the cluster
+`--address` or RAY_ADDRESS names (joined to read it), else the one node of the private local Ray
+`train` would start. run.output_dir's lease is read, never taken; ``--resume`` is checked by the
+driver's own check (launch.start.prepare_run_dir), so `check` refuses what `train` would. Storage
+that cannot be read here (no network, no credentials) is said as "not verified", at once: an
+object store is read without the retries a run makes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+
+import pyarrow.fs as pafs
+
+from raytrain_hybrid.config import Config
+from raytrain_hybrid.config.elastic import is_elastic
+from raytrain_hybrid.errors import ConfigError
+from raytrain_hybrid.launch.autolayout import held_nodes, pick_for_check
+from raytrain_hybrid.launch.lease import LEASE, describe, expired
+from raytrain_hybrid.launch.preflight import _check_output_dir
+from raytrain_hybrid.launch.reach import Reach
+from raytrain_hybrid.launch.session import join_ray, live_workers_per_node, local_cpus, ray_address
+from raytrain_hybrid.launch.start import ResumePoint, StartPlan, derive_plan, prepare_run_dir
+from raytrain_hybrid.storage import Store, open_store
+
+_CONNECT_S, _REQUEST_S = 5.0, 20.0  # an object store out of reach answers nothing: give up soon
+
+
+def check_layout(cfg: Config, topology: list[int] | None, say=print) -> tuple[Config, list[int]]:
+    """`check`'s layout and workers per node: layout=auto's pick for ``topology``'s nodes or the
+    named cluster's (said), else the configured layout on ``topology``, on the named cluster as a
+    placement would put it (with the nodes its autoscaler may add), or on one node holding all."""
+    if cfg.parallelism.layout == "auto":
+        if not topology and ray_address(cfg):
+            join_ray(ray_address(cfg))
+        return pick_for_check(cfg, topology, say)
+    world = cfg.parallelism.world_size
+    if not topology:
+        return cfg, live_workers_per_node(cfg, world, say)
+    if sum(topology) != world:
+        raise ConfigError(
+            "--topology", ",".join(map(str, topology)), f"places {sum(topology)} workers; the layout needs {world}"
+        )
+    return cfg, topology
+
+
+def check_plan(
+    cfg: Config,
+    asked: Config,
+    topology: list[int] | None,
+    resume: str | None,
+    allow_change: list[str],
+    unverified: list[str],
+    say=print,
+) -> StartPlan:
+    """The start plan of ``cfg`` (the config at the layout check shows; ``asked``: as given, which an
+    elastic run keeps) on ``topology``'s nodes, the named cluster's, or this machine's. ConfigError
+    where `train` would refuse the resume or the output directory's checkpoints; what cannot be
+    read here is appended to ``unverified``."""
+    cfg = asked if is_elastic(asked.parallelism) else cfg  # an elastic run's workers pick at each start
+    store = open_store(cfg.run.output_dir)
+    try:
+        lease = lease_state(quick(store))
+    except OSError as exc:
+        what = "its lease, its checkpoints and --resume are" if resume else "its lease and its checkpoints are"
+        unverified.append(f"run.output_dir={store.uri!r} could not be read here ({exc}); {what} not checked")
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, output_dir=store.uri))
+        point, lease = ResumePoint(None, [], {}), "not checked (run.output_dir could not be read here)"
+    else:
+        cfg, point = prepare_run_dir(cfg, resume, allow_change, say, reader=quick)
+    placement = topology if topology else None
+    reach = _reach(cfg, topology)
+    plan = derive_plan(
+        cfg, point, reach, None, say, placement=placement, checked=False, lease=lease, unverified=unverified
+    )
+    try:  # the one check of the live nodes that reads nothing: said, not refused (--topology may be nodes to come)
+        _check_output_dir(cfg, reach.live, plan.resources)
+    except ConfigError as exc:
+        say(f"warning: train refuses this on these nodes: {exc}")
+    return plan
+
+
+def _reach(cfg: Config, topology: list[int] | None) -> Reach:
+    """The nodes the plan is for: ``topology``'s, the named cluster's (check has joined it), or
+    the one node of the private local Ray `train` would start here (launch.session.ensure_ray)."""
+    if topology:
+        return Reach(held_nodes(cfg, topology))
+    if ray_address(cfg):
+        from raytrain_hybrid.launch.reach import cluster_reach
+
+        join_ray(ray_address(cfg))
+        return cluster_reach(True, cfg.cluster.accelerator_type)
+    gpus = _local_gpus()
+    node = {"CPU": float(local_cpus(cfg, cfg.parallelism.world_size)), **({"GPU": float(gpus)} if gpus else {})}
+    return Reach([node])
+
+
+def _local_gpus() -> int:
+    """This machine's NVIDIA GPUs as Ray counts them (CUDA_VISIBLE_DEVICES, else the driver's list),
+    without importing torch or Ray."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
+def lease_state(out: Store) -> str:
+    """run.output_dir's lease (launch.lease), read and never taken: free, or held by whom."""
+    lease = out.child(LEASE)
+    if not lease.is_file():
+        return "free"
+    try:
+        body = json.loads(lease.read_text())
+    except ValueError:
+        body = {}
+    body = body if isinstance(body, dict) else {}
+    if expired(body):
+        return f"free (the lease of a run that is gone has expired: {describe(body)})"
+    return f"in use by another run ({describe(body)}); train is refused until it ends"
+
+
+def quick(store: Store) -> Store:
+    """``store`` opened to give up at once where it is out of reach: one try, short timeouts (a run's
+    own reads retry for seconds)."""
+    fs = store.fs
+    try:
+        if isinstance(fs, pafs.S3FileSystem):
+            rebuild, (kwargs,) = fs.__reduce__()
+            fs = rebuild(
+                {
+                    **kwargs,
+                    "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=1),
+                    "connect_timeout": kwargs["connect_timeout"] if kwargs["connect_timeout"] > 0 else _CONNECT_S,
+                    "request_timeout": kwargs["request_timeout"] if kwargs["request_timeout"] > 0 else _REQUEST_S,
+                }
+            )
+        elif isinstance(fs, pafs.GcsFileSystem):
+            rebuild, (kwargs,) = fs.__reduce__()
+            fs = rebuild({**kwargs, "retry_time_limit": datetime.timedelta(seconds=_CONNECT_S)})
+    except (TypeError, ValueError, KeyError):  # another pyarrow's pickling: its own retries, then
+        return store
+    return dataclasses.replace(store, fs=fs)

@@ -1,0 +1,193 @@
+"""`check` prints the start plan `train`'s driver makes (launch.start.derive_plan), without starting
+anything: the same start line, the output directory's lease as it stands (read, never taken),
+and with --resume the driver's own resume check, refusing what `train --resume` refuses. No Ray:
+the nodes come from --topology, and the driver's plan is made for the same nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from s3_server import s3_server
+
+from raytrain_hybrid import cli
+from raytrain_hybrid.config import load_config
+from raytrain_hybrid.launch.lease import LEASE, acquire
+from raytrain_hybrid.launch.reach import Reach
+
+# Two nodes: run.output_dir must be storage both reach (a shared mount here).
+FIXED = ("parallelism.dp=1", "parallelism.tp=4", "parallelism.pp=2", "data.path=memory", "run.shared_fs=true")
+ONE_NODE = FIXED[:-1]  # run.output_dir where it is (object storage, or this node's disk for one node)
+ELASTIC = (
+    "parallelism.dp=4",
+    "parallelism.min_dp=1",
+    "parallelism.tp=2",
+    "parallelism.pp=1",
+    "parallelism.microbatches=3",
+    "train.global_batch_size=24",
+    "data.path=memory",
+)
+
+
+def _check(capsys, out, sets, *extra) -> tuple[int, str, str]:
+    argv = ["check", *extra, *(a for s in (*sets, f"run.output_dir={out}") for a in ("--set", s))]
+    code = cli.main(argv)
+    got = capsys.readouterr()
+    return code, got.out, got.err
+
+
+def _start_line(text: str) -> str:
+    (line,) = [line for line in text.splitlines() if line.startswith("start: ")]
+    return line
+
+
+@pytest.mark.parametrize(
+    "sets, topology, line",
+    [
+        (FIXED, "4,4", "dp=1 tp=4 pp=2, 8 workers (1 CPU, 1 GPU each) on nodes holding [4, 4]; 20 steps; output {}"),
+        (ELASTIC, "8", "dp=4 tp=2 pp=1, 2 to 8 workers (1 CPU, 1 GPU each) on nodes holding [8]; 20 steps; output {}"),
+    ],
+    ids=["fixed", "elastic"],
+)
+def test_check_prints_the_drivers_start_line(sets, topology, line, tmp_path, capsys, monkeypatch):
+    """The line check prints is the one the driver says for the same config on the same nodes
+    (one GPU a worker: --topology counts GPU workers unless cluster.use_gpu=false); check makes
+    neither the output directory nor a lease."""
+    from raytrain_hybrid.launch import start
+
+    out = tmp_path / "run"
+    code, text, err = _check(capsys, out, sets, "--topology", topology)
+    assert code == 0, err
+    shown = _start_line(text)
+    where = "a shared mount" if "run.shared_fs=true" in sets else "this node's disk"
+    assert shown == f"start: {line.format(out)} ({where}); from step 0", shown
+    assert "lease: free" in text.splitlines() and not out.exists()
+    if "parallelism.min_dp=1" in sets:  # the driver's elastic line, as it says it
+        assert any(s.startswith("elastic: dp between 1 and 4, at one of [1, 2, 3, 4]") for s in text.splitlines())
+    # The driver's plan for nodes holding those workers: Ray's totals of each node, a GPU a worker.
+    nodes = [{"CPU": float(n), "GPU": float(n)} for n in map(int, topology.split(","))]
+    cfg, point = start.prepare_run_dir(load_config(None, [*sets, f"run.output_dir={out}"]), None)
+    monkeypatch.setattr(start, "open_session", lambda cfg, marks, say: (cfg, Reach(nodes), None))
+    said: list[str] = []
+    plan = start.plan_start(cfg, point, {}, said.append)
+    assert plan.lines() == [shown] and out.is_dir()  # the driver's start made the output directory
+
+
+def test_check_json_keeps_its_keys_and_adds_the_start(tmp_path, capsys):
+    out = tmp_path / "run"
+    code, text, err = _check(capsys, out, ELASTIC, "--topology", "8", "--json")
+    assert code == 0, err
+    got = json.loads(text)
+    assert set(got) == {"ranks", "groups", "dp_values", "start"} and got["dp_values"] == [1, 2, 3, 4]
+    assert len(got["ranks"]) == 8 and got["groups"]["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    start = got["start"]
+    assert start["line"] == _start_line(err + "\n" + start["line"])
+    assert (start["dp"], start["tp"], start["pp"], start["workers"]) == (4, 2, 1, [2, 4, 6, 8])
+    assert start["resources"] == {"CPU": 1.0, "GPU": 1} and start["placement"] == [8] and start["steps"] == 20
+    assert (start["output"], start["output_store"], start["lease"]) == (str(out), "this node's disk", "free")
+    assert start["resume"] is None and start["live_nodes"] == 1 and not out.exists()
+    # On two nodes, a directory on this node's disk is what train refuses: said, not refused.
+    code, text, err = _check(capsys, out, (*FIXED, "run.shared_fs=false"), "--topology", "4,4")
+    assert code == 0 and "(this node's disk); from step 0" in _start_line(text)
+    assert (
+        f"warning: train refuses this on these nodes: run.output_dir='{out}': is a directory on this node's disk"
+        in text
+    )
+
+
+@pytest.fixture(scope="module")
+def s3():
+    with s3_server() as env:
+        yield env
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_check_names_the_run_holding_the_directory_and_leaves_its_lease(where, request, tmp_path, capsys, monkeypatch):
+    """On this node's disk and on the S3 server (the lease's conditional writes there)."""
+    from raytrain_hybrid.storage import open_store
+
+    out = str(tmp_path / "run") if where == "local" else f"s3://bucket/{tmp_path.name}/run"
+    if where == "s3":
+        request.getfixturevalue("s3")
+
+    monkeypatch.setenv("RAY_JOB_SUBMISSION_ID", "raysubmit_holder")
+    holder = acquire(out)
+    lease = open_store(out).child(LEASE)
+    before = lease.read_bytes()
+    try:
+        code, text, err = _check(capsys, out, ONE_NODE, "--topology", "8")
+        assert code == 0, err
+        (said,) = [line for line in text.splitlines() if line.startswith("lease: ")]
+        assert said.startswith(
+            f"lease: in use by another run (host {socket.gethostname()}, process {os.getpid()}, started "
+        ), said
+        assert "job raysubmit_holder" in said and said.endswith("train is refused until it ends")
+        assert lease.read_bytes() == before and open_store(out).listdir() == [LEASE]
+        if out.startswith("s3://"):
+            assert f"output {out} (object storage); from step 0" in _start_line(text)
+    finally:
+        holder.release()
+    # A holder that is gone (its process, on this host) leaves a lease the next run takes over.
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = {"host": socket.gethostname(), "pid": int(dead.stdout), "started_at": "x", "job": "", "token": "t"}
+    lease.write_text(json.dumps({"holder": gone, "renewed_at": time.time(), "ttl_s": 120}))
+    code, text, _ = _check(capsys, out, ONE_NODE, "--topology", "8")
+    assert code == 0 and f"lease: free (the lease of a run that is gone has expired: host {gone['host']}" in text
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A run directory holding one checkpoint (step 2) as the driver's checks read it: a real DCP
+    directory of one tensor and its manifest, recording the trajectory of train.lr=0.0003."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from raytrain_hybrid.checkpoint.manifest import FORMAT, MANIFEST, file_digest, layout_of
+    from raytrain_hybrid.checkpoint.trajectory import describe
+
+    run = tmp_path_factory.mktemp("saved") / "run"
+    step = run / "checkpoints" / "step_2"
+    dcp.save({"x": torch.zeros(4)}, checkpoint_id=str(step), no_dist=True)
+    cfg = load_config(None, [*FIXED, "train.lr=0.0003", f"run.output_dir={run}"])
+    files = {p.name: file_digest(p) for p in step.iterdir()}
+    manifest = {"format": FORMAT, "step": 2, "launch_id": "a", "world_size": 8, "layout": layout_of(cfg),
+                "config": cfg.to_dict(), "data_position": {}, "files": files, "trajectory": describe(cfg)}  # fmt: skip
+    (step / MANIFEST).write_text(json.dumps(manifest))
+    return run
+
+
+def test_check_resume_refuses_a_changed_trajectory_as_train_does(saved, tmp_path, capsys):
+    target = tmp_path / "r"
+    sets = (*FIXED, "train.lr=0.01")
+    code, _, err = _check(capsys, target, sets, "--topology", "4,4", "--resume", str(saved))
+    assert code == 2, err
+    assert err.startswith("error: train.lr=0.01: the checkpoint ") and "was trained with train.lr=0.0003" in err
+    assert "--allow-change train.lr" in err and not target.exists()
+    # train --resume refuses it with the same words, before Ray starts.
+    argv = ["train", "--resume", str(saved), *(a for s in (*sets, f"run.output_dir={target}") for a in ("--set", s))]
+    assert cli.main(argv) == 2 and capsys.readouterr().err == err
+    # Allowed, the start line says where the run starts; check wrote nothing anywhere.
+    before = sorted(p.relative_to(saved) for p in saved.rglob("*"))
+    code, text, err = _check(
+        capsys, target, sets, "--topology", "4,4", "--resume", str(saved), "--allow-change", "train.lr"
+    )
+    assert code == 0, err
+    assert "resume: train.lr differs from the checkpoint's (allowed by --allow-change)" in text
+    assert _start_line(text).endswith(f"; resumed from {saved}/checkpoints/step_2 at step 2")
+    assert not target.exists() and sorted(p.relative_to(saved) for p in saved.rglob("*")) == before
+
+
+def test_check_refuses_a_directory_holding_an_earlier_runs_checkpoints(saved, capsys):
+    """As `train` without --resume: the earlier run's checkpoints would be overwritten."""
+    code, _, err = _check(capsys, saved, (*FIXED, "train.lr=0.0003"), "--topology", "4,4")
+    assert code == 2 and "holds checkpoints of an earlier run (step_2); continue it with --resume" in err, err
+    code, text, err = _check(capsys, saved, (*FIXED, "train.lr=0.0003"), "--topology", "4,4", "--resume", str(saved))
+    assert code == 0 and _start_line(text).endswith(
+        "resumed from " + str(saved / "checkpoints" / "step_2") + " at step 2"
+    )
