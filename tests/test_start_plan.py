@@ -77,6 +77,7 @@ def test_check_prints_the_drivers_start_line(sets, topology, line, tmp_path, cap
     said: list[str] = []
     plan = start.plan_start(cfg, point, {}, said.append)
     assert plan.lines() == [shown] and out.is_dir()  # the driver's start made the output directory
+    assert all(line in text.splitlines() for line in said)  # and check printed what else it said
 
 
 def test_check_json_keeps_its_keys_and_adds_the_start(tmp_path, capsys):
@@ -87,7 +88,7 @@ def test_check_json_keeps_its_keys_and_adds_the_start(tmp_path, capsys):
     assert set(got) == {"ranks", "groups", "dp_values", "start"} and got["dp_values"] == [1, 2, 3, 4]
     assert len(got["ranks"]) == 8 and got["groups"]["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     start = got["start"]
-    assert start["line"] == _start_line(err + "\n" + start["line"])
+    assert start["line"] == _start_line(_check(capsys, out, ELASTIC, "--topology", "8")[1])  # the text's line
     assert (start["dp"], start["tp"], start["pp"], start["workers"]) == (4, 2, 1, [2, 4, 6, 8])
     assert start["resources"] == {"CPU": 1.0, "GPU": 1} and start["placement"] == [8] and start["steps"] == 20
     assert (start["output"], start["output_store"], start["lease"]) == (str(out), "this node's disk", "free")
