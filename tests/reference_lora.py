@@ -8,6 +8,11 @@ tests/reference.py, which shares no code with the engine either). Its one input 
 engine is the adapters' initial values (A is random), gathered to full tensors; the base
 weights are transformers' own load.
 
+``lora.dropout`` > 0: peft's ``nn.Dropout`` on each adapter's input is replaced by the rule the
+engine documents (raytrain_hybrid/models/lora_dropout.py, written again here): an element is
+kept by a hash of (seed, the linear's name, step, row of the global batch, position, feature),
+so a single process and every layout drop the same elements.
+
 Per step it returns the loss, the global gradient norm, the learning rate and every adapter's
 gradient norm (where the engine's optimizer receives them: after clipping), under peft's
 names without the ``base_model.model.`` prefix (the engine's names); after the last step every
@@ -18,12 +23,37 @@ parameter, adapters and frozen base alike (``reference[-1]["params"]``), and
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 import torch.nn.functional as F
 from reference import _set_lr, memory_windows
 
 PREFIX = "base_model.model."
+M32, MUL = 0xFFFFFFFF, 0x45D9F3B
+
+
+def _mix(x):
+    x = (((x >> 16) ^ x) * MUL) & M32
+    x = (((x >> 16) ^ x) * MUL) & M32
+    return (x >> 16) ^ x
+
+
+class PositionDropout(torch.nn.Module):
+    """Dropout of a [rows, seq, features] input (the whole global batch), its mask the documented hash."""
+
+    def __init__(self, p: float, name: str, seed: int, clock: dict) -> None:
+        super().__init__()
+        self.p, self.name, self.seed, self.clock = p, name, seed, clock
+
+    def forward(self, x):
+        if not self.training:
+            return x
+        key = zlib.crc32(f"{self.seed}:{self.name}:{self.clock['step']}".encode())
+        b, s, h = x.shape
+        index = torch.arange(b * s * h, dtype=torch.int64).reshape(b, s, h)
+        keep = _mix((index & M32) ^ _mix((index >> 32) ^ key)) >= int(self.p * 2**32)
+        return x * keep.to(x.dtype) / (1 - self.p)
 
 
 def peft_model(cfg, pretrained: str):
@@ -37,7 +67,14 @@ def peft_model(cfg, pretrained: str):
     lora = cfg.lora
     targets = "all-linear" if "all-linear" in lora.targets else list(lora.targets)
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets)
-    return get_peft_model(base, config)
+    model = get_peft_model(base, config)
+    model.dropout_clock = {"step": 0}
+    if lora.dropout:
+        for name, module in model.named_modules():
+            if hasattr(module, "lora_dropout") and "default" in module.lora_dropout:
+                drop = PositionDropout(lora.dropout, name.removeprefix(PREFIX), cfg.train.seed, model.dropout_clock)
+                module.lora_dropout["default"] = drop
+    return model
 
 
 def _named(model) -> dict[str, torch.Tensor]:
@@ -47,7 +84,7 @@ def _named(model) -> dict[str, torch.Tensor]:
 def lora_reference_run(cfg, pretrained: str, initial: dict, steps: int | None = None) -> list[dict]:
     """Train peft's adapters on the in-memory corpus windows from the engine's initial adapters."""
     torch.manual_seed(0)
-    model = peft_model(cfg, pretrained)
+    model = peft_model(cfg, pretrained).train()  # (from_pretrained hands it over in eval mode: no dropout)
     named = _named(model)
     trainable = {n: p for n, p in named.items() if p.requires_grad}
     with torch.no_grad():
@@ -61,6 +98,7 @@ def lora_reference_run(cfg, pretrained: str, initial: dict, steps: int | None = 
     out = []
     for step in range(steps):
         lr = _set_lr(opt, t, step)
+        model.dropout_clock["step"] = step
         inputs, labels = windows[step][:, :-1], windows[step][:, 1:]
         loss = F.cross_entropy(model(input_ids=inputs).logits.flatten(0, 1), labels.flatten())
         loss.backward()

@@ -7,7 +7,7 @@ adapters on the unmodified transformers model in one process.
 - layouts (TP with and without sequence parallelism, PP, ZeRO-1, FSDP, in one launch of gloo
   processes) equal the reference: every loss, the global gradient norm, every adapter's
   gradient norm, the final adapters; the base weights are unchanged and have no optimizer
-  state;
+  state; with lora.dropout too (the reference applies the engine's documented mask rule);
 - refusals before anything starts name the key.
 """
 
@@ -36,6 +36,15 @@ LAYOUTS = {  # four ranks each: TP with SP and PP; FSDP and PP; CP and FSDP
         "parallelism.pp=1",
         "parallelism.zero=3",
     ],
+}
+# lora.dropout > 0: every layout drops the elements the single process (the peft reference) drops.
+# TP with SP and dp (tp ranks share a replicated input, the row-wise adapters' inputs are feature
+# shards, dp ranks hold other rows), cp with PP (sequence slices, microbatches crossing stages),
+# both recomputing their blocks in backward (the masks drawn again there).
+DROPOUT = ["lora.dropout=0.25", "parallelism.activation_checkpointing=true"]
+DROPOUT_LAYOUTS = {
+    "dropout-dp2-tp2-sp": ["parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=1"],
+    "dropout-cp2-pp2": ["parallelism.dp=1", "parallelism.cp=2", "parallelism.tp=1", "parallelism.pp=2"],
 }
 # The run resumed from 1x2x2-sp's step 1: TP, ZeRO-1 and recomputation.
 RESUMED = ["parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=1", "parallelism.zero=1"]
@@ -107,6 +116,10 @@ def runs(llama, tmp_path_factory) -> dict:
         "overrides": common(llama, *RESUMED, f"run.output_dir={out / 'resumed'}"),
         "resume": str(out / "1x2x2-sp" / "checkpoints" / "step_1"),
     }
+    for name, layout in DROPOUT_LAYOUTS.items():
+        jobs[name] = common(
+            llama, *DROPOUT, *layout, "parallelism.sequence_parallel=true", f"run.output_dir={out / name}"
+        )
     jobs["bf16"] = common(llama, *LAYOUTS["2x1x2-zero3"], "train.dtype=bfloat16", f"run.output_dir={out / 'bf16'}")
     return {"out": out, **run_gloo_jobs(4, jobs)}
 
@@ -116,6 +129,42 @@ def reference(runs, llama) -> list[dict]:
     from reference_lora import lora_reference_run
 
     return lora_reference_run(load_config(None, common(llama)), str(llama), runs["1x2x2-sp"]["probe"]["initial"])
+
+
+@pytest.fixture(scope="module")
+def reference_dropout(runs, llama) -> list[dict]:
+    from reference_lora import lora_reference_run
+
+    cfg = load_config(None, common(llama, "lora.dropout=0.25"))
+    return lora_reference_run(cfg, str(llama), runs["1x2x2-sp"]["probe"]["initial"])
+
+
+def test_dropout_equals_peft_in_every_layout(runs, reference, reference_dropout):
+    """lora.dropout=0.25 under dp x tp (SP) and cp x pp, with recomputation: each layout equals
+    peft's single process with the same masks (models.lora_dropout's rule), which differs from
+    the run without dropout."""
+    assert reference_dropout[1]["loss"] != reference[1]["loss"]  # (step 0's too, but B starts at 0)
+    assert any(abs(reference_dropout[0]["grad_norms"][n] - w) > 1e-3 * w for n, w in reference[0]["grad_norms"].items())
+    for name in DROPOUT_LAYOUTS:
+        bad = lora_mismatches(runs[name], reference_dropout)
+        assert not bad, f"{name}: {len(bad)} mismatches:\n" + "\n".join(bad[:20])
+
+
+def test_dropout_mask_by_position():
+    """The mask is a function of global coordinates: a slice's mask is the slice of the whole's,
+    about 1 - p of the elements are kept, and another step or linear draws another mask."""
+    from raytrain_hybrid.models.lora_dropout import keep_mask, step_key
+
+    def ar(a, b):
+        return torch.arange(a, b)
+
+    key = step_key(0, "model.layers.0.self_attn.q_proj", 3)
+    whole = keep_mask(key, ar(0, 4), ar(0, 64), ar(0, 96), 64, 96, 0.25)
+    part = keep_mask(key, ar(2, 4), ar(32, 64), ar(48, 96), 64, 96, 0.25)
+    assert torch.equal(part, whole[2:, 32:, 48:])
+    assert abs(whole.float().mean().item() - 0.75) < 0.01
+    other = keep_mask(step_key(0, "model.layers.0.self_attn.q_proj", 4), ar(0, 4), ar(0, 64), ar(0, 96), 64, 96, 0.25)
+    assert abs((whole == other).float().mean().item() - (0.75**2 + 0.25**2)) < 0.01  # independent masks
 
 
 def test_every_layout_equals_peft(runs, reference):

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_module, dist
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from raytrain_hybrid.models.lora import ADAPTER, adapter_init, is_adapter
+from raytrain_hybrid.models.lora_dropout import LayoutDropout
 
 # The adapter's styles under a base linear's: (A, B). "between": laid out as the residual stream.
 _ADAPTER_STYLES = {"colwise": ("replicate", "colwise"), "rowwise": ("rowwise", "replicate:between")}
@@ -93,3 +94,31 @@ def init_adapters(stage: nn.Module, seed: int) -> None:
             continue
         index = tuple(slice(o, o + n) for o, n in zip(offsets, local.shape, strict=True))
         local.copy_(full[index].to(local.dtype))
+
+
+def place_dropout(stage: nn.Module, seed: int, first_row: int, cp: tuple[int, int]) -> None:
+    """``lora.dropout``: where this rank's activations lie in the single process's, for the
+    mask (models.lora_dropout): the replica's first row in the global batch, the cp slice
+    ``(rank, size)`` of every row, and each row-wise adapter's TP slice of its input features
+    (read off A's layout). A no-op without dropout."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    ctx = getattr(stage, "lora_dropout_context", None)
+    if ctx is None:
+        return
+    ctx.seed, ctx.first_row, (ctx.cp_chunk, ctx.cp_chunks) = seed, first_row, cp
+    for module in stage.modules():
+        drops = getattr(module, "lora_dropout", None)
+        drop = drops[ADAPTER] if isinstance(drops, nn.ModuleDict) and ADAPTER in drops else None
+        weight = module.lora_A[ADAPTER].weight if isinstance(drop, LayoutDropout) else None
+        if isinstance(weight, DTensor):
+            _, offsets = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
+            drop.features = (offsets[1], weight.shape[1])
+
+
+def start_dropout_step(stages, step: int) -> None:
+    """Before a step's first microbatch: its number, and rows counted from the replica's first."""
+    for stage in stages:
+        ctx = getattr(stage, "lora_dropout_context", None)
+        if ctx is not None:
+            ctx.step, ctx.next_row = step, ctx.first_row

@@ -20,7 +20,7 @@ from raytrain_hybrid.data.corpus import IGNORE_INDEX, Batch
 from raytrain_hybrid.distributed import pipeline
 from raytrain_hybrid.distributed.context_parallel import local_slice, use_cp_attention
 from raytrain_hybrid.distributed.data_parallel import build_optimizer
-from raytrain_hybrid.distributed.lora import init_adapters
+from raytrain_hybrid.distributed.lora import init_adapters, place_dropout, start_dropout_step
 from raytrain_hybrid.distributed.parallel_dims import ParallelDims
 from raytrain_hybrid.distributed.parallelize import parallelize_stage
 from raytrain_hybrid.distributed.tensor_parallel import align_grad_placements
@@ -55,8 +55,6 @@ class Trainer:
         self.loss_fn = make_loss(cfg, self.spec.task, device)
         self.pp_rank = mesh.pp.get_local_rank()
         self.dp_rank = mesh.dp.get_local_rank()
-        if cfg.lora.dropout:  # the TP ranks of a stage drop the same elements of a replicated adapter's input
-            torch.manual_seed(cfg.train.seed * 1_000_003 + self.dp_rank * 1009 + self.pp_rank)
         num_stages = par.num_stages if dims.pp > 1 else 1
         split = pipeline.split_layers(self.spec.num_blocks(cfg.model), num_stages)
         ids = pipeline.stage_ids(par.schedule, self.pp_rank, dims.pp, par.stages_per_rank) if dims.pp > 1 else [0]
@@ -150,6 +148,9 @@ class Trainer:
             load_hf_weights(stage, self.spec, self.cfg.model.pretrained, self.pretrained)
             if self.cfg.lora.rank:
                 init_adapters(stage, self.cfg.train.seed)
+                # lora.dropout: this replica's first row in the global batch, the cp slice of each row.
+                first_row = self.dp_rank * (self.cfg.train.global_batch_size // self.dims.dp)
+                place_dropout(stage, self.cfg.train.seed, first_row, (self.cp_rank, self.dims.cp))
         else:  # every rank holds the same full values; each keeps its own TP/FSDP shard
             set_model_state_dict(stage, full, options=StateDictOptions(full_state_dict=True, strict=True))
         if self.dims.tp > 1 and not isinstance(stage, FSDPModule):
@@ -242,6 +243,8 @@ class Trainer:
         if self.router_loss is not None:
             m, scheduled = self.cfg.parallelism.microbatches, self.schedule is not None
             self.router_loss.start_step(self.cfg.train.global_batch_size, self.dims.dp, m, scheduled)
+        if self.cfg.lora.dropout:  # the adapters' dropout masks are a function of the step
+            start_dropout_step(self.modules, step)
         replica_loss = self._forward_backward(batch)
         # Exactly dp*cp*tp ranks hold the last stage, each with its replica's loss (times cp, its
         # tokens' share of it under cp: the cp ranks' shares add up to cp times the replica's).

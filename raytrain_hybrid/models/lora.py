@@ -78,7 +78,8 @@ def inject(stage, spec, lora, base_dtype=None) -> None:
     linears frozen (peft's ``requires_grad=False``), the adapters trainable. Only modules
     inside the blocks are adapted (never the head or the embedding). ``base_dtype``: what
     every frozen parameter is held in (bfloat16 halves the base's memory; the adapters and
-    their optimizer state stay float32)."""
+    their optimizer state stay float32). With ``lora.dropout`` the adapters' dropout is
+    models.lora_dropout's, which drops the same elements in every layout."""
     import torch
     from peft import inject_adapter_in_model
 
@@ -91,6 +92,10 @@ def inject(stage, spec, lora, base_dtype=None) -> None:
             if not trained and base_dtype is not None and p.dtype != base_dtype:
                 p = module._parameters[name] = torch.nn.Parameter(p.to(base_dtype))
             p.requires_grad_(trained)
+    if lora.dropout:  # peft's nn.Dropout -> one whose mask every layout agrees on (models.lora_dropout)
+        from raytrain_hybrid.models.lora_dropout import install
+
+        install(stage, spec.layers, lora.dropout, ADAPTER)
 
 
 def is_adapter(name: str) -> bool:
