@@ -362,8 +362,9 @@ def _notice(rank: int, heard_by: int, step: int):
     return lambda: rank == heard_by and next(looks) >= step
 
 
-def run_gloo_jobs(world: int, jobs: dict[str, list[str] | dict]) -> dict[str, dict]:
+def run_gloo_jobs(world: int, jobs: dict[str, list[str] | dict], env: dict | None = None) -> dict[str, dict]:
     """{job: what run_gloo returns for its overrides}, all jobs in one launch of ``world`` ranks,
     in order (a job {"overrides": [...], "resume": path} resumes from a checkpoint; ``world`` may
-    differ from the layout's own for an elastic run, parallelism.min_dp)."""
-    return launch_ranks(_run_jobs, world, jobs)
+    differ from the layout's own for an elastic run, parallelism.min_dp); ``env`` is added to
+    each rank's environment."""
+    return launch_ranks(_run_jobs, world, jobs, env=env)

@@ -28,6 +28,7 @@ def moe_model(cfg):
         num_hidden_layers=m.num_layers,
         num_attention_heads=m.num_heads,
         num_key_value_heads=m.num_kv_heads,
+        head_dim=m.head_dim or m.hidden_size // m.num_heads,
         max_position_embeddings=m.seq_len,
         num_experts_per_tok=m.experts_per_token,
         router_aux_loss_coef=m.router_aux_loss_coef,
@@ -44,7 +45,6 @@ def moe_model(cfg):
         num_experts=m.num_experts,
         moe_intermediate_size=m.ffn_hidden_size,
         norm_topk_prob=True,
-        head_dim=m.hidden_size // m.num_heads,
         **common,
     )
     return transformers.Qwen3MoeForCausalLM(config), transformers.models.qwen3_moe.modeling_qwen3_moe

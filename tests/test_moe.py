@@ -24,6 +24,7 @@ TINY = (
     "model.hidden_size=64",
     "model.num_heads=4",
     "model.num_kv_heads=2",
+    "model.head_dim=32",  # heads wider than hidden_size / num_heads, as Qwen3-MoE's are
     "model.ffn_hidden_size=32",
     "model.num_experts=4",
     "model.experts_per_token=2",
@@ -57,7 +58,8 @@ EP_LAYOUTS = {  # parallelism.ep = 2 and 4 with tp (SP), pp (activation checkpoi
     "ep2-dp2-tp2": layout(2, 2, 1, "1F1B", 2, 0, "parallelism.ep=2"),
     "ep2-dp2-pp2-zero2-ac": layout(2, 1, 2, "1F1B", 2, 2, "parallelism.ep=2", AC),
     "ep4-dp4-zero3": layout(4, 1, 1, "1F1B", 2, 3, "parallelism.ep=4"),
-    "ep2-dp4-zero0": layout(4, 1, 1, "1F1B", 2, 0, "parallelism.ep=2"),
+    # Every block compiled (inductor): the dispatch and the routers' bookkeeping run between graphs.
+    "ep2-dp4-zero0-compile": layout(4, 1, 1, "1F1B", 2, 0, "parallelism.ep=2", "parallelism.compile=true"),
     "ep2-dp4-zero1": layout(4, 1, 1, "1F1B", 2, 1, "parallelism.ep=2"),
 }
 
@@ -89,7 +91,18 @@ def runs(tmp_path_factory) -> dict:
         "overrides": [*_ep_job("ep4-dp4-zero3"), f"run.output_dir={out / 'resumed'}"],
         "resume": str(out / "saved" / "checkpoints" / "step_1"),
     }
-    return run_gloo_jobs(4, jobs)
+    # An elastic run (dp=8, min_dp=4, ep=2) restarted on 4 ranks: dp=4 with twice the
+    # micro-batches, ep=2 kept, the experts read back from the step-1 checkpoint saved at dp=2, tp=2.
+    jobs["elastic-dp8-at-dp4"] = {
+        "overrides": [
+            *("model.arch=qwen3-moe", *TINY, *layout(8, 1, 1, "1F1B", 1, 0, "parallelism.ep=2")),
+            *("parallelism.min_dp=4", f"run.output_dir={out / 'elastic'}"),
+        ],
+        "resume": str(out / "saved" / "checkpoints" / "step_1"),
+    }
+    # Compiled blocks: one cold inductor cache for the launch, compiled in each rank's own process.
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(out / "inductor"), "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    return run_gloo_jobs(4, jobs, env=env)
 
 
 def test_moe_layouts_match_transformers(runs):
@@ -102,18 +115,24 @@ def test_expert_parallel_layouts_match_transformers(runs):
     """parallelism.ep = 2 and 4: experts sharded over data-parallel ranks, tokens sent to them by
     all-to-all; with tp (sequence parallel) and pp (activation checkpointing: the recomputation
     exchanges the tokens again), under ZeRO-0 replication, ZeRO-1 (the experts' AdamW state sliced
-    over the ranks holding the same experts) and FSDP; and a run saved at ep = 2
-    resumed at ep = 4 (the checkpoint resharded across ep sizes), and one saved under ZeRO-1
-    resumed at another dp and tp, continue the same training."""
+    over the ranks holding the same experts) and FSDP, every block compiled (ZeRO-0); and a run
+    saved at ep = 2 resumed at ep = 4 (the checkpoint resharded across ep sizes), one saved under
+    ZeRO-1 resumed at another dp and tp, and an elastic run restarted at a smaller dp (ep kept),
+    continue the same training."""
     results, jobs = runs, {name: _ep_job(name) for name in EP_LAYOUTS}
     reference = _check("qwen3-moe", results, list(EP_LAYOUTS))
     assert_oracle(results["resumed-at-ep4"], reference, first=1)
     assert_oracle(results["resumed-at-ep2-tp2-zero1"], reference, first=1)
+    assert_oracle(results["elastic-dp8-at-dp4"], reference, first=1)
+    assert [h["dp"] for h in results["elastic-dp8-at-dp4"]["history"]] == [4]
+    # Compiled: the first step compiles, the second none (its routing's new shapes stay outside the graphs).
+    compiled = results["ep2-dp4-zero0-compile"]["history"]
+    assert compiled[0]["compiles"] > 0 and [h["compiles"] for h in compiled[1:]] == [0], compiled
     # Under replication (ZeRO-0) each rank holds every weight but the experts, and 1/ep of those.
-    full = results["ep2-dp4-zero0"]["probe"]["initial"]
+    full = results["ep2-dp4-zero0-compile"]["probe"]["initial"]
     experts = sum(v.size for n, v in full.items() if ".experts." in n)
     others = sum(v.size for n, v in full.items() if ".experts." not in n)
-    assert {m["param_bytes"] for m in results["ep2-dp4-zero0"]["memory"]} == {4 * (others + experts // 2)}
+    assert {m["param_bytes"] for m in results["ep2-dp4-zero0-compile"]["memory"]} == {4 * (others + experts // 2)}
     # ZeRO-1: each rank keeps AdamW's two moments of 1/4 of the other weights and of 1/2 of its
     # 1/ep of the experts (plus one step counter per part).
     sliced = -(-others // 4) + -(-experts // 2 // 2)
@@ -122,7 +141,7 @@ def test_expert_parallel_layouts_match_transformers(runs):
     from raytrain_hybrid.planner.cost import predict
     from raytrain_hybrid.planner.hardware import load_hardware
 
-    for name in ("ep2-dp4-zero0", "ep4-dp4-zero3", "ep2-dp2-tp2", "ep2-dp4-zero1"):
+    for name in ("ep2-dp4-zero0-compile", "ep4-dp4-zero3", "ep2-dp2-tp2", "ep2-dp4-zero1"):
         want = predict(load_config(None, jobs[name]), load_hardware("h100"))["memory_bytes"]
         for key, measured in (("params", "param_bytes"), ("grads", "grad_bytes"), ("optimizer", "optimizer_bytes")):
             got = max(m[measured] for m in results[name]["memory"])
@@ -239,6 +258,7 @@ QWEN3_30B_A3B = [  # Qwen/Qwen3-30B-A3B's sizes (its config.json), 4k sequences
     *("model.arch=qwen3-moe", "model.hidden_size=2048", "model.num_layers=48", "model.num_heads=32"),
     *("model.num_kv_heads=4", "model.ffn_hidden_size=768", "model.num_experts=128", "model.experts_per_token=8"),
     *("model.vocab_size=151936", "model.seq_len=4096", "train.global_batch_size=64", "train.dtype=bfloat16"),
+    "model.head_dim=128",
 ]
 
 
@@ -307,3 +327,44 @@ def test_pretrained_moe_loads_into_expert_shards_and_exports_back(tmp_path):
     ids = torch.randint(0, 4096, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.allclose(back(input_ids=ids).logits, trained(input_ids=ids).logits, atol=1e-5)
+
+
+def test_planner_counts_qwen3_30b_a3b_as_transformers_builds_it():
+    """Its config.json (heads of 128, not hidden_size / num_heads = 64): the planner's parameter
+    count is the transformers model's, built on the meta device; the active parameters are the
+    attention, the routers, 8 of 128 experts a layer and the head (about 3.3 B with the embedding)."""
+    import torch
+    import transformers as tf
+
+    from raytrain_hybrid.models.flops import attention_width, matmul_params
+    from raytrain_hybrid.models.params import param_count
+
+    where = "tests/assets/Qwen3-30B-A3B"
+    m = load_config(None, [f"model.pretrained={where}"]).model
+    assert (m.head_dim, attention_width(m)) == (128, 4096)
+    with torch.device("meta"):
+        model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.from_pretrained(where))
+    named = {n: p.numel() for n, p in model.named_parameters()}
+    assert param_count(m) == sum(named.values())
+    experts = sum(v for n, v in named.items() if ".experts." in n)
+    dense = sum(v for n, v in named.items() if n.endswith(("proj.weight", "mlp.gate.weight", "lm_head.weight")))
+    assert matmul_params(m) == dense + experts * 8 // 128
+    assert 3.3e9 < matmul_params(m) + named["model.embed_tokens.weight"] < 3.4e9
+
+
+def test_elastic_dp_values_keep_ep_dividing_dp():
+    """parallelism.min_dp with ep: a start's dp is one that splits the step's micro-batches and
+    that ep divides; none such below dp is refused naming min_dp and the ep values that would shrink."""
+    from raytrain_hybrid.config.elastic import at_world, usable_dps
+
+    moe = ["model.arch=qwen3-moe", "train.global_batch_size=48", "parallelism.pp=1", "parallelism.tp=1"]
+    moe += ["parallelism.microbatches=3"]
+    elastic = [*moe, "parallelism.dp=8", "parallelism.min_dp=3"]
+    assert usable_dps(load_config(None, elastic).parallelism) == [3, 4, 6, 8]
+    ep2 = load_config(None, [*elastic, "parallelism.ep=2"])
+    assert usable_dps(ep2.parallelism) == [4, 6, 8]
+    start = at_world(ep2, 6).parallelism  # a restart on 6 workers
+    assert (start.dp, start.ep, start.microbatches) == (6, 2, 4)
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [*moe, "parallelism.dp=4", "parallelism.min_dp=2", "parallelism.ep=4"])
+    assert err.value.key == "parallelism.min_dp" and "parallelism.ep in {1, 2}" in err.value.fix, err.value.fix

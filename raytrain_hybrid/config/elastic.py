@@ -7,13 +7,16 @@ only how many micro-batches a replica accumulates changes, ``microbatches' = dp 
 / dp'``. So a dp' is usable when it divides the step's micro-batches over all replicas
 (``dp * microbatches`` at parallelism.dp) and the pipeline schedule takes the count it leaves
 each replica. The global batch itself never decides: dp * microbatches already divides it.
+Expert parallelism keeps its ep and borrows it from every start's dp: a usable dp' is a
+multiple of parallelism.ep (a restart reads the experts back from the checkpoint, resharded
+like every other weight).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from raytrain_hybrid.config.coerce import choices
+from raytrain_hybrid.config.coerce import choices, divisors
 from raytrain_hybrid.config.schedule_rules import too_few_microbatches, uneven_microbatches
 from raytrain_hybrid.config.schema import Config, ParallelismConfig
 from raytrain_hybrid.errors import ConfigError
@@ -32,7 +35,8 @@ def _schedule_takes(par: ParallelismConfig, microbatches: int) -> bool:
 
 
 def _usable(par: ParallelismConfig, low: int, total: int) -> list[int]:
-    return [d for d in range(low, par.dp + 1) if total % d == 0 and _schedule_takes(par, total // d)]
+    steps = range(low, par.dp + 1)
+    return [d for d in steps if total % d == 0 and d % par.ep == 0 and _schedule_takes(par, total // d)]
 
 
 def _shrinks(par: ParallelismConfig, microbatches: int) -> bool:
@@ -70,14 +74,24 @@ def check_elastic(cfg: Config) -> None:
         return
     total, rows = par.dp * par.microbatches, micro_batch_rows(cfg)
     batch = cfg.train.global_batch_size
-    lower = [d for d in _usable(par, 1, total) if d < par.min_dp][-1]  # 1 always is: one replica runs all
+    # Expert parallelism borrows ep of every start's replicas: its dp stays a multiple of ep.
+    multiples = [d for d in range(par.min_dp, par.dp) if d % par.ep == 0]
+    if not multiples:
+        fits = [e for e in divisors(par.dp) if any(d % e == 0 for d in range(par.min_dp, par.dp))]
+        raise ConfigError(
+            "parallelism.min_dp",
+            par.min_dp,
+            f"every dp a start takes keeps parallelism.ep={par.ep} dividing it (the experts' ranks come from dp), "
+            f"and none in [{par.min_dp}, {par.dp - 1}] does; use parallelism.ep in {choices(fits)}, or min_dp=0",
+        )
+    lower = [d for d in _usable(par, 1, total) if d < par.min_dp]  # 1 is, without experts
     # More micro-batches a replica: the global batch kept if some count divides it, else grown.
     more = [m for m in range(par.microbatches + 1, batch // par.dp + 1) if not batch % (par.dp * m)]
     more = [m for m in more if _shrinks(par, m)]
     if more:
         other = f"parallelism.microbatches={more[0]} (micro-batches of {batch // (par.dp * more[0])} rows)"
-    else:  # min_dp times the micro-batches always lets dp=min_dp split them
-        m = par.microbatches * par.min_dp
+    else:  # min_dp (its next multiple of ep) times the micro-batches always lets that dp split them
+        m = par.microbatches * multiples[0]
         other = f"parallelism.microbatches={m} with train.global_batch_size={par.dp * m * rows}"
     raise ConfigError(
         "parallelism.min_dp",
@@ -86,7 +100,10 @@ def check_elastic(cfg: Config) -> None:
         f"(train.global_batch_size={batch} at dp={par.dp}, microbatches={par.microbatches}) into whole "
         "micro-batches per replica"
         + ("" if par.pp == 1 else f" that {par.schedule} at pp={par.pp} takes")
-        + f", so the run could never shrink; use parallelism.min_dp={lower}, or {other}",
+        + (f" and that parallelism.ep={par.ep} divides" if par.ep > 1 else "")
+        + ", so the run could never shrink; use "
+        + (f"parallelism.min_dp={lower[-1]}, or " if lower else "")
+        + other,
     )
 
 
@@ -96,21 +113,22 @@ def describe(cfg: Config) -> str:
     dps = usable_dps(par)
     total, rows = par.dp * par.microbatches, micro_batch_rows(cfg)
     each = ", ".join(f"dp={d}: {total // d}" for d in dps)
+    replica = par.cp * par.tp * par.pp  # a replica's workers (context parallelism keeps its cp)
     if par.layout == "auto":  # the planner re-picks each start's layout for the workers it got
-        each = ", ".join(f"dp={d}: {d * par.tp * par.pp} workers" for d in dps)
+        each = ", ".join(f"dp={d}: {d * replica} workers" for d in dps)
         return (
-            f"elastic: dp in {choices(dps)} ({par.tp * par.pp} workers a replica): {each}; layout auto: every start "
+            f"elastic: dp in {choices(dps)} ({replica} workers a replica): {each}; layout auto: every start "
             f"picks the layout of all its workers; global batch {cfg.train.global_batch_size} at every start"
         )
     return (
-        f"elastic: dp in {choices(dps)} ({par.tp * par.pp} workers a replica); micro-batches a replica, of "
+        f"elastic: dp in {choices(dps)} ({replica} workers a replica); micro-batches a replica, of "
         f"{rows} row{'s' if rows != 1 else ''} each: {each}; global batch {cfg.train.global_batch_size} at every dp"
     )
 
 
 def at_world(cfg: Config, world: int) -> Config:
     """The config of a start with ``world`` workers: ``cfg`` at its own world size; for an
-    elastic run, the layout at dp = world // (tp*pp) with the micro-batches that keep the
+    elastic run, the layout at dp = world // (cp*tp*pp) with the micro-batches that keep the
     micro-batch's rows. A world that is no usable layout raises ValueError (the launcher asks
     Ray only for usable counts: this is a check)."""
     par = cfg.parallelism
@@ -121,8 +139,14 @@ def at_world(cfg: Config, world: int) -> Config:
     dps = usable_dps(par)
     if extra or dp not in dps:
         raise ValueError(
-            f"{world} workers started for a layout of dp={par.dp} tp={par.tp} pp={par.pp}"
-            + (f"; elastic between dp in {choices(dps)}: a multiple of tp*pp={replica} workers" if len(dps) > 1 else "")
+            f"{world} workers started for a layout of dp={par.dp}{f' cp={par.cp}' if par.cp > 1 else ''} "
+            f"tp={par.tp} pp={par.pp}"
+            + (
+                f"; elastic between dp in {choices(dps)}: a multiple of {'cp*' if par.cp > 1 else ''}tp*pp={replica} "
+                "workers"
+                if len(dps) > 1
+                else ""
+            )
         )
     microbatches = par.dp * par.microbatches // dp
     return dataclasses.replace(cfg, parallelism=dataclasses.replace(par, dp=dp, microbatches=microbatches))

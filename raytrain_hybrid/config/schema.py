@@ -43,6 +43,9 @@ class ModelConfig:
     num_heads: int = 4
     # Key/value heads (llama grouped-query attention); 0 means equal to num_heads.
     num_kv_heads: int = 0
+    # Width of one attention head (Llama family); 0 means hidden_size / num_heads. A checkpoint's config.json
+    # sets it where it says otherwise (Qwen3-MoE: 128 at every width).
+    head_dim: int = 0
     # MLP inner width; 0 means 4 * hidden_size for gpt2 and 8/3 rounded to 32 for llama.
     ffn_hidden_size: int = 0
     # Mixture-of-experts models (qwen3-moe, mixtral): experts per MoE block, each a gated MLP of
@@ -83,7 +86,7 @@ class ModelConfig:
             value = getattr(self, key)
             if value < 1:
                 raise ConfigError(f"model.{key}", value, "must be >= 1")
-        for key in ("num_kv_heads", "ffn_hidden_size"):
+        for key in ("num_kv_heads", "head_dim", "ffn_hidden_size"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"model.{key}", getattr(self, key), "must be >= 0 (0 picks the default)")
         if not 1 <= self.experts_per_token <= self.num_experts:

@@ -56,6 +56,12 @@ def _validate_model(cfg: Config, spec: ArchSpec) -> None:
             f"must divide model.hidden_size={model.hidden_size}; try one of {choices(divisors(model.hidden_size))}",
         )
     spec.check(cfg)
+    if model.head_dim and spec.attention is None:  # the Llama family's attention reads it, no other
+        raise ConfigError(
+            "model.head_dim",
+            model.head_dim,
+            f"{model.arch}'s heads are model.hidden_size / model.num_heads wide; leave it out (0)",
+        )
     if model.num_heads % model.num_kv_heads:
         raise ConfigError(
             "model.num_kv_heads",
@@ -171,8 +177,6 @@ def _validate_cp(cfg: Config, spec: ArchSpec) -> None:
             f"does not divide the attention heads of a TP rank (model.num_heads/tp={model.num_heads}/{tp}={heads}), "
             f"which the cp ranks share out; try cp in {choices(divisors(heads))}",
         )
-    if par.min_dp:
-        raise ConfigError("parallelism.min_dp", par.min_dp, "elastic runs keep parallelism.cp=1; use min_dp=0")
 
 
 def _validate_experts(cfg: Config, spec: ArchSpec) -> None:
@@ -204,8 +208,6 @@ def _validate_experts(cfg: Config, spec: ArchSpec) -> None:
     for key, value in (("parallelism.dp", par.dp), ("model.num_experts", model.num_experts)):
         if value % par.ep:
             raise ConfigError("parallelism.ep", par.ep, f"must divide {key}={value}; try ep in {choices(fits)}")
-    if par.min_dp:
-        raise ConfigError("parallelism.min_dp", par.min_dp, "elastic runs keep ep=1; use min_dp=0 or ep=1")
 
 
 def _validate_task(cfg: Config, spec: ArchSpec) -> None:

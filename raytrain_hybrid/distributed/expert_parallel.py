@@ -67,7 +67,9 @@ def apply_ep(stage, spec: ArchSpec, mesh, dims) -> None:
             setattr(experts, name, torch.nn.Parameter(shard))
         experts.ep_group = group_mesh.get_group()
         experts.total_experts = total
-        experts.forward = types.MethodType(_ep_forward, experts)
+        # Eager under parallelism.compile: the all-to-alls' splits are this step's routing (data-
+        # dependent sizes a graph would specialise on and recompile for); the block compiles around it.
+        experts.forward = torch._dynamo.disable(types.MethodType(_ep_forward, experts))
 
 
 def shard_experts(stage, spec: ArchSpec, mesh, dims, **fsdp) -> None:

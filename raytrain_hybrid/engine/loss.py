@@ -107,12 +107,15 @@ class RouterLoss:
         self._record: dict[int, list[torch.Tensor]] = {}
         self._computed: dict[int, list[torch.Tensor]] = {}
         self.device = next(p for m in modules for p in m.parameters()).device
+        # The hooks keep Python state per step (and read the dispatch's token counts): run outside
+        # torch.compile's graphs (a graph break each), not traced into guards that fail every step.
+        router_hook, experts_hook = torch._dynamo.disable(self._router_hook), torch._dynamo.disable(self._experts_hook)
         for module in modules:
             for name, sub in module.named_modules():
                 if name.endswith("." + moe["router"]):
-                    sub.register_forward_hook(self._router_hook)
+                    sub.register_forward_hook(router_hook)
                 elif name.endswith("." + moe["experts"]):
-                    sub.register_forward_hook(self._experts_hook)
+                    sub.register_forward_hook(experts_hook)
 
     def start_step(self, global_batch: int, dp: int, microbatches: int, scaled_by_schedule: bool) -> None:
         """Before a step: the pipeline schedule divides gradients by the micro-batch count

@@ -2,7 +2,7 @@
 
 FLOPs per token follow the usual accounting (Kaplan et al. 2020; Chowdhury/PaLM
 appendix B): 6 per parameter of the matmuls (forward 2, backward 4) plus the
-attention score and value products, 12 * layers * hidden * seq_len. Recomputation
+attention score and value products, 12 * layers * heads * head width * seq_len. Recomputation
 under activation checkpointing is not counted: MFU measures useful work.
 """
 
@@ -25,8 +25,14 @@ def tokens_per_row(model) -> int:
     return get_arch(model.arch).text_fields * model.seq_len
 
 
+def attention_width(model) -> int:
+    """Width of the queries (and of the attention's output): heads times the head width, which a
+    Llama-family checkpoint may set apart from hidden_size (Qwen3-MoE: 32 heads of 128 at width 2048)."""
+    return model.num_heads * (model.head_dim or model.hidden_size // model.num_heads)
+
+
 def flops_per_token(model) -> float:
-    return 6.0 * matmul_params(model) + 12.0 * model.num_layers * model.hidden_size * model.seq_len
+    return 6.0 * matmul_params(model) + 12.0 * model.num_layers * attention_width(model) * model.seq_len
 
 
 def device_peak_tflops(device) -> float | None:

@@ -19,6 +19,11 @@ if TYPE_CHECKING:  # imported where a model runs: the spec itself is data (see T
     import torch
 
 
+def head_dim(m) -> int:
+    """Width of one attention head: model.head_dim, or hidden_size / num_heads (0 picks)."""
+    return m.head_dim or m.hidden_size // m.num_heads
+
+
 def config_kwargs(m) -> dict:
     """The transformers config keywords of a Llama-family model built from model.* sizes (no
     checkpoint); a variant adds its own (the MoE specs: their experts)."""
@@ -29,6 +34,7 @@ def config_kwargs(m) -> dict:
         "num_hidden_layers": m.num_layers,
         "num_attention_heads": m.num_heads,
         "num_key_value_heads": m.num_kv_heads,
+        "head_dim": head_dim(m),
         "max_position_embeddings": m.seq_len,
         "tie_word_embeddings": False,  # embedding and head live on different pipeline stages
         "attn_implementation": "sdpa",  # causal without a mask tensor
@@ -83,6 +89,7 @@ def sizes_from_hf(conf: dict) -> dict:
         "hidden_size": conf["hidden_size"],
         "num_heads": heads,
         "num_kv_heads": conf.get("num_key_value_heads") or heads,
+        "head_dim": conf.get("head_dim") or conf["hidden_size"] // heads,
         "ffn_hidden_size": conf["intermediate_size"],
         "vocab_size": conf["vocab_size"],
     }
@@ -109,16 +116,22 @@ def default_ffn(hidden: int) -> int:
 
 def _param_parts(qkv_bias: bool, m) -> tuple[int, int, int]:
     h, f, v = m.hidden_size, m.ffn_hidden_size, m.vocab_size
-    kv = m.num_kv_heads * (h // m.num_heads)
-    per_layer = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h  # attention, gated MLP, 2 RMSNorms
-    per_layer += (h + 2 * kv) * qkv_bias
+    q, kv = m.num_heads * head_dim(m), m.num_kv_heads * head_dim(m)
+    per_layer = attention_params(m) + 3 * h * f + 2 * h  # attention, gated MLP, 2 RMSNorms
+    per_layer += (q + 2 * kv) * qkv_bias
     return per_layer, v * h, h + v * h
+
+
+def attention_params(m) -> int:
+    """q, o at the heads' width, k, v at the kv heads' (a head is head_dim wide, not always
+    hidden_size / num_heads)."""
+    return 2 * m.hidden_size * (m.num_heads + m.num_kv_heads) * head_dim(m)
 
 
 def matmul_params(m) -> int:
     h, f = m.hidden_size, m.ffn_hidden_size
-    # q, o full width; k, v at kv-head width; the gated MLP has three matrices.
-    per_layer = 2 * h * h + 2 * h * m.num_kv_heads * (h // m.num_heads) + 3 * h * f
+    # q, o at the heads' width; k, v at the kv heads'; the gated MLP has three matrices.
+    per_layer = attention_params(m) + 3 * h * f
     return m.num_layers * per_layer + m.vocab_size * h  # the LM head is a matmul; the embedding lookup is not
 
 

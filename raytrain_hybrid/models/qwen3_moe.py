@@ -14,7 +14,7 @@ import dataclasses
 import functools
 
 from raytrain_hybrid.models.hf_checkpoint import checkpoint_config, is_set
-from raytrain_hybrid.models.llama import config_kwargs, family_spec
+from raytrain_hybrid.models.llama import attention_params, config_kwargs, family_spec, head_dim
 from raytrain_hybrid.models.llama import from_hf as llama_from_hf
 from raytrain_hybrid.models.llama import sizes_from_hf as llama_sizes
 from raytrain_hybrid.models.spec import ArchSpec, TransformersClass
@@ -31,7 +31,6 @@ def _hf_config(config_cls, mixtral: bool, cfg):
             "num_experts": m.num_experts,
             "moe_intermediate_size": m.ffn_hidden_size,
             "norm_topk_prob": True,  # as Qwen3-MoE checkpoints route (Qwen3-30B-A3B)
-            "head_dim": m.hidden_size // m.num_heads,
         }
     )
     return config_cls(
@@ -42,12 +41,6 @@ def _hf_config(config_cls, mixtral: bool, cfg):
     )
 
 
-def _attention(m) -> int:
-    h = m.hidden_size
-    kv = m.num_kv_heads * (h // m.num_heads)
-    return 2 * h * h + 2 * h * kv
-
-
 def expert_params(m) -> int:
     """One expert's weights (a gated MLP: gate, up, down)."""
     return 3 * m.hidden_size * m.ffn_hidden_size
@@ -56,14 +49,14 @@ def expert_params(m) -> int:
 def _param_parts(qk_norm: bool, m) -> tuple[int, int, int]:
     h, v = m.hidden_size, m.vocab_size
     # attention, every expert, the router, 2 RMSNorms (+ Qwen3's per-head q/k norms)
-    per_layer = _attention(m) + m.num_experts * expert_params(m) + m.num_experts * h + 2 * h
-    per_layer += 2 * (h // m.num_heads) * qk_norm
+    per_layer = attention_params(m) + m.num_experts * expert_params(m) + m.num_experts * h + 2 * h
+    per_layer += 2 * head_dim(m) * qk_norm
     return per_layer, v * h, h + v * h
 
 
 def matmul_params(m) -> int:
     """The weights one token meets: attention, the router, and its top-k experts only."""
-    per_layer = _attention(m) + m.num_experts * m.hidden_size + m.experts_per_token * expert_params(m)
+    per_layer = attention_params(m) + m.num_experts * m.hidden_size + m.experts_per_token * expert_params(m)
     return m.num_layers * per_layer + m.vocab_size * m.hidden_size
 
 

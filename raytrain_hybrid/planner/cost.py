@@ -24,7 +24,7 @@ import math
 
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.models import get_arch
-from raytrain_hybrid.models.flops import flops_per_token, tokens_per_row
+from raytrain_hybrid.models.flops import attention_width, flops_per_token, tokens_per_row
 from raytrain_hybrid.models.params import anchored_params, has_sequence_parallel, num_blocks, param_count, param_parts
 from raytrain_hybrid.planner.hardware import Hardware
 
@@ -122,16 +122,21 @@ def in_flight_microbatches(schedule: str, pp: int, microbatches: int, virtual: i
     return base * (1 + (pp - 1) / (pp * virtual)) if virtual > 1 else base
 
 
-def layer_activation_bytes(s: int, b: int, h: int, t: int, *, sp: bool, checkpointed: bool) -> float:
+def layer_activation_bytes(
+    s: int, b: int, h: int, t: int, *, sp: bool, checkpointed: bool, heads: float = 1.0
+) -> float:
     """16-bit activation bytes one transformer layer keeps for backward (Korthikanti et al.
     2022, eqs. 2-5). The attention-score term 5*a*s/h of the paper is left out: sdpa's flash /
     memory-efficient kernels recompute scores in backward instead of storing them (the paper's
     "selective recomputation" gets the same). TP without SP: 10 + 24/t per s*b*h (norms,
     dropout masks and the residual stream stay whole on every TP rank); with SP: 34/t;
-    full recomputation keeps only each layer's input, 2*s*b*h (/t with SP)."""
+    full recomputation keeps only each layer's input, 2*s*b*h (/t with SP). ``heads``: the
+    queries' width (heads x head width) over h; q, k, v and the attention output (8 of the 24
+    TP-sharded s*b*h) take that width, not h."""
     if checkpointed:
         return 2.0 * s * b * h / (t if sp else 1)
-    return s * b * h * (34.0 / t if sp else 10.0 + 24.0 / t)
+    sharded = 24.0 + 8.0 * (heads - 1.0)
+    return s * b * h * ((10.0 + sharded) / t if sp else 10.0 + sharded / t)
 
 
 def activation_bytes(cfg: Config, micro_batch: int) -> float:
@@ -143,12 +148,13 @@ def activation_bytes(cfg: Config, micro_batch: int) -> float:
     # "selective" keeps every matmul and attention output and recomputes only element-wise ops:
     # counted as no checkpointing (an upper bound on its memory, no extra forward FLOPs).
     full = par.activation_checkpointing is True
-    per_layer = layer_activation_bytes(s, b, h, t, sp=sp, checkpointed=full)
+    heads = attention_width(m) / h
+    per_layer = layer_activation_bytes(s, b, h, t, sp=sp, checkpointed=full, heads=heads)
     layers_per_rank = num_blocks(m) / par.pp
     in_flight = in_flight_microbatches(par.schedule, par.pp, par.microbatches, par.stages_per_rank if par.pp > 1 else 1)
     stash = per_layer * (width / 2) * layers_per_rank * in_flight
     if full:  # the layer being recomputed holds its full activations
-        stash += layer_activation_bytes(s, b, h, t, sp=sp, checkpointed=False) * (width / 2)
+        stash += layer_activation_bytes(s, b, h, t, sp=sp, checkpointed=False, heads=heads) * (width / 2)
     # fp32 logits and their gradient, gathered on the last stage.
     logits = 2 * 4.0 * b * get_arch(m.arch).logits_per_row(m) / par.cp
     return stash + logits + packing_mask_bytes(cfg, b, layers_per_rank, in_flight)
@@ -181,7 +187,7 @@ def cp_alltoall_s(cfg: Config, micro_batch: int, hw: Hardware) -> float:
     if cp == 1:
         return 0.0
     width = 2.0 if cfg.train.dtype == "bfloat16" else 4.0
-    q_bytes = micro_batch * (m.seq_len // cp) * (m.hidden_size // tp) * width
+    q_bytes = micro_batch * (m.seq_len // cp) * (attention_width(m) // tp) * width
     kv_local = max(1, m.num_kv_heads // tp)
     kv_heads = kv_local * cp // math.gcd(kv_local, cp)
     kv_bytes = q_bytes * min(1.0, kv_heads / max(1, m.num_heads // tp))
