@@ -236,3 +236,47 @@ def test_layout_auto_chooses_cp_for_a_long_sequence(capsys):
     picked = next(line for line in out.splitlines() if line.startswith("layout ok:"))
     assert " cp=" in picked and "cp=1 " not in picked, out
     assert "(fits)" in out
+
+
+def test_sweep_runs_the_cp_layouts_the_planner_fits():
+    """`sweep`'s trials (the layout enumeration, no Ray): at the 128k sequence only cp layouts
+    fit, and the trials are those, each pinning its cp (dp*cp*tp*pp = world), named and printed
+    with it; a model without a cp attention gets none."""
+    from raytrain_hybrid.config import load_config
+    from raytrain_hybrid.planner.hardware import PROFILES
+    from raytrain_hybrid.tools.sweep import TRIAL_KEYS, _name, plan_trials, set_line
+
+    cfg = load_config(None, [f"{k}={v}" for k, v in LONG.items()])
+    trials = plan_trials(cfg, 8, PROFILES["h100"], top=3)
+    assert len(trials) == 3 and all(t["cp"] > 1 and t["feasible"] for t in trials), trials
+    for t in trials:
+        layout = {k: t[k] for k in TRIAL_KEYS}
+        assert layout["dp"] * layout["cp"] * layout["tp"] * layout["pp"] == 8
+        assert f"-cp{t['cp']}-" in _name(layout) and f"--set parallelism.cp={t['cp']}" in set_line(layout)
+    (pinned,) = plan_trials(cfg, 8, PROFILES["h100"], top=3, only=[{"cp": 2, "tp": 2}])
+    assert (pinned["cp"], pinned["tp"]) == (2, 2)
+    gpt2 = load_config(None, ["model.arch=gpt2", "model.seq_len=4096"])
+    assert all(t["cp"] == 1 for t in plan_trials(gpt2, 2, PROFILES["h100"], top=100))
+    assert " cp=" not in set_line(plan_trials(gpt2, 2, PROFILES["h100"], top=1)[0])
+
+
+def test_an_elastic_run_keeps_cp_and_resizes_dp():
+    """parallelism.min_dp with cp=2: a replica is cp*tp*pp workers, Ray is asked for whole
+    replicas at the usable dp values, and each start takes dp = workers // (cp*tp*pp) with cp
+    kept (the restart itself, dp=3 -> 2 at cp=2, is held to the oracle in tests/test_elastic.py)."""
+    from raytrain_hybrid.config import load_config
+    from raytrain_hybrid.config.elastic import at_world, describe, usable_dps
+    from raytrain_hybrid.launch.elastic import scaling_workers, start_line, worker_counts
+
+    sets = ["model.seq_len=32", "train.global_batch_size=12", "parallelism.dp=3", "parallelism.min_dp=1"]
+    sets += ["parallelism.microbatches=2"]
+    cfg = load_config(None, [*sets, "parallelism.cp=2", "parallelism.tp=1", "parallelism.pp=1"])  # not refused
+    assert usable_dps(cfg.parallelism) == [1, 2, 3]
+    assert worker_counts(cfg) == [2, 4, 6] and scaling_workers(cfg) == {"num_workers": (2, 6)}
+    two = at_world(cfg, 4).parallelism
+    assert (two.dp, two.cp, two.microbatches) == (2, 2, 3)
+    with pytest.raises(ValueError, match=r"multiple of cp\*tp\*pp=2"):
+        at_world(cfg, 5)
+    assert "(2 workers a replica)" in describe(cfg) and "(2 workers a replica)" in start_line(cfg)
+    pp2 = load_config(None, [*sets, "parallelism.cp=2", "parallelism.tp=2", "parallelism.pp=2"])
+    assert worker_counts(pp2) == [8, 16, 24]

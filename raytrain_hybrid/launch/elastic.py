@@ -7,8 +7,9 @@ down and starts the train function again on the new count, from the newest check
 Ray's policy counts single workers, so it could start 5 workers of a layout whose replicas
 are 2 ranks each, or 3 replicas of a global batch that 3 does not split into whole
 micro-batches. Ours (launch.elastic_ray) asks it only for the counts of usable layouts:
-whole replicas of tp*pp workers, every TP group on one node, at a dp of config.elastic's
-``usable_dps``. The workers then take dp = world // (tp*pp) (config.elastic.at_world).
+whole replicas of cp*tp*pp workers, every TP group on one node, at a dp of config.elastic's
+``usable_dps``. The workers then take dp = world // (cp*tp*pp) (config.elastic.at_world):
+context parallelism keeps its cp at every start, as tp and pp are kept.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def start_line(cfg: Config) -> str:
     par = cfg.parallelism
     every = os.environ.get(RESIZE_CHECK_ENV) or "60"
     return (
-        f"elastic: dp between {par.min_dp} and {par.dp}, at one of {usable_dps(par)} ({par.tp * par.pp} workers a "
-        f"replica); a lost node restarts the group from the newest checkpoint at the dp the nodes left hold, "
+        f"elastic: dp between {par.min_dp} and {par.dp}, at one of {usable_dps(par)} "
+        f"({par.cp * par.tp * par.pp} workers a replica); a lost node restarts the group from the newest "
+        "checkpoint at the dp the nodes left hold, "
         f"and Ray Train looks for more nodes every {every} s"
     )

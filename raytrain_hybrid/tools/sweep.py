@@ -23,6 +23,8 @@ from raytrain_hybrid.planner.search import plan
 from raytrain_hybrid.storage import Store, as_store
 
 OUT_KEY = "sweep --out"
+# What a trial pins: the layout keys, with context and expert parallelism (the planner's cp and ep).
+TRIAL_KEYS = tuple(dict.fromkeys((*LAYOUT_KEYS, "cp", "ep")))
 
 
 def _trial(config: dict) -> None:
@@ -59,15 +61,40 @@ def _trial(config: dict) -> None:
 def _name(layout: dict) -> str:
     ac = "-ac" if layout["activation_checkpointing"] else ""
     sp = "-sp" if layout.get("sequence_parallel") and layout["tp"] > 1 else ""
-    shape = f"dp{layout['dp']}-tp{layout['tp']}-pp{layout['pp']}"
+    cp = f"-cp{layout['cp']}" if layout.get("cp", 1) > 1 else ""
+    ep = f"-ep{layout['ep']}" if layout.get("ep", 1) > 1 else ""
+    shape = f"dp{layout['dp']}{cp}{ep}-tp{layout['tp']}-pp{layout['pp']}"
     return f"{shape}-{layout['schedule']}-m{layout['microbatches']}-z{layout['zero']}{ac}{sp}"
 
 
 def set_line(layout: dict) -> str:
     return " ".join(
         f"--set parallelism.{k}={str(layout[k]).lower() if isinstance(layout[k], bool) else layout[k]}"
-        for k in LAYOUT_KEYS
+        for k in TRIAL_KEYS
+        if k in LAYOUT_KEYS or layout.get(k, 1) != 1  # cp and ep when they split something
     )
+
+
+def plan_trials(cfg: Config, world: int, hw: Hardware, *, top: int, only: list[dict] | None = None) -> list[dict]:
+    """The planner's rows a sweep runs: its ``top`` best feasible layouts, one per distinct shape
+    (dp, cp, ep, tp, pp, schedule, ZeRO), context-parallel ones included where the planner has
+    them (a model with a cp attention, cp dividing seq_len and the heads); or, for each partial
+    layout in ``only``, the best planned row matching it."""
+    rows = plan(cfg, world, hw)
+    planned, seen = [], set()
+    if only is not None:
+        for want in only:
+            match = next((p for p in rows if all(p[k] == v for k, v in want.items())), None)
+            if match is None:
+                raise ValueError(f"no valid layout of {world} ranks matches {want}")
+            planned.append(match)
+        return planned
+    for p in rows:  # best first; one trial per distinct layout shape
+        key = (p["dp"], p["cp"], p.get("ep", 1), p["tp"], p["pp"], p["schedule"], p["zero"])
+        if p["feasible"] and key not in seen and len(planned) < top:
+            seen.add(key)
+            planned.append(p)
+    return planned
 
 
 def sweep(
@@ -90,22 +117,10 @@ def sweep(
 
     out = as_store(out_dir, OUT_KEY)
     out.makedirs()
-    rows = [r for r in plan(cfg, world, hw) if r["cp"] == 1]  # trials run layouts without context parallelism
-    planned, seen = [], set()
-    if only is not None:
-        for want in only:
-            match = next((p for p in rows if all(p[k] == v for k, v in want.items())), None)
-            if match is None:
-                raise ValueError(f"no valid layout of {world} ranks matches {want}")
-            planned.append(match)
-    for p in rows if only is None else ():  # best first; one trial per distinct layout shape
-        key = (p["dp"], p["tp"], p["pp"], p["schedule"], p["zero"])
-        if p["feasible"] and key not in seen and len(planned) < top:
-            seen.add(key)
-            planned.append(p)
+    planned = plan_trials(cfg, world, hw, top=top, only=only)
     base = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))
     ensure_ray(cfg, world)
-    trials = [{"name": _name(p), "layout": {k: p[k] for k in LAYOUT_KEYS}} for p in planned]
+    trials = [{"name": _name(p), "layout": {k: p[k] for k in TRIAL_KEYS}} for p in planned]
     tuner = tune.Tuner(
         tune.with_resources(_trial, {"CPU": 0.01}),  # the trial waits; its TorchTrainer holds the CPUs
         param_space={
