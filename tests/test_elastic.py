@@ -4,8 +4,8 @@ and the engine's side of a resize.
 A resize restarts the worker group from the newest checkpoint at another dp; the engine then
 runs the same steps with each replica accumulating more (or fewer) micro-batches of the same
 rows. Here, as plain gloo processes (no Ray): runs at dp=3 save a checkpoint and are resumed
-with the same config on 2 workers (dp=2), plain, under ZeRO-1 and at pp=2 (on 6 and 4
-workers); every step of both halves equals the single-process oracle (losses, every
+with the same config on 2 workers (dp=2), plain, under ZeRO-1, at pp=2 and at cp=2 (on 6
+and 4 workers); every step of both halves equals the single-process oracle (losses, every
 parameter's gradient norm, the final parameters). Through Ray Train, with nodes lost and
 added on a simulated cluster: tests/test_topology_ray.py.
 """
@@ -166,13 +166,14 @@ AUTO_HW = dataclasses.asdict(PROFILES["h100"])
 def resized(tmp_path_factory):
     """Each case saved at dp=3 (checkpoints after steps 2 and 4, and at a preemption notice)
     and resumed from step 2 on fewer workers with the same config: "plain" and "zero1" on 3
-    then 2 workers, "pp2" on 6 then 4, "auto" on 6 workers of three nodes then 2 of one node.
-    One launch of gloo processes per world size and half."""
+    then 2 workers, "pp2" and "cp2" (context parallelism) on 6 then 4, "auto" on 6 workers of
+    three nodes then 2 of one node. One launch of gloo processes per world size and half."""
     cases = {
         "plain": elastic(),
         "zero1": elastic(3, 1, 2, 1, "parallelism.zero=1"),
         "pp2": elastic(pp=2),
         "auto": AUTO,
+        "cp2": elastic(3, 1, 2, 1, "parallelism.cp=2"),  # context parallelism kept across the resize
     }
     nodes = {"auto": (3, 1)}  # fake nodes the ranks spread over, in each half
     root = tmp_path_factory.mktemp("elastic")
@@ -183,9 +184,9 @@ def resized(tmp_path_factory):
         return {**more, **extra, **({"notice": NOTICES[n]} if n in NOTICES and half == 0 else {})}
 
     saved, resumed = {}, {}
-    for world, names in ((3, ("plain", "zero1")), (6, ("pp2", "auto"))):
+    for world, names in ((3, ("plain", "zero1")), (6, ("pp2", "auto", "cp2"))):
         saved.update(run_gloo_jobs(world, {n: job(n, 0, overrides=jobs[n]) for n in names}))
-    for world, names in ((2, ("plain", "zero1", "auto")), (4, ("pp2",))):
+    for world, names in ((2, ("plain", "zero1", "auto")), (4, ("pp2", "cp2"))):
         again = {
             n: job(
                 n,
@@ -199,7 +200,7 @@ def resized(tmp_path_factory):
     return root, saved, resumed
 
 
-@pytest.mark.parametrize("name", ["plain", "zero1", "pp2"])
+@pytest.mark.parametrize("name", ["plain", "zero1", "pp2", "cp2"])
 def test_a_run_resized_from_dp3_to_dp2_trains_the_oracle_model(resized, name):
     root, saved, resumed = resized
     reference = reference_history(REFERENCE)
@@ -208,8 +209,8 @@ def test_a_run_resized_from_dp3_to_dp2_trains_the_oracle_model(resized, name):
     assert [h["dp"] for h in saved[name]["history"]] == [3] * 4
     assert [h["dp"] for h in resumed[name]["history"]] == [2] * 2
     manifest = read_manifest(root / f"{name}-dp2" / "checkpoints" / "step_4")
-    pp = 2 if name == "pp2" else 1
-    assert manifest["world_size"] == 2 * pp
+    replica = 2 if name in ("pp2", "cp2") else 1  # workers a replica: pp=2, cp=2
+    assert manifest["world_size"] == 2 * replica
     assert (manifest["layout"]["dp"], manifest["layout"]["microbatches"]) == (2, 3)
 
 

@@ -142,6 +142,7 @@ def _metadata_probe() -> bool:
     return False
 
 
+@torch._dynamo.disable  # (under recomputation the block's call is inside a compiled wrapper)
 def _block_entry(ctx: DropoutContext, block, args, kwargs) -> None:
     """A block runs: in forward, on the microbatch entering the stage (its input remembers which);
     recomputed in backward (activation checkpointing), on the one its input remembers."""
