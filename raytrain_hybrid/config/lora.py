@@ -17,7 +17,9 @@ class LoraConfig:
     rank: int = 0
     # The adapters' scale numerator: their output is multiplied by alpha / rank.
     alpha: float = 16.0
-    # Dropout on the adapters' input (0: none), in [0, 1).
+    # Dropout on the adapters' input (0: none), in [0, 1). Every layout drops the same elements (a
+    # mask by seed, linear, step and the element's place in the global batch), so a run with dropout
+    # trains the same model whatever its dp, cp, tp and pp.
     dropout: float = 0.0
     # The linears adapted in every block, by module name (q_proj, k_proj, v_proj, o_proj,
     # gate_proj, up_proj, down_proj for the Llama family), or "all-linear" for all of them.
