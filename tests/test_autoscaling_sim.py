@@ -18,6 +18,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -109,6 +111,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _answers(url: str) -> bool:
+    try:
+        urllib.request.urlopen(url, timeout=2).close()
+    except urllib.error.HTTPError:  # it answered (token auth may refuse the request)
+        return True
+    except OSError:
+        return False
+    return True
+
+
 class FakeCluster:
     """A head (CPU only, no workers of its own) whose autoscaler launches fake nodes of the given
     worker types. Its own ports, temp dir and process group; ended by that group, never a
@@ -177,15 +189,29 @@ class FakeCluster:
         )
 
     def ray(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+        """A `ray` command against this head. The default bound is for every query too: a `ray
+        status` (a Python start and Ray's import first) once took over 120 s with the machine at
+        load 150; a head that answers does so in seconds when the machine is not that busy."""
         return subprocess.run(
             [str(BIN / "ray"), *args], cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout
         )
 
-    def wait_ready(self, deadline_s: float = 180) -> None:
+    def wait_ready(self, deadline_s: float = 600) -> None:
+        """Until the head takes a job. Its dashboard is polled over HTTP first: a `ray job submit`
+        probe costs a Python start and Ray's import (~1.5 s of CPU) and fails at once until then.
+        The dashboard answers before the head's job agent has registered; until it has, a
+        submission fails after waiting 10 s for it ("No available agent to submit job, please try
+        again later"). One head alone took 54 s to take a job with the machine at load 60-170;
+        here four start at once beside the suite, so the bound is 600 s (it was 180 s), and a head
+        that exits ends the wait at once."""
         deadline = time.time() + deadline_s
+        while self.head.poll() is None and time.time() < deadline and not _answers(f"{self.address}/api/version"):
+            time.sleep(0.5)
         while True:
-            # The dashboard answers before its job agent does ("No available agent to submit job").
-            probe = self.ray("job", "submit", "--address", self.address, "--", "true", timeout=120)
+            try:  # the probe's job (a supervisor actor, then `true`) took over 120 s at load 75
+                probe = self.ray("job", "submit", "--address", self.address, "--", "true", timeout=300)
+            except subprocess.TimeoutExpired as slow:
+                probe = subprocess.CompletedProcess(slow.cmd, 1, str(slow.stdout), f"timed out after {slow.timeout} s")
             if probe.returncode == 0:
                 return
             if self.head.poll() is not None or time.time() > deadline:
@@ -193,7 +219,7 @@ class FakeCluster:
             time.sleep(2)
 
     def status(self) -> str:
-        return self.ray("status", f"--address=127.0.0.1:{self.gcs_port}", timeout=120).stdout
+        return self.ray("status", f"--address=127.0.0.1:{self.gcs_port}").stdout
 
     def submit(self, job: str, *overrides: str, wait: bool = True, job_id: str = "") -> subprocess.CompletedProcess:
         """The documented submit line, with the local runtime env (the GPU one pip-installs torch from
@@ -203,24 +229,24 @@ class FakeCluster:
     def cli(self, *args: str, wait: bool = True, job_id: str = "") -> subprocess.CompletedProcess:
         """A `raytrain_hybrid.cli` command submitted as a job (its driver runs on the head).
 
-        Submitted once more if Ray lost the job's working-dir package before the job ran a line of
-        ours (PACKAGE_LOST): the fake nodes of a head share its session directory, where each
-        node's runtime-env agent unpacks and evicts packages as if it were alone (a cloud node has
-        its own disk). Seen once in ten suite runs; anything else fails the test as it is."""
-
-        def submit(job_id: str) -> subprocess.CompletedProcess:
-            return self.ray(
-                "job", "submit", "--address", self.address, *([] if wait else ["--no-wait"]),
-                *(["--submission-id", job_id] if job_id else []),
-                "--working-dir", ".", "--runtime-env", "jobs/runtime_env_local.yaml",
-                "--", "python", "-m", "raytrain_hybrid.cli", *args,
-            )  # fmt: skip
-
-        done = submit(job_id)
-        if wait and done.returncode != 0 and any(s in done.stdout + done.stderr for s in PACKAGE_LOST):
-            print(f"{self.name}: Ray lost the working-dir package, submitting again: {done.stdout[-600:]}")
-            done = submit("")  # a submission id is used once
-        return done
+        The working dir is this checkout in place (`local://`), as on a cluster whose image holds the
+        project, not `--working-dir .` uploaded: the fake nodes are processes on this machine and
+        share the head's session directory, where each node's runtime-env agent unpacks an uploaded
+        working dir the first time that node sees it with `overwrite=True` (Ray's working_dir
+        plugin), removing the directory the head's driver runs in and the other nodes' workers
+        start in. A node the autoscaler adds mid-job does so at once for every running job (eager
+        install); a worker or driver started in between finds it missing ("Local directory ... does
+        not exist on the cluster"), about one suite run in ten. Submitting again on that error (as
+        this did) failed too, within seconds: the head's agent caches a failed runtime env for 10
+        minutes (BAD_RUNTIME_ENV_CACHE_TTL_SECONDS), and a job supervisor's env is the same for
+        every submission of the same package. On a real cluster each node unpacks into a disk of
+        its own; the upload itself is tested on a single head (tests/test_jobs_ray.py)."""
+        return self.ray(
+            "job", "submit", "--address", self.address, *([] if wait else ["--no-wait"]),
+            *(["--submission-id", job_id] if job_id else []),
+            "--working-dir", f"local://{ROOT}", "--runtime-env", "jobs/runtime_env_local.yaml",
+            "--", "python", "-m", "raytrain_hybrid.cli", *args,
+        )  # fmt: skip
 
     def stop(self) -> None:
         """SIGTERM to the head's process group, then SIGKILL to what is left of it: gcs_server may
@@ -234,17 +260,9 @@ class FakeCluster:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-# Ray's own runtime-env errors for a working-dir package gone from the GCS or the node's disk
-# (ray/_private/runtime_env/packaging.py, working_dir.py).
-PACKAGE_LOST = (
-    "Failed to download runtime_env file package",
-    "does not exist on the cluster. Something may have gone wrong while downloading or unpacking",
-)
-
-
 def cluster_nodes(cluster: FakeCluster) -> list[dict]:
     """Alive worker nodes (not the head) with their total resources, as the state API lists them."""
-    out = cluster.ray("list", "nodes", "--address", cluster.address, "--format=json", "--detail", timeout=120)
+    out = cluster.ray("list", "nodes", "--address", cluster.address, "--format=json", "--detail")
     nodes = json.loads(out.stdout[out.stdout.index("[") :])
     return [n for n in nodes if n["state"] == "ALIVE" and not n["is_head_node"]]
 
@@ -254,12 +272,12 @@ def job_record(cluster: FakeCluster, job_id: str, wait_s: float = 120) -> dict:
     (or ``wait_s`` passed), and its logs."""
     deadline = time.time() + wait_s
     while True:
-        out = cluster.ray("list", "jobs", "--address", cluster.address, "--format=json", "--detail", timeout=120)
+        out = cluster.ray("list", "jobs", "--address", cluster.address, "--format=json", "--detail")
         (job,) = [j for j in json.loads(out.stdout[out.stdout.index("[") :]) if j.get("submission_id") == job_id]
         if job["status"] not in ("PENDING", "RUNNING") or time.time() > deadline:
             break
         time.sleep(2)
-    job["logs"] = cluster.ray("job", "logs", "--address", cluster.address, job_id, timeout=120).stdout
+    job["logs"] = cluster.ray("job", "logs", "--address", cluster.address, job_id).stdout
     return job
 
 
