@@ -21,7 +21,13 @@
   the ``raytrain-hybrid`` executable trains through Ray Data in tests/test_cli_ray.py (2x2x1).
   Placeholders such as ``<your-bucket>`` are filled in with a sample value first, as a reader
   would. A local path the reader supplies or an earlier command creates (``model.pretrained``,
-  ``data.path``, ...) that does not exist here is the one refusal accepted.
+  ``data.path``, ...) that does not exist here is the one refusal accepted. (The collector is
+  tests/doc_commands.py, shared with the walk below.)
+- The commands that do run on a CPU (train, resume, export, prepare-data, sweep; tests/doc_commands.py
+  says which) ran as pasted, page by page, in scratch copies of the repository:
+  scripts/run_doc_commands.py records each in benchmarks/results/doc_commands.json, and a command
+  of today's pages without a record of the exit code its page shows fails here (an edit of a
+  command without running the walk again). The cluster, bucket and GPU ones are the ones above.
 - docs/performance.md quotes each figure's date and command as its benchmarks/results/*.json
   records them, and quotes every result file.
 - README.md stays short, keeps the two setup-contract commands (.ci/run runs the second exactly),
@@ -36,20 +42,18 @@ import importlib.util
 import json
 import os
 import re
-import shlex
 import subprocess
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
+from doc_commands import DOCS, PLACEHOLDER, ROOT, SHELLS, Setup, Shown, blocks, commands, fill, walk
 
 from raytrain_hybrid import cli
 from raytrain_hybrid.config import Config, load_config
 from raytrain_hybrid.errors import ConfigError, LayoutError
 
-ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 RUN = {"check", "plan"}  # commands cheap enough to run for real (no Ray, no model)
 LOADS = {"train", "sweep", "check", "plan"}  # commands that take a config and --set overrides
 # Keys whose value is a file or directory the reader brings (or an earlier command makes).
@@ -98,97 +102,7 @@ def test_every_config_key_is_documented_by_its_comment():
 # ---- the commands shown in README.md and docs/ ----
 
 
-@dataclass(frozen=True)
-class Shown:
-    where: str  # file:line
-    args: tuple[str, ...]  # what follows `raytrain-hybrid`
-    output: tuple[str, ...] = ()  # the lines shown after it (a console block), up to the next `$ `
-
-    @property
-    def fails(self) -> bool:
-        """The block shows it refused: its first output line starts with "error:"."""
-        return bool(self.output) and self.output[0].startswith("error:")
-
-
-_FENCE = re.compile(r"^\s*(```+|~~~+)\s*([\w+-]*)")
-_SHELLS = {"bash", "sh", "shell", "zsh"}
-_REDIRECT = re.compile(r"^\d?>>?(&\d)?$|^&>$")
-_PLACEHOLDER = re.compile(r"<([A-Za-z][\w .-]*)>")
-
-
-def _fill(text: str) -> str:
-    """Placeholders filled in as a reader does: <your-bucket> -> your-bucket."""
-    return _PLACEHOLDER.sub(lambda m: re.sub(r"\W+", "-", m.group(1)).lower(), text)
-
-
-def _blocks(text: str):
-    """(language, [(line number, line)]) for each fenced code block."""
-    block, fence, lang = None, "", ""
-    for number, line in enumerate(text.splitlines(), 1):
-        m = _FENCE.match(line)
-        if block is None and m:
-            block, fence, lang = [], m.group(1), m.group(2).lower()
-        elif block is not None and line.strip().startswith(fence[:3]) and line.strip().strip(fence[0]) == "":
-            yield lang, block
-            block = None
-        elif block is not None:
-            block.append((number, line))
-
-
-def _invocation(tokens: list[str]) -> list[str] | None:
-    """The arguments after raytrain-hybrid (or python -m raytrain_hybrid.cli) in one simple
-    command, or None when it does not run the CLI (e.g. `pip install raytrain-hybrid`)."""
-    for i, tok in enumerate(tokens):
-        lead = all(re.match(r"^[A-Za-z_]\w*=", t) or t in ("time", "exec") for t in tokens[:i]) or tokens[i - 1] == "--"
-        if Path(tok).name == "raytrain-hybrid" and lead:
-            return tokens[i + 1 :]
-        if tok == "-m" and i + 1 < len(tokens) and tokens[i + 1] == "raytrain_hybrid.cli":
-            return tokens[i + 2 :]
-    return None
-
-
-def _commands(path: Path) -> list[Shown]:
-    shown = []
-    for lang, lines in _blocks(path.read_text()):
-        logical: list[tuple[int, str]] = []  # continuation lines joined
-        for number, line in lines:
-            if logical and logical[-1][1].endswith("\\"):
-                logical[-1] = (logical[-1][0], logical[-1][1][:-1] + " " + line.strip())
-            else:
-                logical.append((number, line.rstrip()))
-        for i, (number, line) in enumerate(logical):
-            text = line.strip()
-            if text.startswith("$ "):
-                text = text[2:]
-            elif lang not in _SHELLS:
-                continue  # output, not a command
-            try:
-                tokens = shlex.split(text, comments=True)
-            except ValueError:
-                continue  # not shell (a snippet of another language in the block)
-            segments, current = [], []
-            for tok in tokens:  # `a && b`, `a | b`, `a; b`: each its own command
-                if tok in ("&&", "||", "|", ";"):
-                    segments.append(current)
-                    current = []
-                else:
-                    current.append(tok)
-            segments.append(current)
-            output = []  # what a console block shows the command print
-            for _, after in logical[i + 1 :] if lang not in _SHELLS else ():
-                if after.strip().startswith("$ "):
-                    break
-                output.append(after.strip())
-            for segment in segments:
-                cut = next((j for j, t in enumerate(segment) if _REDIRECT.match(t)), len(segment))
-                args = _invocation(segment[:cut])
-                if args is not None:
-                    where = f"{path.relative_to(ROOT)}:{number}"
-                    shown.append(Shown(where, tuple(_fill(a) for a in args), tuple(output)))
-    return shown
-
-
-SHOWN = [cmd for path in DOCS for cmd in _commands(path)]
+SHOWN = [cmd for path in DOCS for cmd in commands(path)]
 
 
 def test_the_commands_are_collected():
@@ -222,10 +136,10 @@ def as_a_reader(monkeypatch):
 def _filled_config(args: list[str], config: str | None, tmp: Path) -> list[str]:
     """The arguments with a config file whose text holds placeholders replaced by a filled copy
     (the docs tell the reader to fill them in; refusing them as they are is check's job)."""
-    if not config or not (ROOT / config).is_file() or not _PLACEHOLDER.search((ROOT / config).read_text()):
+    if not config or not (ROOT / config).is_file() or not PLACEHOLDER.search((ROOT / config).read_text()):
         return args
     copy = tmp / Path(config).name
-    copy.write_text(_fill((ROOT / config).read_text()))
+    copy.write_text(fill((ROOT / config).read_text()))
     return [str(copy) if a == config else a for a in args]
 
 
@@ -277,6 +191,44 @@ def _shows_what_it_prints(shown: Shown, printed: str) -> None:
         pytest.fail(f"{shown.where}: {' '.join(shown.args)} does not print\n  {want}\nbut\n{printed}")
 
 
+WALK = ROOT / "benchmarks" / "results" / "doc_commands.json"
+RERUN = ".venv/bin/python scripts/run_doc_commands.py"
+
+
+def test_the_walk_knows_what_runs_on_a_cpu():
+    """The walk's split (tests/doc_commands.walk) runs the checkpoints page's chain and the quick
+    start, and skips the 8-GPU fine-tune, the bucket and the export of a run it did not make."""
+    steps = {(s.step.where.split(":")[0], s.step.text): s for path in DOCS for s in walk(path)}
+    chain = [s for (page, _), s in steps.items() if page == "docs/checkpoints.md"]
+    assert len(chain) == 4 and not any(s.skip for s in chain)
+    assert not steps["README.md", "raytrain-hybrid train"].skip
+    readme = [s for (page, _), s in steps.items() if page == "README.md" and "finetune_8gpu" in s.step.text]
+    assert "GPUs" in readme[0].skip and "not run here" in readme[1].skip
+    assert any("object storage" in s.skip for (page, _), s in steps.items() if page == "README.md")
+
+
+def test_the_commands_that_run_on_a_cpu_ran_as_shown():
+    """Every command a page shows that runs on a CPU here has a record in
+    benchmarks/results/doc_commands.json (scripts/run_doc_commands.py ran it, matched by the
+    digest of its text) with the exit code the page shows: 0, or 2 where it shows the refusal.
+    A command added or edited without running the walk again fails here."""
+    records = json.loads(WALK.read_text())["records"]
+    ran: dict[str, list[int]] = {}
+    for record in records:
+        if record["kind"] == "command" and record["status"] == "ran":
+            ran.setdefault(record["digest"], []).append(record["exit_code"])
+    stale = []
+    for path in DOCS:
+        for step in walk(path):
+            if step.skip or isinstance(step.step, Setup):
+                continue
+            if step.expected_exit not in ran.get(step.step.digest, []):
+                got = ran.get(step.step.digest) or "no record"
+                stale.append(f"{step.step.where}: {step.step.text} (want exit {step.expected_exit}, walk: {got})")
+    pages = " ".join(sorted({line.split(":")[0] for line in stale}))
+    assert not stale, f"run `{RERUN} {pages}` and commit {WALK.relative_to(ROOT)}:\n" + "\n".join(stale)
+
+
 # ---- performance figures and the README ----
 
 _MEASURED = re.compile(
@@ -295,14 +247,16 @@ def test_performance_figures_quote_their_results():
     results = {p.name for p in (ROOT / "benchmarks" / "results").glob("*.json")}
     # Not speed or memory figures: the suite's timings (CONTRIBUTING.md), a calibrated planner profile,
     # the fuzzing of user input (docs/security.md), the fault-injection campaign across checkpoint saves.
+    # The walk of the documented commands (tests/test_docs.py reads it).
     results -= {"suite_time.json", "local_profile.json", "fuzz.json", "faults.json", "faults_ray.json"}
+    results -= {"doc_commands.json"}
     assert results <= {name for _, _, name, _ in quoted}, "a result in benchmarks/results/ is not on the page"
 
 
 def test_the_readme_is_short_and_keeps_the_setup_contract():
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 200
-    shell_lines = {line.strip() for lang, block in _blocks(readme) if lang in _SHELLS for _, line in block}
+    shell_lines = {line.strip() for lang, block in blocks(readme) if lang in SHELLS for _, line in block}
     assert {SETUP_TRAIN, SETUP_TEST} <= shell_lines
     assert (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1] == SETUP_TEST
 
