@@ -53,6 +53,8 @@ DENSE_LAYOUTS = {  # dp, tp (with and without sequence parallelism), pp, ZeRO-1 
     "qwen3-moe/2x2x1-zero1": layout(2, 2, 1, "1F1B", 2, 1),
     "mixtral/2x1x2-zero3": layout(2, 1, 2, "1F1B", 2, 3),
     "mixtral/1x2x2-nosp-gpipe": layout(1, 2, 2, "GPipe", 2, 0, "parallelism.sequence_parallel=false"),
+    # Context parallelism: each cp rank routes its half of every sequence; the balance loss sums over both.
+    "mixtral/1x2x1-cp2": layout(1, 2, 1, "1F1B", 2, 0, "parallelism.cp=2"),
 }
 EP_LAYOUTS = {  # parallelism.ep = 2 and 4 with tp (SP), pp (activation checkpointing), ZeRO-0, ZeRO-1, ZeRO-2/3
     "ep2-dp2-tp2": layout(2, 2, 1, "1F1B", 2, 0, "parallelism.ep=2"),
@@ -61,6 +63,8 @@ EP_LAYOUTS = {  # parallelism.ep = 2 and 4 with tp (SP), pp (activation checkpoi
     # Every block compiled (inductor): the dispatch and the routers' bookkeeping run between graphs.
     "ep2-dp4-zero0-compile": layout(4, 1, 1, "1F1B", 2, 0, "parallelism.ep=2", "parallelism.compile=true"),
     "ep2-dp4-zero1": layout(4, 1, 1, "1F1B", 2, 1, "parallelism.ep=2"),
+    # cp = 2: the cp ranks join the ranks holding the same experts (FSDP shards over dp/ep x cp).
+    "ep2-dp2-cp2-zero3": layout(2, 1, 1, "1F1B", 2, 3, "parallelism.ep=2", "parallelism.cp=2"),
 }
 
 
@@ -106,7 +110,7 @@ def runs(tmp_path_factory) -> dict:
 
 
 def test_moe_layouts_match_transformers(runs):
-    """dp, tp (with and without sequence parallelism), pp, ZeRO-1 and FSDP, for both architectures."""
+    """dp, tp (with and without sequence parallelism), pp, cp, ZeRO-1 and FSDP, for both architectures."""
     _check("mixtral", runs, [name for name in DENSE_LAYOUTS if name.startswith("mixtral/")])
     _check("qwen3-moe", runs, [name for name in DENSE_LAYOUTS if name.startswith("qwen3-moe/")])
 
@@ -115,7 +119,7 @@ def test_expert_parallel_layouts_match_transformers(runs):
     """parallelism.ep = 2 and 4: experts sharded over data-parallel ranks, tokens sent to them by
     all-to-all; with tp (sequence parallel) and pp (activation checkpointing: the recomputation
     exchanges the tokens again), under ZeRO-0 replication, ZeRO-1 (the experts' AdamW state sliced
-    over the ranks holding the same experts) and FSDP, every block compiled (ZeRO-0); and a run
+    over the ranks holding the same experts) and FSDP, with cp = 2, every block compiled (ZeRO-0); and a run
     saved at ep = 2 resumed at ep = 4 (the checkpoint resharded across ep sizes), one saved under
     ZeRO-1 resumed at another dp and tp, and an elastic run restarted at a smaller dp (ep kept),
     continue the same training."""
@@ -158,7 +162,6 @@ def test_expert_parallel_layouts_match_transformers(runs):
             "model.num_experts=8",
         ),
         (["parallelism.ep=4", "parallelism.dp=2"], "parallelism.ep", "parallelism.dp=2"),
-        (["parallelism.cp=2"], "parallelism.cp", "whole sequence"),
     ],
 )
 def test_bad_ep_is_refused_before_workers_start(overrides, key, says, capsys):

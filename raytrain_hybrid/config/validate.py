@@ -182,12 +182,6 @@ def _validate_cp(cfg: Config, spec: ArchSpec) -> None:
 def _validate_experts(cfg: Config, spec: ArchSpec) -> None:
     """Expert parallelism against the model and the layout (distributed.expert_parallel)."""
     par, model = cfg.parallelism, cfg.model
-    if spec.moe is not None and par.cp > 1:
-        raise ConfigError(
-            "parallelism.cp",
-            par.cp,
-            f"{model.arch}'s routers balance each whole sequence (model.router_aux_loss_coef); use cp=1",
-        )
     if spec.moe is None:  # an expert key set on a dense model would be silently ignored
         defaults = ModelConfig()
         for key in ("num_experts", "experts_per_token", "router_aux_loss_coef"):

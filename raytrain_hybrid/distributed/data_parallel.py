@@ -55,12 +55,13 @@ def build_optimizer(params, mesh, dims: ParallelDims, *, device: torch.device, *
 
 def _zero1_with_experts(params, mesh, dims: ParallelDims, dp_group, adamw: dict) -> ZeroOneOptimizer:
     """ZeRO-1 under ep: the dense weights sliced over dp as without experts; the experts' local
-    shards sliced over the dp/ep ranks holding the same experts, their gradients summed there and
-    divided by dp (as the experts' FSDP unit does at ZeRO-0, expert_parallel.py). An expert element
+    shards sliced over the dp/ep x cp ranks holding the same experts, their gradients summed there and
+    divided by dp x cp (as the experts' FSDP unit does at ZeRO-0, expert_parallel.py). An expert element
     is whole on each tp rank, on one rank of the ep group: tp copies in the gradient norm."""
     experts = [p for p in params if is_expert(p)]
     parts = [ZeroOneOptimizer([p for p in params if not is_expert(p)], dp_group=dp_group, tp=dims.tp, **adamw)]
     if experts:  # a pipeline stage without MoE layers has none (nor do the other ranks of its group)
         same = ep_mesh(mesh.world, dims)["erep"].get_group()
-        parts.append(ZeroOneOptimizer(experts, dp_group=same, tp=dims.tp, divide=dims.dp, copies=dims.tp, **adamw))
+        divide = dims.dp * dims.cp  # the loss's average over dp x cp
+        parts.append(ZeroOneOptimizer(experts, dp_group=same, tp=dims.tp, divide=divide, copies=dims.tp, **adamw))
     return SplitZeroOne(*parts)

@@ -2,19 +2,20 @@
 carved from the data-parallel ones, as TorchTitan and Megatron-LM do.
 
 The ep ranks of a group are ``ep`` consecutive data-parallel replicas (same pipeline stage, same
-tp rank). Each holds ``num_experts / ep`` experts: the 3D expert weights become DTensors sharded
-along the expert dimension over the ep mesh, so a checkpoint, the init rule and the gradient
-norm see the whole tensors under their transformers names. In forward each rank routes its own
-tokens (the router stays replicated), sends every token-expert pair to the rank holding that
-expert with one ``all_to_all_single`` (after one exchanging the counts), computes its experts on
-what it received (torch._grouped_mm on Hopper in bf16, a loop over local experts elsewhere), and
-sends the results back with a second all-to-all; autograd runs the same exchanges backwards.
+cp and tp rank: under context parallelism each cp rank routes its slice of the sequences). Each
+holds ``num_experts / ep`` experts: the 3D expert weights become DTensors sharded along the
+expert dimension over the ep mesh, so a checkpoint, the init rule and the gradient norm see the
+whole tensors under their transformers names. In forward each rank routes its own tokens (the
+router stays replicated), sends every token-expert pair to the rank holding that expert with one
+``all_to_all_single`` (after one exchanging the counts), computes its experts on what it
+received (torch._grouped_mm on Hopper in bf16, a loop over local experts elsewhere), and sends
+the results back with a second all-to-all; autograd runs the same exchanges backwards.
 Dispatch is dropless: every pair is computed, however uneven the routing.
 
 Gradients: an expert's gradient on its rank already sums the contributions of the ep group's
-tokens, so the expert weights are averaged over the dp/ep ranks holding the same experts (their
-own FSDP2 unit on that mesh, gradients divided by dp; under ZeRO-1 their own ZeRO-1 slices on
-that group, data_parallel.py), the other weights over dp as before.
+tokens, so the expert weights are averaged over the dp/ep x cp ranks holding the same experts
+(their own FSDP2 unit on that mesh, gradients divided by dp x cp; under ZeRO-1 their own ZeRO-1
+slices on that group, data_parallel.py), the other weights over dp (x cp) as before.
 This is a module transformation: the transformers model code is unchanged.
 """
 
@@ -34,16 +35,20 @@ EP_DIMS = ("pp", "erep", "eshard", "ep", "cp", "tp")
 
 def ep_mesh(world, dims):
     """The world's ranks as (pp, erep, eshard, ep, cp, tp): an ep group is ``ep`` consecutive
-    dp replicas; the dp/ep ranks holding the same experts are erep (ZeRO-0 replicas, ZeRO-1 slices) or eshard
-    (ZeRO-2/3: FSDP shards). Built once per world mesh (its process groups are created by every
-    rank together, on the first stage each builds; kept on the world mesh, no module state)."""
+    dp replicas; the dp/ep x cp ranks holding the same experts are erep (ZeRO-0 replicas, ZeRO-1
+    slices) or eshard (ZeRO-2/3: FSDP shards), the cp ranks folded into them (cp is size 1 here).
+    Built once per world mesh (its process groups are created by every rank together, on the
+    first stage each builds; kept on the world mesh, no module state)."""
     if getattr(world, "_expert_mesh", None) is None:
         from torch.distributed.device_mesh import DeviceMesh
 
         pp, cp, tp, ep = dims.pp, dims.cp, dims.tp, dims.ep
-        same = dims.dp // ep
-        shape = (pp, same, 1, ep, cp, tp) if dims.zero in (0, 1) else (pp, 1, same, ep, cp, tp)
-        world._expert_mesh = DeviceMesh(world.device_type, world.mesh.reshape(shape), mesh_dim_names=EP_DIMS)
+        # The cp ranks of a replica hold the same experts (each routes its slice of the sequences
+        # to its own ep group): they join the dp/ep ranks holding them, gradients reduced over all.
+        held = dims.dp // ep * cp
+        ranks = world.mesh.reshape(pp, dims.dp // ep, ep, cp, tp).transpose(2, 3).reshape(pp, held, ep, tp)
+        shape = (pp, held, 1, ep, 1, tp) if dims.zero in (0, 1) else (pp, 1, held, ep, 1, tp)
+        world._expert_mesh = DeviceMesh(world.device_type, ranks.reshape(shape), mesh_dim_names=EP_DIMS)
     return world._expert_mesh
 
 
@@ -80,7 +85,11 @@ def shard_experts(stage, spec: ArchSpec, mesh, dims, **fsdp) -> None:
     em = ep_mesh(mesh.world, dims)
     for experts in _experts(stage, spec):
         fully_shard(experts, mesh=em["erep", "eshard"], **fsdp)
-        experts.set_gradient_divide_factor(float(dims.dp))
+        experts.set_gradient_divide_factor(float(dims.dp * dims.cp))  # the loss's average over dp x cp
+        # gloo has no PREMUL_SUM, which a reduce-scatter over several ranks takes for a factor other
+        # than their count (ZeRO-2/3 under ep with dp/ep x cp > 1): sum, then divide.
+        if em.device_type != "cuda" and em["eshard"].size() > 1:
+            experts.set_force_sum_reduction_for_comms(True)
 
 
 def is_expert(p) -> bool:

@@ -98,8 +98,14 @@ class RouterLoss:
     layer, every term is known where it is computed, so every layout trains the same model
     (for one sequence and one MoE layer the two definitions agree)."""
 
-    def __init__(self, modules, moe: dict, *, experts: int, moe_layers: int, seq_len: int, coef: float):
+    def __init__(self, modules, moe: dict, *, experts: int, moe_layers: int, seq_len: int, coef: float, cp_group=None):
         self.experts, self.moe_layers, self.seq_len, self.coef = experts, moe_layers, seq_len, coef
+        # Context parallelism: this rank routes a contiguous 1/cp of each sequence. A sequence's
+        # term is e * sum_e f_e * P_e, with f the routed fractions over the whole sequence (its cp
+        # ranks' counts summed, no gradient) and P the mean probabilities, linear in each token's:
+        # each cp rank adds its tokens' share of P, and the shares sum to the term.
+        self.cp_group = cp_group
+        self.cp = 1 if cp_group is None else torch.distributed.get_world_size(cp_group)
         self.scale = 0.0  # d(step loss)/d(one term), for this layout (start_step)
         self.unit = 0.0  # the weight of one term in the step's loss
         self.microbatches = 1
@@ -138,11 +144,15 @@ class RouterLoss:
             return None
         # Activation checkpointing's recomputation computes the same (it must save what the
         # forward saved) and records nothing.
-        e, k = self.experts, indices.shape[-1]
-        probs = torch.softmax(logits.float(), dim=-1).view(-1, self.seq_len, e)  # [sequences, tokens, E]
+        e, k, here = self.experts, indices.shape[-1], self.seq_len // self.cp
+        probs = torch.softmax(logits.float(), dim=-1).view(-1, here, e)  # [sequences, tokens here, E]
         with torch.no_grad():
-            hits = F.one_hot(indices.reshape(-1, self.seq_len * k), e).sum(1).float()  # [sequences, E]
-        per_seq = e * (hits / self.seq_len * probs.mean(1)).sum(-1)  # load_balancing_loss_func of each sequence
+            hits = F.one_hot(indices.reshape(-1, here * k), e).sum(1).float()  # [sequences, E]
+            whole = hits.clone()
+            if self.cp_group is not None:
+                torch.distributed.all_reduce(whole, group=self.cp_group)
+        # load_balancing_loss_func of each sequence (this rank's share of it under cp)
+        per_seq = e * (whole / self.seq_len * probs.mean(1) / self.cp).sum(-1)
         aux = per_seq.sum()
         if self._recording(logits):
             self._record.setdefault(id(router), []).append(
@@ -182,7 +192,7 @@ class RouterLoss:
         return {"aux": total[0], "expert_load": load, "dropped_tokens": load.sum() - total[-1].round()}
 
 
-def make_router_loss(cfg: Config, spec, hf_config, modules) -> RouterLoss | None:
+def make_router_loss(cfg: Config, spec, hf_config, modules, cp_group=None) -> RouterLoss | None:
     """The RouterLoss of a mixture-of-experts model's stages; None for a dense model."""
     if spec.moe is None:
         return None
@@ -192,7 +202,10 @@ def make_router_loss(cfg: Config, spec, hf_config, modules) -> RouterLoss | None
     moe_layers = sum(1 for i in range(layers) if i not in dense and (i + 1) % sparse_step == 0)
     experts = getattr(hf_config, "num_local_experts", None) or hf_config.num_experts
     coef = cfg.model.router_aux_loss_coef
-    return RouterLoss(modules, spec.moe, experts=experts, moe_layers=moe_layers, seq_len=cfg.model.seq_len, coef=coef)
+    seq = cfg.model.seq_len
+    return RouterLoss(
+        modules, spec.moe, experts=experts, moe_layers=moe_layers, seq_len=seq, coef=coef, cp_group=cp_group
+    )
 
 
 def moe_metrics(moe: dict) -> dict:

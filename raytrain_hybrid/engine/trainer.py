@@ -71,7 +71,8 @@ class Trainer:
         # no optimizer state, in no DP bucket or ZeRO-1 slice).
         self.params = [p for m in self.modules for p in m.parameters() if p.requires_grad]
         # Mixture of experts: the routers' auxiliary loss and the experts' load (None: dense).
-        self.router_loss = make_router_loss(cfg, self.spec, self.hf_config, self.modules)
+        cp_group = mesh.cp.get_group() if dims.cp > 1 else None  # a sequence's routing spans its cp ranks
+        self.router_loss = make_router_loss(cfg, self.spec, self.hf_config, self.modules, cp_group)
         assert cfg.train.lr > 0, "train.lr=0 means 'pick one': config.resolve_defaults() sets it"
         self.optimizer = build_optimizer(
             self.params,
@@ -242,7 +243,7 @@ class Trainer:
             self.loss_fn.start_step(counted, self.cfg.parallelism.microbatches, self.dims.dp * self.dims.cp)
         if self.router_loss is not None:
             m, scheduled = self.cfg.parallelism.microbatches, self.schedule is not None
-            self.router_loss.start_step(self.cfg.train.global_batch_size, self.dims.dp, m, scheduled)
+            self.router_loss.start_step(self.cfg.train.global_batch_size, self.dims.dp * self.dims.cp, m, scheduled)
         if self.cfg.lora.dropout:  # the adapters' dropout masks are a function of the step
             start_dropout_step(self.modules, step)
         replica_loss = self._forward_backward(batch)

@@ -74,7 +74,7 @@ def ep_alltoall_s(cfg: Config, micro_batch: int, hw: Hardware) -> float:
     if ep == 1:
         return 0.0
     width = 2.0 if cfg.train.dtype == "bfloat16" else 4.0
-    pairs = micro_batch * m.seq_len * m.experts_per_token
+    pairs = micro_batch * (m.seq_len // par.cp) * m.experts_per_token  # a cp rank routes its slice
     link = hw.intra_node_gbps if ep * par.cp * par.tp <= hw.gpus_per_node else hw.inter_node_gbps
     one = pairs * m.hidden_size * width * (ep - 1) / ep / (link * 1e9) + (ep - 1) * hw.latency_s
     return 4 * one * (num_blocks(m) / par.pp) * par.microbatches
