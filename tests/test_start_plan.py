@@ -192,3 +192,33 @@ def test_check_refuses_a_directory_holding_an_earlier_runs_checkpoints(saved, ca
     assert code == 0 and _start_line(text).endswith(
         "resumed from " + str(saved / "checkpoints" / "step_2") + " at step 2"
     )
+
+
+def test_check_of_a_bucket_it_cannot_reach_says_so_and_shows_the_plan(tmp_path, capsys, monkeypatch):
+    """Offline, pyarrow opening s3://bucket asks AWS for the bucket's region and fails (an OSError):
+    check says what it could not verify and still prints the layout and the start line."""
+    import pyarrow.fs as pafs
+
+    import raytrain_hybrid.storage as storage
+
+    class Offline:  # pyarrow.fs as the storage layer sees it, with no network
+        def __getattr__(self, name):
+            return getattr(pafs, name)
+
+        class FileSystem:
+            @staticmethod
+            def from_uri(uri):
+                if uri.startswith("s3://"):
+                    raise OSError("When resolving region for bucket 'mybucket': Could not resolve hostname")
+                return pafs.FileSystem.from_uri(uri)
+
+    monkeypatch.setattr(storage, "pafs", Offline())
+    code, text, err = _check(capsys, "s3://mybucket/runs/x", ONE_NODE, "--topology", "8")
+    assert code == 0, err
+    assert "not verified: run.output_dir='s3://mybucket/runs/x' could not be read here (When resolving region" in text
+    assert "output s3://mybucket/runs/x (object storage); from step 0" in _start_line(text)
+    assert "lease: not checked (run.output_dir could not be read here)" in text
+    assert "warning: train refuses" not in text
+    # A location pyarrow cannot parse at all is still refused, naming the key.
+    code, _, err = _check(capsys, "nosuchscheme://x/y", ONE_NODE, "--topology", "8")
+    assert code == 2 and err.startswith("error: run.output_dir='nosuchscheme://x/y': is not a location"), err

@@ -26,7 +26,7 @@ from raytrain_hybrid.launch.preflight import check_placement, predict_start
 from raytrain_hybrid.launch.reach import Reach, cluster_reach
 from raytrain_hybrid.launch.session import ensure_ray, ray_address, resolve_use_gpu
 from raytrain_hybrid.planner.hardware import Hardware
-from raytrain_hybrid.storage import Store, open_store
+from raytrain_hybrid.storage import Store, is_uri, open_store
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +149,7 @@ class StartPlan:
 
     def facts(self) -> dict:
         """The plan as data (`check --json`'s "start"); ``lines`` says the same."""
-        par, out = self.cfg.parallelism, open_store(self.cfg.run.output_dir)
+        par = self.cfg.parallelism
         added = self.reach.added if self.reach else {}
         return {
             **{axis: getattr(par, axis) for axis in ("dp", "cp", "tp", "pp", "ep")},
@@ -160,7 +160,7 @@ class StartPlan:
             "live_nodes": len(self.reach.live) if self.reach else None,
             "autoscaler_may_add": {name: n for name, (n, _) in added.items()},
             "steps": self.end,
-            "output": out.uri,
+            "output": output_uri(self.cfg),
             "output_store": output_where(self.cfg),
             "lease": self.lease,
             "resume": self.point.path,
@@ -186,10 +186,17 @@ class StartPlan:
         ]
 
 
+def output_uri(cfg: Config) -> str:
+    """run.output_dir as the start line says it: a URI as given, without opening it (`check` says
+    the plan of a bucket it cannot reach), a local path made absolute."""
+    loc = cfg.run.output_dir
+    return loc.rstrip("/") if is_uri(loc) and not loc.startswith("file://") else open_store(loc).uri
+
+
 def output_where(cfg: Config) -> str:
     """Where run.output_dir's bytes live, as the start line says it."""
-    out = open_store(cfg.run.output_dir)
-    if not out.local:
+    loc = cfg.run.output_dir
+    if is_uri(loc) and not loc.startswith("file://"):
         return "object storage"
     return "a shared mount" if cfg.run.shared_fs else "this node's disk"
 

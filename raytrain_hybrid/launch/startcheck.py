@@ -65,13 +65,21 @@ def check_plan(
     where `train` would refuse the resume or the output directory's checkpoints; what cannot be
     read here is appended to ``unverified``."""
     cfg = asked if is_elastic(asked.parallelism) else cfg  # an elastic run's workers pick at each start
-    store = open_store(cfg.run.output_dir)
+    store = None
     try:
+        store = open_store(cfg.run.output_dir)
         lease = lease_state(quick(store))
-    except OSError as exc:
+    except (OSError, ConfigError) as exc:
+        # Opening an s3:// URI without an endpoint asks AWS for the bucket's region: offline or
+        # without credentials that fails as an OSError, which check says instead of refusing.
+        if isinstance(exc, ConfigError) and not isinstance(exc.__cause__, OSError):
+            raise
+        reason = exc.__cause__ if isinstance(exc, ConfigError) else exc
+        uri = store.uri if store is not None else cfg.run.output_dir.rstrip("/")
         what = "its lease, its checkpoints and --resume are" if resume else "its lease and its checkpoints are"
-        unverified.append(f"run.output_dir={store.uri!r} could not be read here ({exc}); {what} not checked")
-        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, output_dir=store.uri))
+        unverified.append(f"run.output_dir={uri!r} could not be read here ({reason}); {what} not checked")
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, output_dir=uri))
+        store = None
         point, lease = ResumePoint(None, [], {}), "not checked (run.output_dir could not be read here)"
     else:
         cfg, point = prepare_run_dir(cfg, resume, allow_change, say, reader=quick)
@@ -81,7 +89,8 @@ def check_plan(
         cfg, point, reach, None, say, placement=placement, checked=False, lease=lease, unverified=unverified
     )
     try:  # the one check of the live nodes that reads nothing: said, not refused (--topology may be nodes to come)
-        _check_output_dir(cfg, reach.live, plan.resources)
+        if store is not None:  # an output it could not open is said above, as not verified
+            _check_output_dir(cfg, reach.live, plan.resources)
     except ConfigError as exc:
         say(f"warning: train refuses this on these nodes: {exc}")
     return plan
