@@ -170,12 +170,12 @@ def _check(args, cfg, unverified: list[str] | None = None) -> int:
     for note in unverified or ():  # what could not be read here (no network, no credentials)
         _say(args)(f"not verified: {note}")
     asked = cfg
-    cfg, counts = check_layout(cfg, args.topology, _say(args))  # layout=auto: the planner's pick, printed
+    cfg, counts, reach = check_layout(cfg, args.topology, _say(args))  # layout=auto: the planner's pick, printed
     par = cfg.parallelism
     report = placement_report(ParallelDims.from_config(par), counts)
     ranks, groups = report["ranks"], report["groups"]
     notes, said = [], []  # the driver's start plan, made as it would make it; refused where it would refuse
-    plan = check_plan(cfg, asked, args.topology, args.resume, args.allow_change, notes, said.append)
+    plan = check_plan(cfg, asked, args.topology, args.resume, args.allow_change, notes, said.append, reach)
     for note in notes:
         _say(args)(f"not verified: {note}")
     if args.json:

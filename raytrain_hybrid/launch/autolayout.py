@@ -147,17 +147,20 @@ def held_nodes(cfg: Config, held: list[int]) -> list[dict[str, float]]:
     return [{"CPU": c * cpus, **({"GPU": c} if gpu else {})} for c in held]
 
 
-def pick_for_check(cfg: Config, held: list[int] | None, say: Callable[[str], None]) -> tuple[Config, list[int]]:
+def pick_for_check(
+    cfg: Config, held: list[int] | None, say: Callable[[str], None], reach: Reach | None = None
+) -> tuple[Config, list[int]]:
     """`check` with layout=auto: the pick for nodes holding ``held`` workers each (a GPU each
-    unless cluster.use_gpu=false), or for the connected cluster's nodes (None); returns the
+    unless cluster.use_gpu=false), or for the connected cluster's nodes (None; ``reach``: as read
+    already); returns the
     config at the pick and the workers each node would get."""
     import ray
 
     if held is not None:
         gpu = cfg.cluster.use_gpu is not False
         reach = Reach([*held_nodes(cfg, held), {"CPU": 1}])  # and a head's CPU
-    elif ray.is_initialized():
-        reach = cluster_reach(True, cfg.cluster.accelerator_type)
+    elif reach is not None or ray.is_initialized():
+        reach = reach or cluster_reach(True, cfg.cluster.accelerator_type)
         gpu = use_gpu_for(cfg, reach.nodes)
     else:
         raise ConfigError(

@@ -33,22 +33,23 @@ from raytrain_hybrid.storage import Store, open_store
 _CONNECT_S, _REQUEST_S = 5.0, 20.0  # an object store out of reach answers nothing: give up soon
 
 
-def check_layout(cfg: Config, topology: list[int] | None, say=print) -> tuple[Config, list[int]]:
+def check_layout(cfg: Config, topology: list[int] | None, say=print) -> tuple[Config, list[int], Reach | None]:
     """`check`'s layout and workers per node: layout=auto's pick for ``topology``'s nodes or the
     named cluster's (said), else the configured layout on ``topology``, on the named cluster as a
     placement would put it (with the nodes its autoscaler may add), or on one node holding all."""
     if cfg.parallelism.layout == "auto":
+        reach = None
         if not topology and ray_address(cfg):
-            join_ray(ray_address(cfg))
-        return pick_for_check(cfg, topology, say)
+            reach = _reach(cfg, topology)  # read once: the pick and the start plan share it
+        return (*pick_for_check(cfg, topology, say, reach), reach)
     world = cfg.parallelism.world_size
     if not topology:
-        return cfg, live_workers_per_node(cfg, world, say)
+        return cfg, live_workers_per_node(cfg, world, say), None
     if sum(topology) != world:
         raise ConfigError(
             "--topology", ",".join(map(str, topology)), f"places {sum(topology)} workers; the layout needs {world}"
         )
-    return cfg, topology
+    return cfg, topology, None
 
 
 def check_plan(
@@ -59,9 +60,11 @@ def check_plan(
     allow_change: list[str],
     unverified: list[str],
     say=print,
+    reach: Reach | None = None,
 ) -> StartPlan:
     """The start plan of ``cfg`` (the config at the layout check shows; ``asked``: as given, which an
-    elastic run keeps) on ``topology``'s nodes, the named cluster's, or this machine's. ConfigError
+    elastic run keeps) on ``topology``'s nodes, the named cluster's (``reach``: as check_layout read
+    it), or this machine's. ConfigError
     where `train` would refuse the resume or the output directory's checkpoints; what cannot be
     read here is appended to ``unverified``."""
     cfg = asked if is_elastic(asked.parallelism) else cfg  # an elastic run's workers pick at each start
@@ -84,7 +87,7 @@ def check_plan(
     else:
         cfg, point = prepare_run_dir(cfg, resume, allow_change, say, reader=quick)
     placement = topology if topology else None
-    reach = _reach(cfg, topology)
+    reach = reach or _reach(cfg, topology)
     plan = derive_plan(
         cfg, point, reach, None, say, placement=placement, checked=False, lease=lease, unverified=unverified
     )
