@@ -1,0 +1,257 @@
+"""The oracle on a GPU: the engine's worker loop on one CUDA device (a world of one, NCCL for
+CUDA tensors and gloo for the probe's CPU ones) against tests/reference.py's single-process
+transformers loop on the CPU, fp32, in the same terms as tests/test_oracle.py: every loss, the
+global gradient norm, every parameter's gradient norm (1e-4 relative) and the final weights.
+
+    python benchmarks/gpu_oracle.py                 # -> benchmarks/results/gpu_oracle.json
+
+Also recorded: whether the engine's initial weights on the GPU equal those it builds on the CPU
+(the init rule is device-independent), and bf16 runs (autocast; MoE experts through
+``torch._grouped_mm`` on Hopper) against the fp32 reference's losses, which bf16 can only
+approach (a loose 3e-2 relative bound, reported with the largest difference seen).
+Without a GPU it exits with a message (the CPU oracle is tests/test_oracle.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+OUT = ROOT / "benchmarks" / "results" / "gpu_oracle.json"
+
+LM = ("train.steps=5", "model.num_layers=4", "train.global_batch_size=16", "model.seq_len=32", "data.path=memory")
+ONE = ("parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=1", "parallelism.microbatches=1")
+MOE = (
+    "train.steps=3",
+    "train.global_batch_size=8",
+    "data.path=memory",
+    "model.arch=qwen3-moe",
+    "model.num_layers=2",
+    "model.seq_len=16",
+    "model.hidden_size=64",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.head_dim=32",
+    "model.ffn_hidden_size=32",
+    "model.num_experts=4",
+    "model.experts_per_token=2",
+    "model.router_aux_loss_coef=0.1",
+)
+# name -> (overrides, reference kind)
+CASES = {
+    "llama-fp32": ([*LM, *ONE], "lm"),
+    "llama-fp32-accum-m4": ([*LM, *ONE[:3], "parallelism.microbatches=4"], "lm"),
+    "gpt2-fp32": ([*LM, *ONE, "model.arch=gpt2"], "lm"),
+    "llama-fp32-activation-checkpointing": ([*LM, *ONE, "parallelism.activation_checkpointing=true"], "lm"),
+    "llama-fp32-packed": (
+        [*LM, *ONE, "data.packing=true", "data.shuffle_buffer=0", "model.seq_len=128", "train.steps=3"],
+        "packed",
+    ),
+    "qwen3-moe-fp32": ([*MOE, *ONE], "moe"),
+    "llama-fp32-compiled": ([*LM, *ONE, "parallelism.compile=true"], "lm"),
+    "llama-bf16": ([*LM, *ONE, "train.dtype=bfloat16"], "lm-loss"),
+    "qwen3-moe-bf16": ([*MOE, *ONE, "train.dtype=bfloat16"], "moe-loss"),
+}
+RTOL = 1e-4
+BF16_RTOL = 3e-2
+
+
+def engine_run(overrides: list[str], device: torch.device) -> dict:
+    from gloo_harness import Probe
+
+    from raytrain_hybrid.config import load_config
+    from raytrain_hybrid.engine.trainer import Trainer
+    from raytrain_hybrid.engine.worker import run_worker
+
+    init = Trainer.__init__
+    probe = Probe()
+    probe.install()
+    try:
+        result = run_worker(load_config(None, overrides), "node0", use_gpu=device.type == "cuda", device=device)
+        result["probe"] = probe.report()
+    finally:
+        Trainer.__init__ = init
+    return result
+
+
+def reference(kind: str, overrides: list[str], initial: dict) -> list[dict]:
+    from raytrain_hybrid.config import load_config
+
+    cfg = load_config(None, overrides)
+    with torch.device("cpu"):
+        if kind.startswith("moe"):
+            from reference_moe import moe_reference_run
+
+            return moe_reference_run(cfg, initial=initial)
+        if kind == "packed":
+            from reference import _buffer_shuffle, corpus_tokens
+            from reference_packing import packed_reference_run, packed_steps, text_examples
+            from tokenizers import Tokenizer
+
+            from raytrain_hybrid.data.tokenizer import DEFAULT_TOKENIZER, EOT
+
+            eot = Tokenizer.from_file(str(DEFAULT_TOKENIZER)).token_to_id(EOT)
+            examples = text_examples(corpus_tokens(), eot, cfg.model.seq_len + 1)
+            return packed_reference_run(cfg, packed_steps(cfg, examples, _buffer_shuffle), initial)
+        from reference import reference_run
+
+        torch.manual_seed(0)
+        return reference_run(cfg, None, initial=initial)
+
+
+def _rel(got: float, want: float) -> float:
+    return abs(got - want) / max(abs(want), 1e-12)
+
+
+def compare(result: dict, ref: list[dict], loss_only: bool) -> dict:
+    """The largest relative differences, and the mismatches beyond the oracle's bounds."""
+    from test_oracle import oracle_mismatches
+
+    history, probe = result["history"], result["probe"]
+    out = {
+        "steps": len(history),
+        "losses": [h["loss"] for h in history],
+        "reference_losses": [r["loss"] for r in ref],
+        "max_rel_loss": max(_rel(h["loss"], r["loss"]) for h, r in zip(history, ref, strict=True)),
+        "max_rel_grad_norm": max(_rel(h["grad_norm"], r["grad_norm"]) for h, r in zip(history, ref, strict=True)),
+    }
+    if loss_only:
+        out["bound"] = BF16_RTOL
+        out["ok"] = out["max_rel_loss"] <= BF16_RTOL
+        return out
+    from test_oracle import _noise_only
+
+    noise = _noise_only(ref)  # zero gradients but for rounding: AdamW moves them by about lr a step
+    worst = 0.0
+    for norms, r in zip(probe["grad_norms"], ref, strict=True):
+        floor = 1e-8 * math.sqrt(sum(w * w for w in r["grad_norms"].values()))
+        worst = max([worst, *(_rel(norms[n], w) for n, w in r["grad_norms"].items() if max(norms[n], w) >= floor)])
+    out["max_rel_param_grad_norm"] = worst
+    final = {}
+    for n, w in ref[-1]["params"].items():
+        if n in noise:
+            continue
+        w = w.numpy()
+        final[n] = float(np.linalg.norm(probe["final"][n] - w) / max(np.linalg.norm(w), 1e-12))
+    out["max_rel_final_weight"] = max(final.values())
+    bad = oracle_mismatches(result, ref)
+    out["mismatches"] = bad[:20]
+    out["n_mismatches"] = len(bad)
+    out["bound"] = RTOL
+    out["ok"] = not bad
+    return out
+
+
+def cpu_initial(overrides: list[str]) -> dict:
+    """The engine's initial weights built on the CPU (gloo ranks forked here)."""
+    from gloo_harness import initial_state
+
+    from raytrain_hybrid.config import load_config
+
+    return initial_state(load_config(None, overrides))
+
+
+def run_case(name: str, overrides: list[str], kind: str, device: torch.device) -> dict:
+    t0 = time.perf_counter()
+    grouped = {"calls": 0}
+    real = getattr(torch, "_grouped_mm", None)
+    if real is not None:
+
+        def counting(*a, **k):
+            grouped["calls"] += 1
+            return real(*a, **k)
+
+        torch._grouped_mm = counting
+    try:
+        result = engine_run(overrides, device)
+    finally:
+        if real is not None:
+            torch._grouped_mm = real
+    initial = result["probe"]["initial"]
+    ref = reference(kind, [o for o in overrides if not o.startswith("train.dtype")], initial)
+    row = {"overrides": overrides, **compare(result, ref, loss_only=kind.endswith("loss"))}
+    cpu = cpu_initial(overrides)
+    row["initial_equals_cpu_build"] = sorted(cpu) == sorted(initial) and all(
+        np.array_equal(cpu[n], initial[n]) for n in cpu
+    )
+    row["grouped_mm_calls"] = grouped["calls"]
+    row["max_cuda_allocated_bytes"] = max((m.get("max_cuda_allocated_bytes") or 0) for m in result["memory"])
+    row["wall_s"] = round(time.perf_counter() - t0, 1)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {list(CASES)}")
+    parser.add_argument("--out", default=str(OUT))
+    parser.add_argument("--cpu", action="store_true", help="run the same cases on the CPU (a test of the script)")
+    args = parser.parse_args(argv)
+    if not (args.cpu or torch.cuda.is_available()):
+        print("gpu_oracle: no CUDA device here; the CPU oracle is tests/test_oracle.py", file=sys.stderr)
+        return 2
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29517"), LOCAL_RANK="0")
+    if args.cpu:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    else:
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+        dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1, device_id=device)
+    rows = run_cases([c for c in args.cases.split(",") if c], device, args.out)
+    dist.destroy_process_group()
+    return 0 if all(r.get("ok") for r in rows.values()) else 1
+
+
+def run_cases(names: list[str], device: torch.device, out: str) -> dict:
+    """The named cases in this process's group of one; the JSON rewritten after each."""
+    rows = {}
+    for name in names:
+        overrides, kind = CASES[name]
+        try:
+            rows[name] = run_case(name, list(overrides), kind, device)
+        except Exception as exc:  # noqa: BLE001 - one case's failure is recorded, the others still run
+            rows[name] = {
+                "overrides": list(overrides),
+                "ok": False,
+                "error": f"{exc!r}",
+                "trace": traceback.format_exc(),
+            }
+        print(name, json.dumps({k: v for k, v in rows[name].items() if k not in ("trace",)}), flush=True)
+        write(out, rows, device)
+    return rows
+
+
+def write(path: str, rows: dict, device: torch.device) -> None:
+    import transformers
+
+    out = {
+        "command": "cd <repo> && python " + " ".join(["benchmarks/gpu_oracle.py", *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "world": 1,
+        "rtol": RTOL,
+        "bf16_loss_rtol": BF16_RTOL,
+        "cases": rows,
+        "all_ok": all(r.get("ok") for r in rows.values()),
+    }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
