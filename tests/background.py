@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -29,18 +30,29 @@ _POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="background")
 _JOBS: dict[str, Future] = {}
 _CASES: dict[str, set[str] | None] = {}  # per job, the cases it runs (None: all)
 _STOPS: list[Callable[[], None]] = []  # what ends a job's processes early (a session cut short)
+_GATES: dict[str, threading.Event] = {}  # per job, open once it may start (see start's ``gated``)
+_ENDING = threading.Event()  # the session is ending: a job still held at its gate does not start
 _ROOT = Path(tempfile.mkdtemp(prefix="rt-background-"))
 
 
-def start(name: str, fn: Callable[..., object], after: str | None = None, cases: set[str] | None = None) -> None:
+def start(
+    name: str, fn: Callable[..., object], after: str | None = None, cases: set[str] | None = None, gated: bool = False
+) -> None:
     """Run ``fn(its own work dir, the environment now, cases)`` in the background, once ``after``'s
-    job (if started) has ended. The environment is taken now, before any test changes it; ``cases``
+    job (if started) has ended, and with ``gated`` once ``open_gate(name)`` is called too (by its
+    result, at the latest). The environment is taken now, before any test changes it; ``cases``
     are those the selected tests need (their ``needs`` marks), None for all."""
     env = dict(os.environ)
     before = _JOBS.get(after) if after else None
     _CASES[name] = cases
+    gate = _GATES[name] = threading.Event()
+    if not gated:
+        gate.set()
 
     def job():
+        gate.wait()
+        if _ENDING.is_set():
+            return None  # the session ended before the job was due: nothing started
         if before is not None:
             before.exception()  # wait; its own test reports its failure
         workdir = _ROOT / name
@@ -55,11 +67,18 @@ def cases(name: str) -> set[str] | None:
     return _CASES.get(name)
 
 
+def open_gate(name: str) -> None:
+    """Let the gated job ``name`` start (once ``after``'s has ended)."""
+    if name in _GATES:
+        _GATES[name].set()
+
+
 def result(name: str, fn: Callable[..., object]):
     """The background job's result (waiting for it), or ``fn`` run now when none was started
     (the module was not selected at collection, e.g. run by node id)."""
     if name not in _JOBS:
         start(name, fn)
+    open_gate(name)
     return _JOBS[name].result()
 
 
@@ -71,6 +90,9 @@ def on_stop(stop: Callable[[], None]) -> None:
 
 def finish() -> None:
     """At the session's end: end what still runs, wait for it, drop the work dirs."""
+    _ENDING.set()
+    for gate in _GATES.values():
+        gate.set()  # a job still held there returns at once
     if not all(job.done() for job in _JOBS.values()):
         for stop in _STOPS:
             stop()

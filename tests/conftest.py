@@ -106,6 +106,12 @@ BACKGROUND = {
     "test_topology_ray": "test_autoscaling_sim",
     "test_jobs_ray": "test_topology_ray",
 }
+# Background modules held back until the main thread reaches a module (when that module is
+# selected): the submitted jobs' head (~160 s of CPU, much of it drivers waiting) started with
+# the others kept both cores busy while the Ray tests ran first, and was over long before the
+# modules after test_cli_ray, where single-process tests (config, CLI usage, the docs' build,
+# the house checks) left one core idle for about two minutes of the run.
+HELD_UNTIL = {"test_jobs_ray": "test_cli_usage"}
 
 
 # Modules that leave a core idle run first, while the background clusters' work fills the CPU
@@ -140,7 +146,17 @@ def pytest_collection_finish(session):
     for name, after in BACKGROUND.items():
         if name in modules:
             selected = [item for item in session.items if getattr(item, "module", None) is modules[name]]
-            background.start(name, modules[name].background, after, needed_cases(selected))
+            gated = HELD_UNTIL.get(name) in modules
+            background.start(name, modules[name].background, after, needed_cases(selected), gated=gated)
+
+
+def pytest_runtest_setup(item):
+    import background
+
+    module = getattr(item.module, "__name__", "") if getattr(item, "module", None) else ""
+    for name, trigger in HELD_UNTIL.items():
+        if module == trigger:
+            background.open_gate(name)
 
 
 def needed_cases(items) -> set[str] | None:

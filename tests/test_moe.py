@@ -61,11 +61,15 @@ EP_LAYOUTS = {  # parallelism.ep = 2 and 4 with tp (SP), pp (activation checkpoi
     "ep2-dp2-pp2-zero2-ac": layout(2, 1, 2, "1F1B", 2, 2, "parallelism.ep=2", AC),
     "ep4-dp4-zero3": layout(4, 1, 1, "1F1B", 2, 3, "parallelism.ep=4"),
     # Every block compiled (inductor): the dispatch and the routers' bookkeeping run between graphs.
-    "ep2-dp4-zero0-compile": layout(4, 1, 1, "1F1B", 2, 0, "parallelism.ep=2", "parallelism.compile=true"),
+    # On two ranks of their own (COMPILED): each rank compiles cold, so four would cost twice the CPU.
+    "ep2-dp2-zero0-compile": layout(2, 1, 1, "1F1B", 2, 0, "parallelism.ep=2", "parallelism.compile=true"),
     "ep2-dp4-zero1": layout(4, 1, 1, "1F1B", 2, 1, "parallelism.ep=2"),
     # cp = 2: the cp ranks join the ranks holding the same experts (FSDP shards over dp/ep x cp).
     "ep2-dp2-cp2-zero3": layout(2, 1, 1, "1F1B", 2, 3, "parallelism.ep=2", "parallelism.cp=2"),
 }
+
+
+COMPILED = "ep2-dp2-zero0-compile"
 
 
 def _ep_job(name: str) -> list[str]:
@@ -74,12 +78,12 @@ def _ep_job(name: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """Every layout below in one launch of four gloo ranks; the first EP layout saves a
+    """Every layout below in one launch of four gloo ranks (the compiled one on two); the first EP layout saves a
     checkpoint that a run at ep = 4 resumes from, the ZeRO-1 one a checkpoint that a run at
     dp = 2, tp = 2 (ZeRO-1, ep = 2) resumes from."""
     out = tmp_path_factory.mktemp("moe-runs")
     jobs: dict = {name: [f"model.arch={name.split('/')[0]}", *TINY, *lay] for name, lay in DENSE_LAYOUTS.items()}
-    jobs |= {name: _ep_job(name) for name in EP_LAYOUTS}
+    jobs |= {name: _ep_job(name) for name in EP_LAYOUTS if name != COMPILED}
     jobs["ep2-dp2-tp2"] += ["checkpoint.interval=1", f"run.output_dir={out / 'saved'}"]
     # ZeRO-1 under ep saves its sliced AdamW state whole and loads it back into other slices.
     jobs["ep2-dp4-zero1"] += ["checkpoint.interval=1", f"run.output_dir={out / 'saved-zero1'}"]
@@ -106,7 +110,7 @@ def runs(tmp_path_factory) -> dict:
     }
     # Compiled blocks: one cold inductor cache for the launch, compiled in each rank's own process.
     env = {"TORCHINDUCTOR_CACHE_DIR": str(out / "inductor"), "TORCHINDUCTOR_COMPILE_THREADS": "1"}
-    return run_gloo_jobs(4, jobs, env=env)
+    return run_gloo_jobs(4, jobs) | run_gloo_jobs(2, {COMPILED: _ep_job(COMPILED)}, env=env)
 
 
 def test_moe_layouts_match_transformers(runs):
@@ -130,13 +134,13 @@ def test_expert_parallel_layouts_match_transformers(runs):
     assert_oracle(results["elastic-dp8-at-dp4"], reference, first=1)
     assert [h["dp"] for h in results["elastic-dp8-at-dp4"]["history"]] == [4]
     # Compiled: the first step compiles, the second none (its routing's new shapes stay outside the graphs).
-    compiled = results["ep2-dp4-zero0-compile"]["history"]
+    compiled = results[COMPILED]["history"]
     assert compiled[0]["compiles"] > 0 and [h["compiles"] for h in compiled[1:]] == [0], compiled
     # Under replication (ZeRO-0) each rank holds every weight but the experts, and 1/ep of those.
-    full = results["ep2-dp4-zero0-compile"]["probe"]["initial"]
+    full = results[COMPILED]["probe"]["initial"]
     experts = sum(v.size for n, v in full.items() if ".experts." in n)
     others = sum(v.size for n, v in full.items() if ".experts." not in n)
-    assert {m["param_bytes"] for m in results["ep2-dp4-zero0-compile"]["memory"]} == {4 * (others + experts // 2)}
+    assert {m["param_bytes"] for m in results[COMPILED]["memory"]} == {4 * (others + experts // 2)}
     # ZeRO-1: each rank keeps AdamW's two moments of 1/4 of the other weights and of 1/2 of its
     # 1/ep of the experts (plus one step counter per part).
     sliced = -(-others // 4) + -(-experts // 2 // 2)
@@ -145,7 +149,7 @@ def test_expert_parallel_layouts_match_transformers(runs):
     from raytrain_hybrid.planner.cost import predict
     from raytrain_hybrid.planner.hardware import load_hardware
 
-    for name in ("ep2-dp4-zero0-compile", "ep4-dp4-zero3", "ep2-dp2-tp2", "ep2-dp4-zero1"):
+    for name in (COMPILED, "ep4-dp4-zero3", "ep2-dp2-tp2", "ep2-dp4-zero1"):
         want = predict(load_config(None, jobs[name]), load_hardware("h100"))["memory_bytes"]
         for key, measured in (("params", "param_bytes"), ("grads", "grad_bytes"), ("optimizer", "optimizer_bytes")):
             got = max(m[measured] for m in results[name]["memory"])
