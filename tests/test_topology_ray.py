@@ -32,9 +32,11 @@ LOSS_STEPS = 6
 NODE_LOSS = (f"train.steps={LOSS_STEPS}", *COMMON[1:])
 
 
-# The elastic run (parallelism.min_dp): from the CLI on three nodes of two workers each, under
-# ZeRO-1 with two pipeline stages (1F1B), at dp=3 (12 rows a step in 6 micro-batches of 2 rows;
-# at dp=2 each replica's pipeline takes 3), down to dp=2 when a node is preempted
+# The elastic run (parallelism.min_dp): from the CLI on three nodes of one worker each (a replica
+# is one worker: 3 + 2 + 3 = 8 worker starts, at ~10 s of CPU each here; the resizes composed
+# with pp=2 and cp=2 are tests/test_elastic.py's, in gloo processes), under ZeRO-1, at dp=3 (12
+# rows a step: each replica accumulates 2 micro-batches of 2 rows; at dp=2, 3), down to dp=2
+# when a node is preempted
 # (drained with a 60 s notice: the save, which waits for the periodic one in flight, took up to
 # 8 s on the loopback S3 with the machine loaded, and once a 10 s notice was over before a step
 # heard it; once the save is complete the node is drained again 2 s ahead, so that the group,
@@ -47,8 +49,9 @@ ELASTIC_MODEL = (f"train.steps={ELASTIC_STEPS}", "model.num_layers=2", "model.se
                  "parallelism.pp=1", "parallelism.microbatches=2")  # fmt: skip
 
 
-# The elastic run's layout beyond plain dp (ELASTIC_MODEL's pp=1 is what the reference reads).
-PP2 = ("parallelism.pp=2", "parallelism.zero=1")
+# The elastic run's layout beyond plain dp (the reference reads ELASTIC_MODEL): the optimizer
+# state sharded over dp, so each resize reshards it.
+ZERO1 = ("parallelism.zero=1",)
 
 
 # The elastic run's model with parallelism.layout=auto (dp at most 3): `check` on three nodes of
@@ -77,15 +80,16 @@ def background(workdir: Path, env: dict, wanted: set[str] | None = None) -> dict
                           "run.output_dir=s3://topology/node-loss", "run.shared_fs=false"],
             "lose_node_after": "checkpoints/step_2",
         },
-        # Last: it replaces the nodes with three of two GPUs (one replica of two stages) each.
-        # run.max_failures=0: a preemption is not a failure. After it, on three nodes of one GPU,
-        # `check` with layout=auto (the session's cluster picks another layout: test_storage_ray.py)
-        # and the elastic auto run.
+        # Last: it replaces the nodes with three of one GPU (one replica) each.
+        # run.max_failures=0: a preemption is not a failure. After it, on three fresh nodes of one
+        # GPU, `check` with layout=auto (the session's cluster picks another layout:
+        # test_storage_ray.py) and the elastic auto run (on the nodes the elastic run left, that
+        # run once ended at its node loss with "actor ... is unavailable" instead of restarting).
         "elastic": {
-            "overrides": [*ELASTIC_MODEL, *PP2, "checkpoint.interval=2", "run.max_failures=0",
+            "overrides": [*ELASTIC_MODEL, *ZERO1, "checkpoint.interval=2", "run.max_failures=0",
                           "run.output_dir=s3://topology/elastic"],
-            "nodes": [2, 2, 2], "drain_after": "checkpoints/step_2", "deadline_s": 60, "sooner_s": 2, "max_dp": 3,
-            "add_gpus": 2, "auto_nodes": [1, 1, 1],
+            "nodes": [1, 1, 1], "drain_after": "checkpoints/step_2", "deadline_s": 60, "sooner_s": 2, "max_dp": 3,
+            "add_gpus": 1, "auto_nodes": [1, 1, 1],
             "check": AUTO, "auto": {"overrides": AUTO_ELASTIC, "lose_node_after": "checkpoints/step_10"},
             "env": {"RAYTRAIN_HYBRID_RESIZE_CHECK_S": "1", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "1",
                     "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5"},
@@ -195,13 +199,14 @@ def test_after_a_node_loss_each_node_read_the_checkpoint_from_storage_leaving_it
 @pytest.mark.needs("elastic")
 def test_an_elastic_run_follows_the_nodes_and_trains_the_oracle_model(two_nodes):
     """`raytrain-hybrid train --set parallelism.dp=3 --set parallelism.min_dp=1 --set
-    parallelism.pp=2 ...` on three nodes of two GPUs: a node drained for preemption after step_2
-    -> the run saves at the notice, and at the deadline goes on at dp=2 (4 workers) from the
+    parallelism.zero=1 ...` on three nodes of one GPU: a node drained for preemption after step_2
+    -> the run saves at the notice, and at the deadline goes on at dp=2 (2 workers) from the
     newest checkpoint (that save or a later one); a node added once dp=2 saved one -> back to
-    dp=3 (6 workers), under ZeRO-1 (the optimizer state sharded over dp, resharded at each
-    resize) with two pipeline stages (each replica's micro-batches 2, then 3, then 2). Every
-    step's loss and gradient norm are the single-process run's, whatever dp computed it. With
-    run.max_failures=0: the preemption counted apart from failures."""
+    dp=3 (3 workers), under ZeRO-1 (the optimizer state sharded over dp, resharded at each
+    resize; each replica's micro-batches 2, then 3, then 2). Every step's loss and gradient norm
+    are the single-process run's, whatever dp computed it. With run.max_failures=0: the
+    preemption counted apart from failures. (One worker a replica keeps this to 8 worker starts;
+    the resizes composed with pp=2 and cp=2: tests/test_elastic.py.)"""
     result = two_nodes["elastic"]
     assert result["returncode"] == 0, result["stderr"] + result["stdout"][-3000:]
     assert result.get("removed") and result.get("added"), {k: v for k, v in result.items() if k != "stdout"}
@@ -215,8 +220,9 @@ def test_an_elastic_run_follows_the_nodes_and_trains_the_oracle_model(two_nodes)
         # within 3e-7.
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-3), f"grad_norm at step {want['step']}"
     starts = summary["elastic"]["starts"]
-    assert [(s["dp"], s["tp"], s["pp"]) for s in starts] == [(3, 1, 2), (2, 1, 2), (3, 1, 2)], starts
-    assert len(summary["per_rank"]) == 6 and {r["pp"] for r in summary["per_rank"]} == {0, 1}  # the last group
+    assert [(s["dp"], s["tp"], s["pp"]) for s in starts] == [(3, 1, 1), (2, 1, 1), (3, 1, 1)], starts
+    last = summary["per_rank"]  # the last group: one worker on each of the three nodes
+    assert len(last) == 3 and {r["pp"] for r in last} == {0} and len({r["node"] for r in last}) == 3, last
     assert starts[1]["step"] >= 2 and starts[2]["step"] > starts[1]["step"], starts  # each from a checkpoint
     dps = [h["dp"] for h in history]
     assert dps[: starts[1]["step"]] == [3] * starts[1]["step"] and dps[-1] == 3 and 2 in dps, dps
