@@ -31,6 +31,10 @@ from raytrain_hybrid.launch.start import ResumePoint, StartPlan, derive_plan, pr
 from raytrain_hybrid.storage import Store, open_store
 
 _CONNECT_S, _REQUEST_S = 5.0, 20.0  # an object store out of reach answers nothing: give up soon
+# GCS's client bounds its retries by time; offline its credential look-up (the metadata server's
+# name not resolving) retried for 9-12 s under a 5 s limit, about 1 s under this one. A reachable
+# bucket answers its first try: the limit stops retries, not a request in flight.
+_GCS_RETRY_S = 1.0
 
 
 def check_layout(cfg: Config, topology: list[int] | None, say=print) -> tuple[Config, list[int], Reach | None]:
@@ -158,7 +162,7 @@ def quick(store: Store) -> Store:
             )
         elif isinstance(fs, pafs.GcsFileSystem):
             rebuild, (kwargs,) = fs.__reduce__()
-            fs = rebuild({**kwargs, "retry_time_limit": datetime.timedelta(seconds=_CONNECT_S)})
+            fs = rebuild({**kwargs, "retry_time_limit": datetime.timedelta(seconds=_GCS_RETRY_S)})
     except (TypeError, ValueError, KeyError):  # another pyarrow's pickling: its own retries, then
         return store
     return dataclasses.replace(store, fs=fs)
