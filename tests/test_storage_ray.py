@@ -34,10 +34,12 @@ COMMON = [
     "checkpoint.interval=2",
     "run.progress=false",
 ]
-FIRST = ["parallelism.dp=2", "parallelism.tp=1", "parallelism.pp=2", "parallelism.microbatches=2"]
+# Two workers (a Ray Train worker's start is ~10 s of the suite's CPU): one replica of two stages.
+FIRST = ["parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=2", "parallelism.microbatches=2"]
 # The resume: parallelism.layout=auto with dp at most 2, on the session's cluster (one node of 16
 # logical CPUs, one worker each): the planner's CPU profile (this machine's cores shared by the
-# ranks) picks two replicas of one rank, not the first run's (2,1,2).
+# ranks) picks two replicas of one rank, not the first run's (1,1,2): the checkpoint resharded from
+# two pipeline stages to two data-parallel replicas, and Ray Data's read split in two.
 OTHER = ["parallelism.layout=auto", "parallelism.dp=2"]
 
 
@@ -168,8 +170,9 @@ def test_no_credential_reaches_the_bucket(s3, first_run):
 
 
 def test_resume_from_the_bucket_under_another_layout_continues_the_losses(s3, first_run, tmp_path):
-    """Half the workers, at the layout the planner picks for the cluster (another placement group,
-    so Ray Data cuts the read into other blocks): the same documents, the same losses. The run
+    """Another layout, the one the planner picks for the cluster (two replicas where the first run
+    had one of two stages; another placement group, so Ray Data cuts the read into other blocks):
+    the same documents, the same losses. The run
     prints its pick and the runner-up; summary.json has the layout it ran."""
     _, fs = s3
     _, _, objects = first_run
