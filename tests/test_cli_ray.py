@@ -72,7 +72,7 @@ TRACKED = ["run.tracking=mlflow", "checkpoint.interval=3"]
 @pytest.fixture(scope="module")
 def raw_text_runs(ray_local, raw_text_dir, multimodal_run, tmp_path_factory):
     """The 2x2x1 run (5 of the session's 16 CPUs; the multimodal run of the last test, started
-    first, takes 5 more), and the reference meanwhile: much of a run's start-up is waiting,
+    first, takes 3 more), and the reference meanwhile: much of a run's start-up is waiting,
     which the others fill. -> (directory, reference, {name: (proc, out, err)})"""
     tmp_path = tmp_path_factory.mktemp("raw_text_runs")
     mlflow_env = {
@@ -213,7 +213,10 @@ def multimodal_run(ray_local, labelled_rows, tmp_path_factory):
     train, val = labelled_rows
     out = tmp_path_factory.mktemp("multimodal") / "run"
     sets = [*MULTIMODAL, f"data.path={train}", f"data.val_path={val}", f"run.output_dir={out}"]
-    sets += ["parallelism.dp=2", "parallelism.tp=1", "parallelism.pp=2", "parallelism.microbatches=2"]
+    # Two replicas of one worker each: Ray Data's rows split over dp, each replica's validation rows
+    # too (a Ray Train worker's start is ~10 s of the suite's CPU; the classifier's pipeline splits,
+    # with validation, are tests/test_multimodal.py's).
+    sets += ["parallelism.dp=2", "parallelism.tp=1", "parallelism.pp=1", "parallelism.microbatches=2"]
     sets.append(f"cluster.address={ray_local.get_runtime_context().gcs_address}")
     exe = Path(sys.executable).parent / "raytrain-hybrid"
     argv = [str(exe), "train", *[a for s in sets for a in ("--set", s)]]
