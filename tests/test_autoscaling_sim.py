@@ -315,12 +315,14 @@ CASES = {
 NOWHERE = "B200"
 
 
-# The autoscaler's reach: a head that holds no worker, whose autoscaler may add two nodes of two
-# (fake) GPUs. `check` and `train` with parallelism.layout=auto and dp at most 2 pick for both
-# nodes, priced on a profile where the tiny model's compute dominates (on H100's it is all latency
-# and one GPU wins), so that the most GPUs win; the run asks for its 4 workers, the autoscaler adds
-# the nodes. No cluster.use_gpu: the GPUs to come decide it.
-REACH_TYPES = {"gpu_2x": {"CPU": 2, "GPU": 2}}
+# The autoscaler's reach: a head that holds no worker, whose autoscaler may add two nodes of one
+# (fake) GPU. `check` and `train` with parallelism.layout=auto and dp at most 2 pick for both
+# nodes (dp=2 across them), priced on a profile where the tiny model's compute dominates (on H100's
+# it is all latency and one GPU wins), so that the most GPUs win; the run asks for its 2 workers,
+# the autoscaler adds the nodes. No cluster.use_gpu: the GPUs to come decide it. One GPU a node
+# (two workers, not the four of two two-GPU nodes: a worker's start is ~10 s of CPU on the suite's
+# two cores) still needs both added nodes, so the pick can only come from the autoscaler's reach.
+REACH_TYPES = {"gpu_1x": {"CPU": 1, "GPU": 1}}
 REACH = (*(o for o in TINY if not o.startswith(("parallelism.dp=", "train.steps="))),
          "parallelism.dp=2", "train.steps=3", "parallelism.layout=auto")  # fmt: skip
 SLOW_GPU = ROOT / "tests" / "assets" / "slow-gpu.json"
@@ -449,9 +451,10 @@ def test_a_demand_no_node_type_declares_starts_no_node_and_its_job_fails_fast(si
 @pytest.mark.slow
 def test_layout_auto_picks_for_the_nodes_the_autoscaler_may_add_and_trains_the_oracle_model(simulated):
     """`check` and `train` with parallelism.layout=auto, submitted to a head whose autoscaler may add
-    two nodes of two GPUs (its config where `ray up` puts it): the pick is for both nodes (dp=2 tp=2),
-    said with the nodes it waits for and what the live nodes alone would take (none: the head holds no
-    worker); the autoscaler adds them and every step's loss is the single-process run's."""
+    two nodes of one GPU (its config where `ray up` puts it): the pick is for both nodes (dp=2, one
+    worker a node), said with the nodes it waits for and what the live nodes alone would take (none:
+    the head holds no worker); the autoscaler adds them and every step's loss is the single-process
+    run's."""
     from conftest import reference_history
 
     reach = simulated["reach"]
@@ -459,18 +462,18 @@ def test_layout_auto_picks_for_the_nodes_the_autoscaler_may_add_and_trains_the_o
     assert check.returncode == 0, check.stdout[-3000:] + check.stderr[-2000:]
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     may = (
-        "layout auto: the autoscaler may add 2 x gpu_2x {'CPU': 2.0, 'GPU': 2.0} (max_workers in "
+        "layout auto: the autoscaler may add 2 x gpu_1x {'CPU': 1.0, 'GPU': 1.0} (max_workers in "
         "~/ray_bootstrap_config.yaml): picking for the most the cluster may reach"
     )
     for out in (check.stdout, done.stdout):
         assert may in out, out[-3000:]
-        assert "layout auto: dp=2 tp=2 pp=1 " in out and "on nodes holding [2, 2] workers (slow GPU)" in out, out
+        assert "layout auto: dp=2 tp=1 pp=1 " in out and "on nodes holding [1, 1] workers (slow GPU)" in out, out
         assert "layout auto: runner-up " in out and "the live nodes alone hold no layout yet" in out, out
-    assert "layout ok: dp=2 tp=2 pp=1 on 2 node(s) [2, 2]" in check.stdout, check.stdout[-3000:]
-    assert re.search(r"waiting for nodes: the autoscaler is adding [12] x gpu_2x", done.stdout), done.stdout[-3000:]
-    assert [node_type_of(n, REACH_TYPES) for n in reach["nodes"]] == ["gpu_2x", "gpu_2x"], reach["nodes"]
+    assert "layout ok: dp=2 tp=1 pp=1 on 2 node(s) [1, 1]" in check.stdout, check.stdout[-3000:]
+    assert re.search(r"waiting for nodes: the autoscaler is adding [12] x gpu_1x", done.stdout), done.stdout[-3000:]
+    assert [node_type_of(n, REACH_TYPES) for n in reach["nodes"]] == ["gpu_1x", "gpu_1x"], reach["nodes"]
     layout = reach["summary"]["layout"]
-    assert (layout["dp"], layout["tp"], layout["pp"]) == (2, 2, 1), layout
+    assert (layout["dp"], layout["tp"], layout["pp"]) == (2, 1, 1), layout
     history = reach["history"]
     assert [h["step"] for h in history] == [0, 1, 2], history
     for got, want in zip(history, reference_history(REACH), strict=True):
