@@ -131,12 +131,12 @@ def compare(result: dict, ref: list[dict], loss_only: bool) -> dict:
         out["bound"] = BF16_RTOL
         out["ok"] = out["max_rel_loss"] <= BF16_RTOL
         return out
-    from test_oracle import _noise_only
+    from test_oracle import NOISE, _noise_only
 
     noise = _noise_only(ref)  # zero gradients but for rounding: AdamW moves them by about lr a step
     worst = 0.0
     for norms, r in zip(probe["grad_norms"], ref, strict=True):
-        floor = 1e-8 * math.sqrt(sum(w * w for w in r["grad_norms"].values()))
+        floor = NOISE * math.sqrt(sum(w * w for w in r["grad_norms"].values()))
         worst = max([worst, *(_rel(norms[n], w) for n, w in r["grad_norms"].items() if max(norms[n], w) >= floor)])
     out["max_rel_param_grad_norm"] = worst
     final = {}
@@ -163,7 +163,7 @@ def cpu_initial(overrides: list[str]) -> dict:
     return initial_state(load_config(None, overrides))
 
 
-def run_case(name: str, overrides: list[str], kind: str, device: torch.device) -> dict:
+def run_case(overrides: list[str], kind: str, device: torch.device) -> dict:
     t0 = time.perf_counter()
     grouped = {"calls": 0}
     real = getattr(torch, "_grouped_mm", None)
@@ -220,7 +220,7 @@ def run_cases(names: list[str], device: torch.device, out: str) -> dict:
     for name in names:
         overrides, kind = CASES[name]
         try:
-            rows[name] = run_case(name, list(overrides), kind, device)
+            rows[name] = run_case(list(overrides), kind, device)
         except Exception as exc:  # noqa: BLE001 - one case's failure is recorded, the others still run
             rows[name] = {
                 "overrides": list(overrides),
