@@ -27,8 +27,9 @@ COMMON = (f"train.steps={STEPS}", "model.num_layers=4", "train.global_batch_size
 # The gloo cases at seq_len 32 (divisible by tp=4, sequence parallelism): a quarter of the tokens.
 SHORT = (*COMMON, "model.seq_len=32")
 # Here the engine runs as plain gloo processes on the corpus in memory. Through Ray Train on
-# Ray Data input the same oracle holds in tests/test_cli_ray.py ((1,1,1) and (2,2,2) from the
-# CLI, raw text) and tests/test_recovery_ray.py ((2,1,2), losing a worker on the way).
+# Ray Data input the same losses hold in tests/test_cli_ray.py ((2,1,1) from the CLI, raw
+# text), tests/test_storage_ray.py ((1,1,2) from S3), tests/test_jobs_ray.py ((1,2,2), a
+# resubmitted job) and tests/test_recovery_ray.py ((2,1,1), losing a worker on the way).
 MEMORY = ("data.path=memory",)
 RTOL = 1e-4
 # A gradient norm below this fraction of the global one is rounding noise (in fp32 the smallest
