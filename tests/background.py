@@ -31,6 +31,7 @@ _JOBS: dict[str, Future] = {}
 _CASES: dict[str, set[str] | None] = {}  # per job, the cases it runs (None: all)
 _STOPS: list[Callable[[], None]] = []  # what ends a job's processes early (a session cut short)
 _GATES: dict[str, threading.Event] = {}  # per job, open once it may start (see start's ``gated``)
+_AFTER: dict[str, Future] = {}  # per job, the job it waits for (start's ``after``)
 _ENDING = threading.Event()  # the session is ending: a job still held at its gate does not start
 _ROOT = Path(tempfile.mkdtemp(prefix="rt-background-"))
 
@@ -44,6 +45,8 @@ def start(
     are those the selected tests need (their ``needs`` marks), None for all."""
     env = dict(os.environ)
     before = _JOBS.get(after) if after else None
+    if before is not None:
+        _AFTER[name] = before
     _CASES[name] = cases
     gate = _GATES[name] = threading.Event()
     if not gated:
@@ -60,6 +63,32 @@ def start(
         return fn(workdir, env, cases)
 
     _JOBS[name] = _POOL.submit(job)
+
+
+def open_when_idle(name: str, share: float = 0.25, every: float = 3.0) -> None:
+    """Open the gated job ``name``'s gate also when the job it waits for has ended and the
+    machine's CPU was at least ``share`` idle over each of two looks ``every`` seconds apart: the
+    tests then wait on something (Ray's start-ups, a restart) and the job fills the cores they
+    leave. A fixed trigger module alone opened it minutes after the other clusters were done,
+    and fresh-clone runs showed 25-45 % idle for tens of seconds in between."""
+    gate, before = _GATES[name], _AFTER.get(name)
+
+    def idle_share() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:8]]
+        return fields[3] + fields[4], sum(fields)  # idle + iowait, all
+
+    def watch() -> None:
+        last, idle_looks = idle_share(), 0
+        while not gate.wait(every) and not _ENDING.is_set():
+            now = idle_share()
+            total = now[1] - last[1]
+            idle_looks = idle_looks + 1 if total and (now[0] - last[0]) / total >= share else 0
+            last = now
+            if idle_looks >= 2 and (before is None or before.done()):
+                gate.set()
+
+    threading.Thread(target=watch, name=f"gate-{name}", daemon=True).start()
 
 
 def cases(name: str) -> set[str] | None:

@@ -110,7 +110,8 @@ BACKGROUND = {
 # selected): the submitted jobs' head (~160 s of CPU, much of it drivers waiting) started with
 # the others kept both cores busy while the Ray tests ran first, and was over long before the
 # modules after test_cli_ray, where single-process tests (config, CLI usage, the docs' build,
-# the house checks) left one core idle for about two minutes of the run.
+# the house checks) left one core idle for about two minutes of the run. It also starts as soon
+# as the machine idles once the cluster before it is done (background.open_when_idle).
 HELD_UNTIL = {"test_jobs_ray": "test_cli_usage"}
 
 
@@ -148,6 +149,8 @@ def pytest_collection_finish(session):
             selected = [item for item in session.items if getattr(item, "module", None) is modules[name]]
             gated = HELD_UNTIL.get(name) in modules
             background.start(name, modules[name].background, after, needed_cases(selected), gated=gated)
+            if gated:
+                background.open_when_idle(name)
 
 
 def pytest_runtest_setup(item):
