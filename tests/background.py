@@ -31,7 +31,6 @@ _JOBS: dict[str, Future] = {}
 _CASES: dict[str, set[str] | None] = {}  # per job, the cases it runs (None: all)
 _STOPS: list[Callable[[], None]] = []  # what ends a job's processes early (a session cut short)
 _GATES: dict[str, threading.Event] = {}  # per job, open once it may start (see start's ``gated``)
-_AFTER: dict[str, Future] = {}  # per job, the job it waits for (start's ``after``)
 _ENDING = threading.Event()  # the session is ending: a job still held at its gate does not start
 _ROOT = Path(tempfile.mkdtemp(prefix="rt-background-"))
 
@@ -41,15 +40,16 @@ def start(
 ) -> None:
     """Run ``fn(its own work dir, the environment now, cases)`` in the background, once ``after``'s
     job (if started) has ended, and with ``gated`` once ``open_gate(name)`` is called too (by its
-    result, at the latest). The environment is taken now, before any test changes it; ``cases``
-    are those the selected tests need (their ``needs`` marks), None for all."""
+    result, at the latest) or the machine idles (_open_when_idle). The environment is taken now,
+    before any test changes it; ``cases`` are those the selected tests need (their ``needs``
+    marks), None for all."""
     env = dict(os.environ)
     before = _JOBS.get(after) if after else None
-    if before is not None:
-        _AFTER[name] = before
     _CASES[name] = cases
     gate = _GATES[name] = threading.Event()
-    if not gated:
+    if gated:
+        _open_when_idle(gate, before)
+    else:
         gate.set()
 
     def job():
@@ -65,13 +65,12 @@ def start(
     _JOBS[name] = _POOL.submit(job)
 
 
-def open_when_idle(name: str, share: float = 0.25, every: float = 3.0) -> None:
-    """Open the gated job ``name``'s gate also when the job it waits for has ended and the
+def _open_when_idle(gate: threading.Event, before: Future | None, share: float = 0.25, every: float = 3.0) -> None:
+    """Open a held job's ``gate`` also when the job it waits for (``before``) has ended and the
     machine's CPU was at least ``share`` idle over each of two looks ``every`` seconds apart: the
     tests then wait on something (Ray's start-ups, a restart) and the job fills the cores they
     leave. A fixed trigger module alone opened it minutes after the other clusters were done,
     and fresh-clone runs showed 25-45 % idle for tens of seconds in between."""
-    gate, before = _GATES[name], _AFTER.get(name)
 
     def idle_share() -> tuple[int, int]:
         with open("/proc/stat") as f:
@@ -88,7 +87,7 @@ def open_when_idle(name: str, share: float = 0.25, every: float = 3.0) -> None:
             if idle_looks >= 2 and (before is None or before.done()):
                 gate.set()
 
-    threading.Thread(target=watch, name=f"gate-{name}", daemon=True).start()
+    threading.Thread(target=watch, name="gate-watch", daemon=True).start()
 
 
 def cases(name: str) -> set[str] | None:

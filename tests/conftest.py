@@ -111,7 +111,7 @@ BACKGROUND = {
 # the others kept both cores busy while the Ray tests ran first, and was over long before the
 # modules after test_cli_ray, where single-process tests (config, CLI usage, the docs' build,
 # the house checks) left one core idle for about two minutes of the run. It also starts as soon
-# as the machine idles once the cluster before it is done (background.open_when_idle).
+# as the machine idles once the cluster before it is done (tests/background.py).
 HELD_UNTIL = {"test_jobs_ray": "test_cli_usage"}
 
 
@@ -154,8 +154,6 @@ def pytest_collection_finish(session):
             selected = [item for item in session.items if getattr(item, "module", None) is modules[name]]
             gated = HELD_UNTIL.get(name) in modules
             background.start(name, modules[name].background, after, needed_cases(selected), gated=gated)
-            if gated:
-                background.open_when_idle(name)
 
 
 def pytest_runtest_setup(item):
