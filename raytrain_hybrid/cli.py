@@ -233,9 +233,12 @@ def _train(cfg, resume: str | None = None, verbose: bool = False, allow_change: 
         with quiet_driver(log, quiet=not verbose, keep=lambda: not refused) as (out, err, live_log):
             try:
                 summary = run(cfg, resume=resume, stream=out, driver_log=live_log, allow_change=allow_change)
-            except (ConfigError, LayoutError):
+            except (ConfigError, LayoutError) as exc:
                 refused.append(True)  # its log is not this directory's (it may be another run's)
-                raise
+                # Said now, before Ray is torn down: whatever happens in that teardown (a driver
+                # killed on its way out, a shutdown that hangs), the refusal has reached the user.
+                print(f"error: {exc}", file=err, flush=True)
+                return 2
             except Exception as exc:  # a worker failed: Ray's error carries its traceback
                 print(f"error: training failed: {exc}", file=err)
                 if not verbose:

@@ -170,3 +170,58 @@ def test_autoscaler_v2_cluster_status():
     empty = pb.GetClusterStatusReply()
     empty.cluster_resource_state.node_states.add(ray_node_type_name=f"node_{'a' * 56}")
     assert from_v2(empty.SerializeToString(), NODES) == FIXED
+
+
+# A refusal that comes after Ray has started (the autoscaler's verdict is one) reaches the terminal
+# before Ray is torn down, and exactly once.
+KILLED_IN_TEARDOWN = """
+import os, signal, sys
+import ray
+from raytrain_hybrid import cli
+from raytrain_hybrid.launch import autoscale, driver
+
+def run(cfg, **kw):
+    ray.is_initialized = lambda: True  # as after the driver joined its cluster
+    raise autoscale.InfeasibleDemand("cluster.accelerator_type", "B200", "no node type holds one worker")
+
+driver.run = run
+ray.is_initialized = lambda: False
+ray.shutdown = lambda: os.kill(os.getpid(), signal.SIGKILL)  # a driver killed on its way out
+sys.exit(cli.main(["train", "--set", "data.path=memory", "--set", "run.output_dir=" + sys.argv[1]]))
+"""
+
+
+def test_a_refusal_after_ray_started_is_said_before_ray_is_torn_down(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", KILLED_IN_TEARDOWN, str(tmp_path / "run")], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == -signal.SIGKILL, (done.returncode, done.stderr[-2000:])
+    said = "error: cluster.accelerator_type='B200': no node type holds one worker"
+    assert said in done.stderr, done.stderr[-2000:]
+
+
+def test_a_refusal_after_ray_started_is_said_once_and_exits_2(tmp_path, monkeypatch, capsys):
+    import ray
+
+    from raytrain_hybrid import cli
+    from raytrain_hybrid.launch import driver
+
+    torn_down = []
+
+    def run(cfg, **kw):
+        monkeypatch.setattr(ray, "is_initialized", lambda: True)
+        raise InfeasibleDemand("cluster.accelerator_type", "B200", "no node type holds one worker")
+
+    monkeypatch.setattr(driver, "run", run)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "shutdown", lambda: torn_down.append(capsys.readouterr().err))
+    out = tmp_path / "run"
+    assert cli.main(["train", "--set", "data.path=memory", "--set", f"run.output_dir={out}"]) == 2
+    (before_teardown,) = torn_down
+    assert before_teardown.count("error: cluster.accelerator_type='B200': no node type holds one worker") == 1
+    assert "error:" not in capsys.readouterr().err  # not said again after the teardown
+    assert not (out / "driver.log").exists()  # a refused run leaves the directory as it was

@@ -57,22 +57,32 @@ def quiet_driver(log_path: Path, *, quiet: bool = True, keep=lambda: True):
     log = os.fdopen(fd, "a", buffering=1)
     terminal_out = sys.stdout
     saved_fd = os.dup(2)
-    terminal_err = os.fdopen(os.dup(2), "w", buffering=1)
+    # A sys.stderr that is not file descriptor 2 (pytest's capture, a notebook's stream) is not
+    # moved by the dup2 below: it stays the place for our messages.
+    terminal_err = os.fdopen(os.dup(2), "w", buffering=1) if _is_fd2(sys.stderr) else None
     os.dup2(log.fileno(), 2)
     sys.stdout = log
     try:
-        yield terminal_out, terminal_err, Path(tmp)
+        yield terminal_out, terminal_err or sys.stderr, Path(tmp)
     finally:
         sys.stdout = terminal_out
         sys.stderr.flush()
         os.dup2(saved_fd, 2)
         os.close(saved_fd)
-        terminal_err.close()
+        if terminal_err is not None:
+            terminal_err.close()
         log.close()
         if log_path.parent.is_dir() and keep():
             shutil.move(tmp, log_path)
         else:
             os.unlink(tmp)
+
+
+def _is_fd2(stream) -> bool:
+    try:
+        return stream.fileno() == 2
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both of the last two
+        return False
 
 
 def _status(m: dict) -> str:
