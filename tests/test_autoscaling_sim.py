@@ -1,7 +1,7 @@
 """The cluster configs schedule the GPU jobs: Ray's own autoscaler, on its `fake_multinode` node
 provider, starts fake nodes with exactly the resources each config's worker node types declare
-(GPUs faked), and the job documented for that config, submitted as a user submits it, reaches its
-first step on a node of the right type. A demand no node type declares starts nothing, and its
+(GPUs faked), and the job documented for that config, submitted to Ray's job server (its REST API,
+which `ray job submit` calls), reaches its first step on a node of the right type. A demand no node type declares starts nothing, and its
 job, which has no start-up timeout, fails as soon as the autoscaler calls it infeasible, saying so."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import json
 import os
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -130,7 +131,8 @@ class FakeCluster:
         self.name = name
         self.tmp = Path(tempfile.mkdtemp(prefix="rs"))  # short: Ray's socket paths live under it
         token = self.tmp / "token"
-        token.write_text(secrets.token_hex(32))
+        self.token = secrets.token_hex(32)
+        token.write_text(self.token)
         self.env = {
             **env,
             "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
@@ -188,30 +190,34 @@ class FakeCluster:
             cmd, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
         )
 
-    def ray(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-        """A `ray` command against this head. The default bound is for every query too: a `ray
-        status` (a Python start and Ray's import first) once took over 120 s with the machine at
-        load 150; a head that answers does so in seconds when the machine is not that busy."""
-        return subprocess.run(
-            [str(BIN / "ray"), *args], cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout
+    def api(self, path: str, body: dict | None = None, timeout: float = 300):
+        """The head's dashboard over HTTP with its token: what `ray job`, `ray list` and `ray status`
+        ask it, from this process. Each of those commands costs a Python start and Ray's import
+        (~2.5 s of CPU, over a minute once at load 150), and this module made about 25 of them."""
+        request = urllib.request.Request(
+            f"{self.address}{path}",
+            data=None if body is None else json.dumps(body).encode(),
+            headers={"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"},
         )
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            return json.loads(reply.read())
 
     def wait_ready(self, deadline_s: float = 600) -> None:
-        """Until the head takes a job. Its dashboard is polled over HTTP first: a `ray job submit`
-        probe costs a Python start and Ray's import (~1.5 s of CPU) and fails at once until then.
-        The dashboard answers before the head's job agent has registered; until it has, a
-        submission fails after waiting 10 s for it ("No available agent to submit job, please try
-        again later"). One head alone took 54 s to take a job with the machine at load 60-170;
-        here four start at once beside the suite, so the bound is 600 s (it was 180 s), and a head
-        that exits ends the wait at once."""
+        """Until the head takes a job. Its dashboard answers before the head's job agent has
+        registered; until it has, a submission fails after waiting 10 s for it ("No available
+        agent to submit job, please try again later"). One head alone took 54 s to take a job with
+        the machine at load 60-170; here four start at once beside the suite, so the bound is
+        600 s, and a head that exits ends the wait at once."""
         deadline = time.time() + deadline_s
         while self.head.poll() is None and time.time() < deadline and not _answers(f"{self.address}/api/version"):
             time.sleep(0.5)
         while True:
             try:  # the probe's job (a supervisor actor, then `true`) took over 120 s at load 75
-                probe = self.ray("job", "submit", "--address", self.address, "--", "true", timeout=300)
-            except subprocess.TimeoutExpired as slow:
-                probe = subprocess.CompletedProcess(slow.cmd, 1, str(slow.stdout), f"timed out after {slow.timeout} s")
+                probe = self.job(["true"], deadline_s=300)
+            except urllib.error.HTTPError as exc:  # e.g. no job agent yet
+                probe = subprocess.CompletedProcess("true", 1, "", f"{exc}: {exc.read().decode(errors='replace')}")
+            except OSError as exc:  # a refused or timed-out connection
+                probe = subprocess.CompletedProcess("true", 1, "", repr(exc))
             if probe.returncode == 0:
                 return
             if self.head.poll() is not None or time.time() > deadline:
@@ -219,7 +225,8 @@ class FakeCluster:
             time.sleep(2)
 
     def status(self) -> str:
-        return self.ray("status", f"--address=127.0.0.1:{self.gcs_port}").stdout
+        """What `ray status` prints (the dashboard formats it with the same function)."""
+        return self.api("/api/cluster_status?format=1")["data"]["clusterStatus"]
 
     def submit(self, job: str, *overrides: str, wait: bool = True, job_id: str = "") -> subprocess.CompletedProcess:
         """The documented submit line, with the local runtime env (the GPU one pip-installs torch from
@@ -227,7 +234,9 @@ class FakeCluster:
         return self.cli("train", job, *[a for kv in overrides for a in ("--set", kv)], wait=wait, job_id=job_id)
 
     def cli(self, *args: str, wait: bool = True, job_id: str = "") -> subprocess.CompletedProcess:
-        """A `raytrain_hybrid.cli` command submitted as a job (its driver runs on the head).
+        """A `raytrain_hybrid.cli` command submitted as a job (its driver runs on the head), through the
+        job server's REST API that `ray job submit` calls (the command itself is tested on a head of
+        its own, tests/test_jobs_ray.py).
 
         The working dir is this checkout in place (`local://`), as on a cluster whose image holds the
         project, not `--working-dir .` uploaded: the fake nodes are processes on this machine and
@@ -241,12 +250,25 @@ class FakeCluster:
         minutes (BAD_RUNTIME_ENV_CACHE_TTL_SECONDS), and a job supervisor's env is the same for
         every submission of the same package. On a real cluster each node unpacks into a disk of
         its own; the upload itself is tested on a single head (tests/test_jobs_ray.py)."""
-        return self.ray(
-            "job", "submit", "--address", self.address, *([] if wait else ["--no-wait"]),
-            *(["--submission-id", job_id] if job_id else []),
-            "--working-dir", f"local://{ROOT}", "--runtime-env", "jobs/runtime_env_local.yaml",
-            "--", "python", "-m", "raytrain_hybrid.cli", *args,
-        )  # fmt: skip
+        env = yaml.safe_load((ROOT / "jobs/runtime_env_local.yaml").read_text())
+        env["working_dir"] = f"local://{ROOT}"
+        return self.job(["python", "-m", "raytrain_hybrid.cli", *args], env, wait=wait, job_id=job_id)
+
+    def job(self, argv: list[str], runtime_env: dict | None = None, *, wait: bool = True, job_id: str = "",
+            deadline_s: float = 600) -> subprocess.CompletedProcess:  # fmt: skip
+        """Submit ``argv``; with ``wait``, until the job ends: returncode 0 if it succeeded, stdout its
+        logs, stderr Ray's message on its end (as `ray job submit` returns, waiting)."""
+        body = {"entrypoint": shlex.join(argv), "runtime_env": runtime_env or {}}
+        sid = self.api("/api/jobs/", {**body, **({"submission_id": job_id} if job_id else {})})["submission_id"]
+        if not wait:
+            return subprocess.CompletedProcess(argv, 0, sid, "")
+        deadline = time.time() + deadline_s
+        while (info := self.api(f"/api/jobs/{sid}"))["status"] in ("PENDING", "RUNNING") and time.time() < deadline:
+            time.sleep(1)
+        logs = self.api(f"/api/jobs/{sid}/logs")["logs"]
+        return subprocess.CompletedProcess(
+            argv, 0 if info["status"] == "SUCCEEDED" else 1, logs, info.get("message") or ""
+        )
 
     def stop(self) -> None:
         """SIGTERM to the head's process group, then SIGKILL to what is left of it: gcs_server may
@@ -262,8 +284,7 @@ class FakeCluster:
 
 def cluster_nodes(cluster: FakeCluster) -> list[dict]:
     """Alive worker nodes (not the head) with their total resources, as the state API lists them."""
-    out = cluster.ray("list", "nodes", "--address", cluster.address, "--format=json", "--detail")
-    nodes = json.loads(out.stdout[out.stdout.index("[") :])
+    nodes = cluster.api("/api/v0/nodes?detail=1&limit=1000")["data"]["result"]["result"]
     return [n for n in nodes if n["state"] == "ALIVE" and not n["is_head_node"]]
 
 
@@ -272,12 +293,11 @@ def job_record(cluster: FakeCluster, job_id: str, wait_s: float = 120) -> dict:
     (or ``wait_s`` passed), and its logs."""
     deadline = time.time() + wait_s
     while True:
-        out = cluster.ray("list", "jobs", "--address", cluster.address, "--format=json", "--detail")
-        (job,) = [j for j in json.loads(out.stdout[out.stdout.index("[") :]) if j.get("submission_id") == job_id]
+        job = cluster.api(f"/api/jobs/{job_id}")
         if job["status"] not in ("PENDING", "RUNNING") or time.time() > deadline:
             break
         time.sleep(2)
-    job["logs"] = cluster.ray("job", "logs", "--address", cluster.address, job_id).stdout
+    job["logs"] = cluster.api(f"/api/jobs/{job_id}/logs")["logs"]
     return job
 
 
@@ -398,7 +418,7 @@ def test_the_autoscaler_starts_the_right_node_type_and_the_job_steps(simulated, 
     (wanted,) = providing_types(types, demand)  # one type per accelerator: the check means something
     done = run["done"]
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert "step 1/1" in done.stdout and "succeeded" in done.stdout, done.stdout[-3000:]
+    assert "step 1/1" in done.stdout and "done: 1 steps, final loss" in done.stdout, done.stdout[-3000:]
     # The start-up watchdog saw the autoscaler add the node, so its clock was held meanwhile.
     assert f"waiting for nodes: the autoscaler is adding 1 x {wanted}" in done.stdout, done.stdout[-3000:]
     started = [node_type_of(n, types) for n in run["nodes"]]
