@@ -1,8 +1,9 @@
 """The cluster configs schedule the GPU jobs: Ray's own autoscaler, on its `fake_multinode` node
 provider, starts fake nodes with exactly the resources each config's worker node types declare
 (GPUs faked), and the job documented for that config, submitted to Ray's job server (its REST API,
-which `ray job submit` calls), reaches its first step on a node of the right type. A demand no node type declares starts nothing, and its
-job, which has no start-up timeout, fails as soon as the autoscaler calls it infeasible, saying so."""
+which `ray job submit` calls), reaches its first step on a node of the right type. A demand no
+node type declares starts nothing, and its job, which has no start-up timeout, fails as soon as
+the autoscaler calls it infeasible, saying so."""
 
 from __future__ import annotations
 
