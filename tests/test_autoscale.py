@@ -5,6 +5,9 @@ autoscaler."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 from datetime import datetime
 
 import pytest
@@ -192,10 +195,6 @@ sys.exit(cli.main(["train", "--set", "data.path=memory", "--set", "run.output_di
 
 
 def test_a_refusal_after_ray_started_is_said_before_ray_is_torn_down(tmp_path):
-    import signal
-    import subprocess
-    import sys
-
     done = subprocess.run(
         [sys.executable, "-c", KILLED_IN_TEARDOWN, str(tmp_path / "run")], capture_output=True, text=True, timeout=300
     )

@@ -15,13 +15,10 @@ import secrets
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,6 +27,7 @@ import yaml
 from background import on_stop
 from background import result as background_result
 from conftest import load_job
+from job_server import answers, call, free_port, submitted
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -107,22 +105,6 @@ def worker_demand(job: str) -> dict[str, float]:
     return demand
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _answers(url: str) -> bool:
-    try:
-        urllib.request.urlopen(url, timeout=2).close()
-    except urllib.error.HTTPError:  # it answered (token auth may refuse the request)
-        return True
-    except OSError:
-        return False
-    return True
-
-
 class FakeCluster:
     """A head (CPU only, no workers of its own) whose autoscaler launches fake nodes of the given
     worker types. Its own ports, temp dir and process group; ended by that group, never a
@@ -146,7 +128,7 @@ class FakeCluster:
             "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
         }
         self.env.pop("RAY_ADDRESS", None)
-        self.gcs_port, self.dash = _free_port(), _free_port()
+        self.gcs_port, self.dash = free_port(), free_port()
         self.address = f"http://127.0.0.1:{self.dash}"
         import ray._private.services
 
@@ -181,27 +163,19 @@ class FakeCluster:
         cfg_path.write_text(json.dumps(config))
         cmd = [
             str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=0", f"--port={self.gcs_port}",
-            "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dash}", f"--ray-client-server-port={_free_port()}",
+            "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dash}", f"--ray-client-server-port={free_port()}",
             f"--temp-dir={self.tmp / 'ray'}", "--disable-usage-stats", f"--autoscaling-config={cfg_path}",
-            f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
-            f"--runtime-env-agent-port={_free_port()}", f"--metrics-export-port={_free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+            f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
         ]  # fmt: skip
         self.log = (self.tmp / "head.log").open("w")
         self.head = subprocess.Popen(
             cmd, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
         )
 
-    def api(self, path: str, body: dict | None = None, timeout: float = 300):
-        """The head's dashboard over HTTP with its token: what `ray job`, `ray list` and `ray status`
-        ask it, from this process. Each of those commands costs a Python start and Ray's import
-        (~2.5 s of CPU, over a minute once at load 150), and this module made about 25 of them."""
-        request = urllib.request.Request(
-            f"{self.address}{path}",
-            data=None if body is None else json.dumps(body).encode(),
-            headers={"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=timeout) as reply:
-            return json.loads(reply.read())
+    def api(self, path: str, body: dict | None = None):
+        """This head's dashboard over HTTP (tests/job_server.py)."""
+        return call(self.address, self.token, path, body)
 
     def wait_ready(self, deadline_s: float = 600) -> None:
         """Until the head takes a job. Its dashboard answers before the head's job agent has
@@ -210,15 +184,11 @@ class FakeCluster:
         the machine at load 60-170; here four start at once beside the suite, so the bound is
         600 s, and a head that exits ends the wait at once."""
         deadline = time.time() + deadline_s
-        while self.head.poll() is None and time.time() < deadline and not _answers(f"{self.address}/api/version"):
+        while self.head.poll() is None and time.time() < deadline and not answers(f"{self.address}/api/version"):
             time.sleep(0.5)
         while True:
-            try:  # the probe's job (a supervisor actor, then `true`) took over 120 s at load 75
-                probe = self.job(["true"], deadline_s=300)
-            except urllib.error.HTTPError as exc:  # e.g. no job agent yet
-                probe = subprocess.CompletedProcess("true", 1, "", f"{exc}: {exc.read().decode(errors='replace')}")
-            except OSError as exc:  # a refused or timed-out connection
-                probe = subprocess.CompletedProcess("true", 1, "", repr(exc))
+            # The probe's job (a supervisor actor, then `true`) took over 120 s at load 75.
+            probe = self.job(["true"], deadline_s=300)
             if probe.returncode == 0:
                 return
             if self.head.poll() is not None or time.time() > deadline:
@@ -258,9 +228,12 @@ class FakeCluster:
     def job(self, argv: list[str], runtime_env: dict | None = None, *, wait: bool = True, job_id: str = "",
             deadline_s: float = 600) -> subprocess.CompletedProcess:  # fmt: skip
         """Submit ``argv``; with ``wait``, until the job ends: returncode 0 if it succeeded, stdout its
-        logs, stderr Ray's message on its end (as `ray job submit` returns, waiting)."""
+        logs, stderr Ray's message on its end (as `ray job submit` returns, waiting), or why the
+        job server did not take it."""
         body = {"entrypoint": shlex.join(argv), "runtime_env": runtime_env or {}}
-        sid = self.api("/api/jobs/", {**body, **({"submission_id": job_id} if job_id else {})})["submission_id"]
+        sid, why = submitted(self.address, self.token, {**body, **({"submission_id": job_id} if job_id else {})})
+        if not sid:
+            return subprocess.CompletedProcess(argv, 1, "", why)
         if not wait:
             return subprocess.CompletedProcess(argv, 0, sid, "")
         deadline = time.time() + deadline_s

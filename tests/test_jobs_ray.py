@@ -13,14 +13,11 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import psutil
@@ -28,16 +25,11 @@ import pyarrow.fs as pafs
 import pytest
 from background import on_stop
 from background import result as background_result
+from job_server import answers, call, free_port, submitted
 from s3_server import KEY_ID, SECRET, fresh_buckets
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -60,15 +52,15 @@ def ray_head(workdir: Path, env: dict):
     }
     env.pop("RAY_ADDRESS", None)
     for attempt in (1, 2):  # a free port may be taken by another Ray of the suite before the head binds it
-        dash = _free_port()
+        dash = free_port()
         cmd = [
-            str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=10", f"--port={_free_port()}",
-            "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--ray-client-server-port={_free_port()}",
+            str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=10", f"--port={free_port()}",
+            "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--ray-client-server-port={free_port()}",
             f"--temp-dir={tmp / f'ray{attempt}'}", "--disable-usage-stats",
             # The session's own cluster holds the default agent ports on this machine; a second
             # head's job agent could not bind them ("No available agent to submit job").
-            f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
-            f"--runtime-env-agent-port={_free_port()}", f"--metrics-export-port={_free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+            f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
         ]  # fmt: skip
         log = (tmp / "head.log").open("w")
         head = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -76,25 +68,23 @@ def ray_head(workdir: Path, env: dict):
         address = f"http://127.0.0.1:{dash}"
         deadline = time.time() + 120
         # First the dashboard's HTTP port, then a job it takes.
-        while head.poll() is None and time.time() < deadline and not _answers(f"{address}/api/version"):
+        while head.poll() is None and time.time() < deadline and not answers(f"{address}/api/version"):
             time.sleep(0.5)
         while True:
             # Ready when a job can be submitted: the dashboard answers before its job agent does
             # ("No available agent to submit job").
-            probe = _accepts_a_job(address, token.read_text())
-            if probe.returncode == 0 or head.poll() is not None or time.time() > deadline:
+            taken, why = submitted(address, token.read_text(), {"entrypoint": "echo ready"}, timeout=60)
+            if taken or head.poll() is not None or time.time() > deadline:
                 break
             time.sleep(2)
-        if probe.returncode == 0:
+        if taken:
             break
         _kill_group(head.pid)  # the head may have exited by itself
         head.wait()
         log.close()
         said = (tmp / "head.log").read_text()[-3000:]
         if attempt == 2:
-            raise RuntimeError(
-                f"ray head did not take a job: {probe.stdout[-1500:]} {probe.stderr[-1500:]}\nhead: {said}"
-            )
+            raise RuntimeError(f"ray head did not take a job: {why[-3000:]}\nhead: {said}")
     try:
         yield {"address": address, "env": env, "tmp": tmp, "pid": head.pid}
     finally:
@@ -106,33 +96,6 @@ def ray_head(workdir: Path, env: dict):
             head.wait()
         log.close()
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _accepts_a_job(address: str, token: str) -> subprocess.CompletedProcess:
-    """A job (`echo ready`) submitted over the job server's REST API: 0 once it is taken."""
-    request = urllib.request.Request(
-        f"{address}/api/jobs/",
-        data=json.dumps({"entrypoint": "echo ready"}).encode(),
-        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as reply:
-            return subprocess.CompletedProcess("echo ready", 0, reply.read().decode(), "")
-    except urllib.error.HTTPError as exc:  # e.g. "No available agent to submit job"
-        return subprocess.CompletedProcess("echo ready", 1, "", f"{exc}: {exc.read().decode(errors='replace')}")
-    except OSError as exc:
-        return subprocess.CompletedProcess("echo ready", 1, "", repr(exc))
-
-
-def _answers(url: str) -> bool:
-    """Whether an HTTP server answers at ``url`` (any status: the head may want its token)."""
-    try:
-        urllib.request.urlopen(url, timeout=2).close()
-    except urllib.error.HTTPError:
-        return True
-    except OSError:
-        return False
-    return True
 
 
 def _kill_group(pid: int) -> None:
@@ -188,13 +151,8 @@ def submit_refused(head) -> dict[str, subprocess.Popen]:
 
 
 def _api(head, path: str):
-    """The head's job server over HTTP with its token, from this process: a `ray job status`, `logs`
-    or `list` costs a Python start and Ray's import each (~2.5 s of CPU), and the waits below look
-    every few seconds. The jobs themselves are submitted with `ray job submit`, as users do."""
-    token = Path(head["env"]["RAY_AUTH_TOKEN_PATH"]).read_text()
-    request = urllib.request.Request(f"{head['address']}{path}", headers={"Authorization": f"Bearer {token}"})
-    with urllib.request.urlopen(request, timeout=300) as reply:
-        return json.loads(reply.read())
+    """The head's job server over HTTP (tests/job_server.py); jobs are submitted with `ray job submit`."""
+    return call(head["address"], Path(head["env"]["RAY_AUTH_TOKEN_PATH"]).read_text(), path)
 
 
 def _logs(head, job_id: str) -> str:
