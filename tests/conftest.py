@@ -149,6 +149,11 @@ def pytest_collection_finish(session):
         # The session's Ray first: its raylet must register within 30 s (Ray's fixed wait), which
         # a loaded machine (three autoscaling heads starting) may not give it.
         start_session_ray()
+    # Ray imported here first, on the main thread: background jobs and the tests importing it at
+    # once from their threads found half-initialised modules ("partially initialized module
+    # 'ray._private.services'") when no session cluster had imported it before them.
+    import ray  # noqa: F401
+
     for name, after in BACKGROUND.items():
         if name in modules:
             selected = [item for item in session.items if getattr(item, "module", None) is modules[name]]
