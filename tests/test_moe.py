@@ -210,12 +210,14 @@ def test_start_line_and_summary_name_ep():
     assert summarize(cfg, [], [])["layout"]["ep"] == 4
 
 
-def test_expert_weights_follow_the_init_rule():
-    """The experts' stacked 3D weights and the router are drawn like any weight matrix (not the ones of a norm)."""
+def test_expert_weights_follow_the_init_rule(runs):
+    """The experts' stacked 3D weights and the router are drawn like any weight matrix (not the ones of a
+    norm): the engine's initial state (a layout's gathered step-0 weights, which every other layout's and
+    the reference's equal) holds, for each, the value the init rule draws for its name, N(0, init_std)."""
     import torch
 
     from raytrain_hybrid.models import get_arch
-    from raytrain_hybrid.models.common import build_stage, param_kinds
+    from raytrain_hybrid.models.common import build_stage, init_value, param_kinds
 
     cfg = load_config(None, ["model.arch=qwen3-moe", *TINY])
     spec = get_arch("qwen3-moe")
@@ -226,6 +228,19 @@ def test_expert_weights_follow_the_init_rule():
     assert kinds["model.layers.0.self_attn.q_norm.weight"] == "ones"
     shapes = {n: p.shape for n, p in stage.named_parameters()}
     assert shapes["model.layers.0.mlp.experts.gate_up_proj"] == torch.Size([4, 64, 64])
+    initial = runs["qwen3-moe/1x2x2-sp"]["probe"]["initial"]
+    seed, std = cfg.train.seed, cfg.train.init_std
+    for layer in range(2):
+        for name in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"):
+            full = f"model.layers.{layer}.{name}"
+            got = initial[full]
+            assert np.array_equal(got, init_value(full, torch.Size(got.shape), "normal", seed, std).numpy()), full
+            assert abs(float(got.std()) - std) < 0.1 * std, (full, float(got.std()))
+        norm = initial[f"model.layers.{layer}.self_attn.q_norm.weight"]
+        assert np.array_equal(norm, np.ones_like(norm))
+    # Each expert its own draw (one generator over the stacked tensor, not one expert's values repeated).
+    experts = initial["model.layers.0.mlp.experts.gate_up_proj"]
+    assert not np.array_equal(experts[0], experts[1])
 
 
 @pytest.mark.parametrize(

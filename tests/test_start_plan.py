@@ -168,7 +168,7 @@ def test_check_resume_refuses_a_changed_trajectory_as_train_does(saved, tmp_path
     sets = (*FIXED, "train.lr=0.01")
     code, _, err = _check(capsys, target, sets, "--topology", "4,4", "--resume", str(saved))
     assert code == 2, err
-    assert err.startswith("error: train.lr=0.01: the checkpoint ") and "was trained with train.lr=0.0003" in err
+    assert err.startswith("error: train.lr=0.01: the checkpoint ") and "was trained with train.lr=0.0003; " in err
     assert "--allow-change train.lr" in err and not target.exists()
     # train --resume refuses it with the same words, before Ray starts.
     argv = ["train", "--resume", str(saved), *(a for s in (*sets, f"run.output_dir={target}") for a in ("--set", s))]
