@@ -53,6 +53,7 @@ BAD = {
     "sp-seq-len": (["parallelism.tp=4", "model.num_heads=8", "model.seq_len=130"], "parallelism.tp"),
     "batch": (["train.global_batch_size=12"], "train.global_batch_size"),
     "microbatches-1f1b": (["parallelism.microbatches=1"], "parallelism.microbatches"),
+    "dualpipev-mb": (["parallelism.schedule=DualPipeV", "parallelism.microbatches=2"], "microbatches=2: DualPipeV"),
     "unknown-key": (["parallelism.sp=2"], "parallelism.sp"),
     "unknown-section": (["optim.lr=1"], "optim"),
     "wrong-type-int": (["train.steps=ten"], "train.steps"),

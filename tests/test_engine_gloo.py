@@ -1,7 +1,8 @@
 """Engine layer without Ray: several gloo processes run worker.run_worker directly.
 
 Covers the schedules and DP modes test_oracle.py does not, against the same
-single-process reference and with the same per-parameter oracle.
+single-process reference and with the same per-parameter oracle. DualPipeV also saves and
+resumes at another layout (its V stages resharded into 1F1B's looped ones).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import pytest
 from conftest import reference_history
 from gloo_harness import run_gloo
 from test_oracle import assert_oracle
+
+from raytrain_hybrid.checkpoint.manifest import read_manifest
 
 STEPS = 3
 COMMON = (f"train.steps={STEPS}", "model.num_layers=4", "train.global_batch_size=16", "model.seq_len=32")
@@ -66,6 +69,33 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_schedule_matches_single_process(name):
     assert_oracle(run_gloo([*COMMON, *CASES[name]]), reference_history(COMMON))
+
+
+# DualPipeV: a V layout (rank 0 holds the first and last of four stages), one micro-batch a
+# stage at least (2*pp), ZeRO-1's optimizer slices over the replicas.
+DUALPIPEV = (
+    "parallelism.dp=2",
+    "parallelism.tp=1",
+    "parallelism.pp=2",
+    "parallelism.schedule=DualPipeV",
+    "parallelism.microbatches=4",
+    "parallelism.zero=1",
+)
+LOOPED = ("parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=2", "parallelism.microbatches=2")
+
+
+def test_dualpipev_matches_and_resumes_under_another_layout(tmp_path):
+    """DualPipeV trains the single-process model (losses, every parameter's gradient norm, final
+    weights); its checkpoint after step 1, resumed at (1,1,2) under 1F1B (each rank's stages
+    gathered from both saving ranks' V halves, ZeRO-1 slices into plain AdamW), gives the
+    uninterrupted run's steps 1 and 2."""
+    reference = reference_history(COMMON)
+    saved = run_gloo([*COMMON, *DUALPIPEV, "checkpoint.interval=1", f"run.output_dir={tmp_path / 'v'}"])
+    assert_oracle(saved, reference)
+    step1 = tmp_path / "v" / "checkpoints" / "step_1"
+    assert read_manifest(step1)["layout"]["schedule"] == "DualPipeV"
+    resumed = run_gloo([*COMMON, *LOOPED, f"run.output_dir={tmp_path / 'looped'}"], resume=str(step1))
+    assert_oracle(resumed, reference, first=1)
 
 
 def test_bfloat16_autocast_tracks_float32():

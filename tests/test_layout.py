@@ -26,6 +26,7 @@ def test_split_layers_is_contiguous_and_complete():
 def test_stage_ids_looped_and_v():
     assert stage_ids("Interleaved1F1B", 1, 4, 2) == [1, 5]
     assert stage_ids("ZBVZeroBubble", 1, 4, 2) == [1, 6]
+    assert stage_ids("DualPipeV", 0, 2, 2) == [0, 3]
     assert stage_ids("1F1B", 3, 4, 1) == [3]
 
 

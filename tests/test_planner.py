@@ -16,7 +16,13 @@ import pytest
 from raytrain_hybrid import cli
 from raytrain_hybrid.config import Config, load_config, parse_overrides, resolve_defaults
 from raytrain_hybrid.models.params import param_count
-from raytrain_hybrid.planner.cost import layer_activation_bytes, predict, state_bytes
+from raytrain_hybrid.planner.cost import (
+    bubble_fraction,
+    in_flight_microbatches,
+    layer_activation_bytes,
+    predict,
+    state_bytes,
+)
 from raytrain_hybrid.planner.hardware import PROFILES
 from raytrain_hybrid.planner.published import LLAMA3_70B, LLAMA3_405B, RUNS, assess
 from raytrain_hybrid.planner.search import plan
@@ -204,3 +210,36 @@ def test_plan_cli_json():
     assert set(rows[0]["memory_bytes"]) == {"params", "grads", "optimizer", "activations", "total"}
     tps = [r["predicted_tokens_per_s"] for r in rows]
     assert tps == sorted(tps, reverse=True)
+
+
+def _first_rank_in_flight(orders: list[list[tuple[int, str, int]]]) -> float:
+    """The most micro-batches whose activations rank 0 holds at once, in units of its layers:
+    a (stage, micro-batch) from its forward to the end of its full or weight-half backward."""
+    acts = orders[0]
+    live: set[tuple[int, int]] = set()
+    peak = 0
+    for stage, kind, mb in acts:
+        if kind == "F":
+            live.add((stage, mb))
+        elif kind in ("B", "W"):
+            live.discard((stage, mb))
+        peak = max(peak, len(live))
+    return peak / len({stage for stage, _, _ in acts})
+
+
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "Interleaved1F1B", "DualPipeV"])
+def test_bubble_and_activations_in_flight_follow_the_schedules_own_action_order(schedule):
+    """The cost model's bubble and first-rank activations in flight are what torch's own action
+    order for the schedule gives, timed with unit costs (tools.plots.schedule_timeline) and counted:
+    for DualPipeV, DeepSeek-V3's (pp-1) chunk-forwards of bubble and pp + 1/2 micro-batches."""
+    from raytrain_hybrid.tools.plots import _schedule_orders, schedule_timeline
+
+    virtual = 1 if schedule in ("GPipe", "1F1B") else 2
+    for pp in (2, 3, 4):
+        for mb in (2 * pp, 3 * pp):
+            _, bubble = schedule_timeline(schedule, pp, mb, virtual)
+            assert bubble_fraction(schedule, pp, mb, virtual) == pytest.approx(bubble, abs=1e-9), (pp, mb)
+            counted = _first_rank_in_flight(_schedule_orders(schedule, pp, mb, virtual))
+            assert in_flight_microbatches(schedule, pp, mb, virtual) == counted, (pp, mb)
+    cfg = load_config(None, ["parallelism.schedule=DualPipeV", "parallelism.dp=1", "parallelism.microbatches=8"])
+    assert predict(cfg, PROFILES["h100"])["bubble_fraction"] == pytest.approx(1 / 49)

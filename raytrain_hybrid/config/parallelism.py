@@ -13,7 +13,7 @@ from raytrain_hybrid.errors import ConfigError
 # Pipeline schedules from torch.distributed.pipelining that this project drives.
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
-V_SCHEDULES = ("ZBVZeroBubble",)
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 SCHEDULES = SINGLE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES + V_SCHEDULES
 ZERO_STAGES = (0, 1, 2, 3)
 AC_MODES = (False, True, "selective")  # parallelism.activation_checkpointing: none, full, selective
@@ -39,7 +39,8 @@ class ParallelismConfig:
     cp: int = 1
     # Micro-batches per step and replica; the pipeline schedule runs this many.
     microbatches: int = 4
-    # Pipeline schedule from torch.distributed.pipelining, by name.
+    # Pipeline schedule from torch.distributed.pipelining, by name: GPipe, 1F1B, Interleaved1F1B, LoopedBFS,
+    # InterleavedZeroBubble, ZBVZeroBubble, DualPipeV.
     schedule: str = "1F1B"
     # Model chunks per pipeline rank for multi-stage schedules (Interleaved1F1B, ...).
     # 0 means "pick": 2 for multi-stage and V schedules, 1 otherwise.

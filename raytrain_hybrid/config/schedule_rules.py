@@ -7,9 +7,16 @@ from __future__ import annotations
 from raytrain_hybrid.config.schema import MULTI_STAGE_SCHEDULES, V_SCHEDULES
 
 
+def min_microbatches(schedule: str, pp: int) -> int:
+    """Every schedule but GPipe needs at least pp micro-batches to fill the pipeline; DualPipeV
+    one per stage, 2*pp (torch refuses fewer)."""
+    if pp == 1 or schedule == "GPipe":
+        return 1
+    return 2 * pp if schedule == "DualPipeV" else pp
+
+
 def too_few_microbatches(schedule: str, pp: int, microbatches: int) -> bool:
-    """Every schedule but GPipe needs at least pp micro-batches to fill the pipeline."""
-    return pp > 1 and microbatches < pp and schedule != "GPipe"
+    return microbatches < min_microbatches(schedule, pp)
 
 
 def uneven_microbatches(schedule: str, pp: int, microbatches: int) -> bool:

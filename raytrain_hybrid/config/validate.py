@@ -9,7 +9,7 @@ from raytrain_hybrid.config.coerce import choices, divisors
 from raytrain_hybrid.config.elastic import check_elastic
 from raytrain_hybrid.config.lora import check_lora
 from raytrain_hybrid.config.placeholders import refuse_placeholders
-from raytrain_hybrid.config.schedule_rules import too_few_microbatches, uneven_microbatches
+from raytrain_hybrid.config.schedule_rules import min_microbatches, too_few_microbatches, uneven_microbatches
 from raytrain_hybrid.config.schema import (
     SINGLE_STAGE_SCHEDULES,
     Config,
@@ -104,7 +104,8 @@ def _validate_layout(cfg: Config, spec: ArchSpec) -> None:
         raise ConfigError(
             "parallelism.microbatches",
             par.microbatches,
-            f"{par.schedule} with pp={par.pp} needs at least pp micro-batches; use microbatches >= {par.pp}",
+            f"{par.schedule} with pp={par.pp} needs at least {'2*pp' if par.schedule == 'DualPipeV' else 'pp'} "
+            f"micro-batches; use microbatches >= {min_microbatches(par.schedule, par.pp)}",
         )
     if uneven_microbatches(par.schedule, par.pp, par.microbatches):
         raise ConfigError(

@@ -11,6 +11,7 @@ _SCHEDULE_CLASSES = {
     "LoopedBFS": "ScheduleLoopedBFS",
     "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble",
     "ZBVZeroBubble": "ScheduleZBVZeroBubble",
+    "DualPipeV": "ScheduleDualPipeV",
 }
 
 
@@ -28,7 +29,7 @@ def split_layers(num_layers: int, num_stages: int) -> list[list[int]]:
 
 
 def stage_ids(schedule: str, pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
-    """Global stage indices held by one pipeline rank: looped, or V-shaped for ZBV."""
+    """Global stage indices held by one pipeline rank: looped, or V-shaped (ZBV, DualPipeV)."""
     if schedule in V_SCHEDULES:
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + i * pp for i in range(stages_per_rank)]

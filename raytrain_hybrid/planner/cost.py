@@ -8,6 +8,9 @@ Sources of the formulas (cited where used):
   under TP (+SP), 2*s*b*h with full recomputation.
 - Pipeline bubble and in-flight micro-batches: Narayanan et al., "Efficient Large-Scale
   Language Model Training on GPU Clusters Using Megatron-LM" (SC'21), sections 2.2 and 3.
+- DualPipeV: DeepSeek-AI, "DeepSeek-V3 Technical Report" (2024), table 2, and the DualPipe
+  repository's table for its V variant: bubble (PP/2-1)(F&B+B-3W), activations of PP+1 chunks,
+  over PP = 2*pp chunks.
 - FLOPs per token: raytrain_hybrid.models.flops (6N + attention).
 - Context parallelism by all-to-all head exchange: Jacobs et al., "DeepSpeed Ulysses" (2023):
   activations / cp, four all-to-alls a layer forward (q, k, v in; the output back) and four backward.
@@ -118,8 +121,22 @@ def in_flight_microbatches(schedule: str, pp: int, microbatches: int, virtual: i
         return 1.0
     if schedule == "GPipe":
         return float(microbatches)
+    if schedule == "DualPipeV":  # 2*pp+1 chunks of half a rank's layers, on every rank
+        return pp + 0.5
     base = float(min(microbatches, pp))
     return base * (1 + (pp - 1) / (pp * virtual)) if virtual > 1 else base
+
+
+def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual: int) -> float:
+    """Idle share of a rank's step: pp-1 stage slots of fill and drain against microbatches x
+    virtual of work (Narayanan et al. 2021). DualPipeV splits backward into input and weight halves
+    and fills the ramps with weight halves: with forward, input and weight halves alike per chunk
+    (F = B = W) and F&B unoverlapped (3F), (pp-1) F idle against 6 F a micro-batch."""
+    if pp == 1:
+        return 0.0
+    if schedule == "DualPipeV":
+        return (pp - 1) / (6 * microbatches + pp - 1)
+    return (pp - 1) / (microbatches * virtual + pp - 1)
 
 
 def layer_activation_bytes(
@@ -252,7 +269,7 @@ def predict(cfg: Config, hw: Hardware) -> dict:
     # reduction takes CPU from the same cores and does not hide.
     dp_exposed = dp_s * share if oversubscribed else max(0.0, dp_s - 0.5 * compute)
 
-    bubble = (pp - 1) / (mb * virtual + pp - 1) if pp > 1 else 0.0
+    bubble = bubble_fraction(par.schedule, pp, mb, virtual)
     step = (compute + tp_s + cp_s + ep_s + pp_s) / (1 if oversubscribed else 1 - bubble) + dp_exposed
     tokens_per_s = tokens / step
     achieved = flops_per_token(m) * tokens_per_s / world / 1e12

@@ -73,8 +73,15 @@ def _schedule_orders(schedule: str, pp: int, microbatches: int, virtual: int) ->
         raise ValueError(f"schedule {schedule!r} is not one of {SCHEDULES}")
     if schedule in SINGLE_STAGE_SCHEDULES:
         return _single_stage_orders(schedule, pp, microbatches)
+    # DualPipeV pairs one stage's forward with another's backward in one action (overlapped on
+    # GPUs); timed here as its two parts in order.
     return [
-        [(a.stage_index, _KINDS[a.computation_type.name], a.microbatch_index) for a in order if _timed(a)]
+        [
+            (a.stage_index, _KINDS[a.computation_type.name], a.microbatch_index)
+            for action in order
+            for a in (action.sub_actions or (action,) if action is not None else ())
+            if _timed(a)
+        ]
         for order in get_schedule_ops(schedule, pp, microbatches, virtual)
     ]
 
