@@ -2,7 +2,7 @@
 
 The oracle holds across a checkpoint: a run saved at (2,2,2) after every step (in the
 background, each save overlapping the next step) and resumed from its step 2 at (4,1,2),
-(1,2,4) or (1,1,1) gives the uninterrupted single-process run's steps 3 and 4 (losses, every
+(1,2,4), (1,1,1) or (1,1,2) under DualPipeV gives the uninterrupted single-process run's steps 3 and 4 (losses, every
 parameter's gradient norm) and its final parameters. A save that fails half-way fails the run
 and leaves the checkpoint before it the newest complete one.
 """
@@ -48,6 +48,8 @@ RESUME_AT = {
     ),
     "1x2x4": ("parallelism.dp=1", "parallelism.tp=2", "parallelism.pp=4", "parallelism.microbatches=4"),
     "1x1x1": ("parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=1", "parallelism.microbatches=1"),
+    # Into a V layout: each rank's first and last stage gathered from the looped stages saved.
+    "1x1x2-dualpipev": ("parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=2", "parallelism.schedule=DualPipeV"),
 }
 
 
