@@ -23,21 +23,26 @@ def cp_layout(dp: int, cp: int, tp: int, pp: int, zero: int = 0, schedule: str =
     return [*layout(dp, tp, pp, schedule, 2, zero), f"parallelism.cp={cp}"]
 
 
-# (dp, cp, tp, pp): cp=4 alone; cp with dp under FSDP (ZeRO-3, sharded over dp x cp; ZeRO-1 at the resume below);
-# cp with tp (sequence parallelism inside each cp slice); cp with a pipeline; the all-to-alls recomputed
-# in backward under full and selective activation checkpointing.
+# (dp, cp, tp, pp): cp=4 alone; cp with dp under each ZeRO stage (ZeRO-1 slicing the optimizer over dp x cp,
+# ZeRO-2 and -3 FSDP sharded over dp x cp; ZeRO-1 at cp=4 at the resume below); cp with tp (sequence parallelism
+# inside each cp slice); the all-to-alls recomputed in backward under selective activation checkpointing.
 WORLD4 = {
     "1x4x1x1-selective-ac": [*cp_layout(1, 4, 1, 1), "parallelism.activation_checkpointing=selective"],
+    "2x2x1x1-zero1": cp_layout(2, 2, 1, 1, zero=1),
+    "2x2x1x1-zero2": cp_layout(2, 2, 1, 1, zero=2),
     "2x2x1x1-zero3": cp_layout(2, 2, 1, 1, zero=3),
     "1x2x2x1-sp": cp_layout(1, 2, 2, 1),
-    "1x2x1x2-1f1b-ac": [*cp_layout(1, 2, 1, 2), "parallelism.activation_checkpointing=true"],
 }
+# cp with tp and pp together, docs/parallelism.md's example layout (dp=1 cp=2 tp=2 pp=2), under full activation
+# checkpointing: sequence parallelism inside each cp slice, each slice's activations crossing the stages.
+WORLD8 = {"1x2x2x2-1f1b-ac": [*cp_layout(1, 2, 2, 2), "parallelism.activation_checkpointing=true"]}
+LAYOUTS = WORLD4 | WORLD8
 
 
 @pytest.fixture(scope="module")
 def cp_runs(tmp_path_factory) -> dict:
     """The WORLD4 layouts in one launch of 4 gloo ranks; the ZeRO-3 one saves a checkpoint at step 2,
-    and a last job resumes from it at cp=4 under ZeRO-1."""
+    and a last job resumes from it at cp=4 under ZeRO-1. Then WORLD8 on 8 ranks."""
     out = tmp_path_factory.mktemp("cp")
     saved = [f"run.output_dir={out / 'saved'}", "checkpoint.interval=2"]
     jobs = {name: [*BASE, *overrides, *(saved if name == SAVES else ())] for name, overrides in WORLD4.items()}
@@ -45,19 +50,19 @@ def cp_runs(tmp_path_factory) -> dict:
         "overrides": [*BASE, *cp_layout(1, 4, 1, 1, zero=1), f"run.output_dir={out / 'resumed'}"],
         "resume": str(out / "saved" / "checkpoints" / "step_2"),
     }
-    return run_gloo_jobs(4, jobs)
+    return run_gloo_jobs(4, jobs) | run_gloo_jobs(8, {name: [*BASE, *o] for name, o in WORLD8.items()})
 
 
 SAVES = "2x2x1x1-zero3"
 
 
-@pytest.mark.parametrize("name", sorted(WORLD4))
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_cp_layouts_match_single_process(cp_runs, name):
     """Losses, every parameter's gradient norm and the final weights equal the single-process run."""
     assert_oracle(cp_runs[name], reference_history(BASE, "memory"))
     # Every rank of a replica (its cp ranks too) read the same rows, each cp rank its own slice of them.
     per_rank = cp_runs[name]["memory"]
-    assert_replicas_share_rows(per_rank, WORLD4[name])
+    assert_replicas_share_rows(per_rank, LAYOUTS[name])
     cp = int(name.split("x")[1])
     assert sorted(r["cp"] for r in per_rank) == sorted(list(range(cp)) * (len(per_rank) // cp))
 
