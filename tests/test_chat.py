@@ -236,7 +236,7 @@ def test_bad_chat_input_is_refused_before_workers_start(chat_dir, tmp_path):
     assert err.key == "model.seq_len" and "2 of 14 rows" in str(err) and "row 12" in str(err)
     assert "data.drop_long_prompts=true" in str(err)
     err = _refusal(chat_dir, tmp_path, None, "data.messages_column=conversation")
-    assert err.key == "data.messages_column" and "'id', 'messages'" in str(err)
+    assert err.key == "data.messages_column" and "which has columns id, messages" in str(err)
     err = _refusal(chat_dir, tmp_path, None, "model.vocab_size=4096")
     assert err.key == "model.vocab_size" and "4098" in str(err)
     make_tokenizer(tmp_path / "plain", template=None)

@@ -109,7 +109,7 @@ def s3():
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
-def test_check_names_the_run_holding_the_directory_and_leaves_its_lease(where, request, tmp_path, capsys, monkeypatch):
+def test_check_refuses_a_directory_another_run_holds_leaving_its_lease(where, request, tmp_path, capsys, monkeypatch):
     """On this node's disk and on the S3 server (the lease's conditional writes there)."""
     from raytrain_hybrid.storage import open_store
 
@@ -123,15 +123,13 @@ def test_check_names_the_run_holding_the_directory_and_leaves_its_lease(where, r
     before = lease.read_bytes()
     try:
         code, text, err = _check(capsys, out, ONE_NODE, "--topology", "8")
-        assert code == 0, err
-        (said,) = [line for line in text.splitlines() if line.startswith("lease: ")]
-        assert said.startswith(
-            f"lease: in use by another run (host {socket.gethostname()}, process {os.getpid()}, started "
-        ), said
-        assert "job raysubmit_holder" in said and said.endswith("train is refused until it ends")
+        assert code == 2, err  # train's refusal, said as train says it
+        assert err.startswith(
+            f"error: run.output_dir='{out}': is in use by another run (host {socket.gethostname()}, "
+            f"process {os.getpid()}, started "
+        ), err
+        assert "job raysubmit_holder" in err and "Wait for it to end, or choose another run.output_dir" in err
         assert lease.read_bytes() == before and open_store(out).listdir() == [LEASE]
-        if out.startswith("s3://"):
-            assert f"output {out} (object storage); from step 0" in _start_line(text)
     finally:
         holder.release()
     # A holder that is gone (its process, on this host) leaves a lease the next run takes over.
@@ -140,6 +138,8 @@ def test_check_names_the_run_holding_the_directory_and_leaves_its_lease(where, r
     lease.write_text(json.dumps({"holder": gone, "renewed_at": time.time(), "ttl_s": 120}))
     code, text, _ = _check(capsys, out, ONE_NODE, "--topology", "8")
     assert code == 0 and f"lease: free (the lease of a run that is gone has expired: host {gone['host']}" in text
+    if out.startswith("s3://"):
+        assert f"output {out} (object storage); from step 0" in _start_line(text)
 
 
 @pytest.fixture(scope="module")

@@ -7,35 +7,28 @@ import pyarrow as pa
 from raytrain_hybrid.config import Config
 
 
-def schema_check(cfg: Config, say=print) -> int:
+def schema_check(cfg: Config, say=print, *, encode_here: bool = True) -> int | None:
     """Before any worker starts: the files open, the column exists with the right type, rows exist.
 
     Returns the number of rows. Reads only Parquet footers, but for chat / prompt_completion
     data (data.format), whose rows are all encoded here once (check_examples; ``say`` gets the
-    one warning about rows cut or dropped).
+    one warning about rows cut or dropped). ``encode_here=False`` (before Ray starts): rows too
+    many to encode in this process are left for Ray Data's tasks, None returned.
     """
-    import pyarrow.dataset as pads
-
     from raytrain_hybrid.errors import ConfigError
 
     d = cfg.data
     if d.format != "text":
         from raytrain_hybrid.data.example_checks import check_examples
 
-        return check_examples(cfg, say)
+        return check_examples(cfg, say, encode_here=encode_here)
     if d.text_columns:
         rows = _rows_schema_check(cfg, "data.path", d.path)
         if d.val_path:
             _rows_schema_check(cfg, "data.val_path", d.val_path)
         check_tokenizer(cfg)
         return rows
-    try:
-        dataset = pads.dataset(d.path, format="parquet")
-        files = dataset.files
-    except (OSError, pa.ArrowInvalid, FileNotFoundError) as exc:
-        raise ConfigError("data.path", d.path, f"cannot be read as Parquet: {exc}") from exc
-    if not files:
-        raise ConfigError("data.path", d.path, "holds no Parquet files")
+    dataset = open_parquet("data.path", d.path)
     rows = 0
     # Each file through the dataset's own filesystem: its paths carry no scheme (an object
     # store's read "bucket/key"), so they cannot be opened again on their own.
@@ -48,7 +41,7 @@ def schema_check(cfg: Config, say=print) -> int:
             raise ConfigError("data.path", f, f"is not a readable Parquet file: {exc}") from exc
         key, column = ("data.text_column", d.text_column) if d.text_column else ("data.token_column", d.token_column)
         if column not in schema.names:
-            raise ConfigError(key, column, f"is not a column of {f}; its columns are {schema.names}")
+            raise ConfigError(key, column, columns_fix(schema.names, f))
         kind = schema.field(column).type
         if d.text_column and not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
             raise ConfigError(key, column, f"has type {kind} in {f}, not text; use data.token_column for token ids")
@@ -68,6 +61,41 @@ def schema_check(cfg: Config, say=print) -> int:
         if note:
             say(note)
     return rows
+
+
+def open_parquet(key: str, path: str):
+    """``path`` (data.path, data.val_path) as a pyarrow dataset of at least one Parquet file, or a
+    ConfigError that says in plain words what is wrong: it does not exist, it holds no Parquet, or
+    its files are not Parquet."""
+    import os
+
+    import pyarrow.dataset as pads
+
+    from raytrain_hybrid.errors import ConfigError
+    from raytrain_hybrid.storage import is_uri
+
+    local = path[len("file://") :] if path.startswith("file://") else None if is_uri(path) else path
+    if local is not None and not os.path.exists(local):
+        where = f" (relative to {os.getcwd()})" if not os.path.isabs(local) else ""
+        raise ConfigError(
+            key,
+            path,
+            f"does not exist{where}; give a Parquet file or a directory of them "
+            "(`raytrain-hybrid prepare-data` makes one from text files)",
+        )
+    try:
+        dataset = pads.dataset(path, format="parquet")
+        files = dataset.files
+    except (OSError, pa.ArrowInvalid) as exc:
+        raise ConfigError(key, path, f"cannot be read as Parquet: {exc}") from exc
+    if not files:
+        raise ConfigError(key, path, "holds no Parquet files")
+    return dataset
+
+
+def columns_fix(names: list[str], path: str) -> str:
+    """A column a key names is not in ``path``: ``is not a column of x.parquet, which has columns a, b``."""
+    return f"is not a column of {path}, which has columns {', '.join(names) or '(none)'}; name one of them"
 
 
 def check_tokenizer(cfg: Config) -> None:
@@ -100,18 +128,11 @@ def check_tokenizer(cfg: Config) -> None:
 
 def _rows_schema_check(cfg: Config, key: str, path: str) -> int:
     """A classifier's Parquet: the text, numeric and label columns exist with usable types."""
-    import pyarrow.dataset as pads
-
     from raytrain_hybrid.errors import ConfigError
 
     d = cfg.data
-    try:
-        dataset = pads.dataset(path, format="parquet")
-        schema, files = dataset.schema, dataset.files
-    except (OSError, pa.ArrowInvalid, FileNotFoundError) as exc:
-        raise ConfigError(key, path, f"cannot be read as Parquet: {exc}") from exc
-    if not files:
-        raise ConfigError(key, path, "holds no Parquet files")
+    dataset = open_parquet(key, path)
+    schema = dataset.schema
     kinds = [
         ("data.text_columns", d.text_columns, lambda t: pa.types.is_string(t) or pa.types.is_large_string(t), "text"),
         (
@@ -125,7 +146,7 @@ def _rows_schema_check(cfg: Config, key: str, path: str) -> int:
     for field_key, columns, ok, what in kinds:
         for column in columns:
             if column not in schema.names:
-                raise ConfigError(field_key, column, f"is not a column of {path}; its columns are {schema.names}")
+                raise ConfigError(field_key, column, columns_fix(schema.names, path))
             if not ok(schema.field(column).type):
                 raise ConfigError(field_key, column, f"has type {schema.field(column).type} in {path}, not {what}")
     rows = dataset.count_rows()

@@ -18,9 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from raytrain_hybrid.data.tokenizer import ASSETS, EOT, load_tokenizer
-
-DEFAULT_CORPUS = ASSETS / "corpus.txt"
+from raytrain_hybrid.data.tokenizer import DEFAULT_CORPUS, EOT, load_tokenizer
 
 
 @functools.lru_cache(maxsize=4)

@@ -15,6 +15,7 @@ import os
 import pyarrow as pa
 
 from raytrain_hybrid.config import Config
+from raytrain_hybrid.data.checks import columns_fix, open_parquet
 from raytrain_hybrid.errors import ConfigError
 
 # Data sets up to this many rows are checked in the driver's process, larger ones by Ray Data's
@@ -22,23 +23,19 @@ from raytrain_hybrid.errors import ConfigError
 IN_PROCESS_ROWS = 5000
 
 
-def check_examples(cfg: Config, say=print) -> int:
-    """Returns the number of rows that train (``say`` gets a warning if rows are cut or dropped)."""
-    import pyarrow.dataset as pads
-
+def check_examples(cfg: Config, say=print, *, encode_here: bool = True) -> int | None:
+    """Returns the number of rows that train (``say`` gets a warning if rows are cut or dropped).
+    ``encode_here=False``: a data set over the in-process bound has its columns and tokenizer
+    checked, and None is returned (its rows are encoded once Ray is up)."""
     from raytrain_hybrid.data.chat import ExampleReport, ExampleSpec, RowError
 
     d = cfg.data
     _, files = check_hf_tokenizer(cfg)
     spec = ExampleSpec.of(cfg, files)
-    try:
-        dataset = pads.dataset(d.path, format="parquet")
-        files = dataset.files
-    except (OSError, pa.ArrowInvalid, FileNotFoundError) as exc:
-        raise ConfigError("data.path", d.path, f"cannot be read as Parquet: {exc}") from exc
-    if not files:
-        raise ConfigError("data.path", d.path, "holds no Parquet files")
+    dataset = open_parquet("data.path", d.path)
     _check_columns(spec, dataset.schema, d.path)
+    if not encode_here and dataset.count_rows() > int(os.environ.get("RAYTRAIN_HYBRID_CHECK_ROWS", IN_PROCESS_ROWS)):
+        return None
     report = ExampleReport()
     try:
         for outcomes in _outcomes(dataset, spec, d.path):
@@ -125,7 +122,7 @@ def _outcomes(dataset, spec, path: str):
 def _check_columns(spec, schema: pa.Schema, path: str) -> None:
     for key, column in zip(spec.keys, spec.columns, strict=True):
         if column not in schema.names:
-            raise ConfigError(key, column, f"is not a column of {path}; its columns are {schema.names}")
+            raise ConfigError(key, column, columns_fix(schema.names, path))
         kind = schema.field(column).type
         if spec.format == "chat":
             ok, want = pa.types.is_list(kind) or pa.types.is_large_list(kind), "a list of {role, content} messages"

@@ -160,11 +160,12 @@ def prepare_data(
     return {"out_dir": out.uri, "tokens": tokens, "rows": rows}
 
 
-def builtin_dataset(cfg) -> str:
-    """The shipped corpus as token Parquet, prepared once per corpus+tokenizer into a cache."""
+def builtin_dataset(cfg, make: bool = True) -> str | None:
+    """The shipped corpus as token Parquet, prepared once per corpus+tokenizer into a cache
+    (``make=False``: None when it has not been prepared yet)."""
     import hashlib
 
-    from raytrain_hybrid.data.corpus import DEFAULT_CORPUS
+    from raytrain_hybrid.data.tokenizer import DEFAULT_CORPUS
 
     tokenizer, eos = resolve_tokenizer(cfg), end_of_text(cfg)
     # The output's format is part of the name: a cache made before prepare-data wrote its marker
@@ -174,6 +175,8 @@ def builtin_dataset(cfg) -> str:
     cache = cache_dir()
     out = cache / f"builtin-{digest}"
     if not (out / MARKER).exists():
+        if not make:
+            return None
         tmp = cache / f"builtin-{digest}.tmp{os.getpid()}"
         prepare_data(str(DEFAULT_CORPUS), str(tmp), tokenizer=tokenizer, eos=eos)
         try:

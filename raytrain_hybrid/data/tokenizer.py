@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"  # raytrain_hybrid/assets
+DEFAULT_CORPUS = ASSETS / "corpus.txt"  # the shipped corpus (data.path="builtin")
 DEFAULT_TOKENIZER = ASSETS / "tokenizer.json"
 EOT = "<|endoftext|>"
 

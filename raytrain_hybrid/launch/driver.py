@@ -31,7 +31,7 @@ from raytrain_hybrid.launch.preflight import waiting_for
 from raytrain_hybrid.launch.progress import RunLog
 from raytrain_hybrid.launch.rundir import RunDir
 from raytrain_hybrid.launch.session import use_train_v2
-from raytrain_hybrid.launch.start import ResumePoint, StartPlan, plan_start, prepare_run_dir
+from raytrain_hybrid.launch.start import ResumePoint, StartPlan, check_before_ray, plan_start, prepare_run_dir
 from raytrain_hybrid.launch.summary import startup_breakdown, startup_cpu, summarize
 from raytrain_hybrid.launch.tracking import TrackedRun, check_tracking
 from raytrain_hybrid.storage import open_store
@@ -67,7 +67,9 @@ def run(
     lease = acquire(out.uri)  # one run per output directory, from here to the end (launch.lease)
     try:
         lease.start_renewing()
-        return _run_leased(cfg, point, marks, say, said, stream, driver_log)
+        # What can be refused without Ray is refused before its start (seconds), as `check` refuses it.
+        cfg, input_whole = check_before_ray(cfg, say)
+        return _run_leased(cfg, point, marks, say, said, stream, driver_log, input_whole)
     finally:
         lease.release()
         if fresh and out.local:  # a run refused after the lease leaves no empty directory behind
@@ -75,12 +77,14 @@ def run(
                 os.rmdir(out.path)
 
 
-def _run_leased(cfg: Config, point: ResumePoint, marks: dict, say, said: list[str], stream, driver_log) -> dict:
+def _run_leased(
+    cfg: Config, point: ResumePoint, marks: dict, say, said: list[str], stream, driver_log, input_whole: bool
+) -> dict:
     """The run, once its checks passed and it holds run.output_dir's lease."""
     import ray
     from ray.util.queue import Queue
 
-    plan = plan_start(cfg, point, marks, say)
+    plan = plan_start(cfg, point, marks, say, input_whole=input_whole)
     cfg = plan.cfg
     for line in plan.lines():
         say(line)

@@ -12,7 +12,7 @@ import math
 import os
 
 from raytrain_hybrid.config import Config
-from raytrain_hybrid.data.checks import schema_check
+from raytrain_hybrid.data.checks import check_tokenizer, schema_check
 from raytrain_hybrid.data.prepare import builtin_dataset
 
 # Ray Data's Parquet reader (datasource V2) starts RAY_DATA_PARQUET_FOOTER_NUM_ACTORS (32)
@@ -61,6 +61,25 @@ def _environment(env: dict[str, str]):
 def prepare_input(cfg: Config, say=print) -> Config:
     """Resolve data.path ("builtin" is prepared once) and check the files before workers start;
     ``say`` gets the check's warnings (rows of chat / prompt_completion data cut or dropped)."""
+    return finish_input(*check_input(cfg, say), say)
+
+
+def finish_input(cfg: Config, whole: bool, say=print) -> Config:
+    """What check_input left for Ray (``whole``: nothing): the shipped corpus prepared, the rows checked."""
+    if whole:
+        return cfg
+    if cfg.data.path == "builtin":
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=builtin_dataset(cfg)))
+    schema_check(cfg, say)
+    return cfg
+
+
+def check_input(cfg: Config, say=print) -> tuple[Config, bool]:
+    """The input's checks that need no Ray, the same for `check` and for `train` before Ray starts:
+    data.path resolved (a classifier's "builtin": the shipped rows), its files, columns and types,
+    the tokenizer. Returns the config and whether the check is whole; what is left needs Ray: the
+    shipped corpus prepared the first time (its tokenizer is checked here), or the rows of a chat
+    data set too large to encode in this process (its columns and tokenizer are checked here)."""
     if cfg.data.text_columns and cfg.data.path in ("builtin", "memory"):  # a classifier: the shipped rows
         from raytrain_hybrid.data.rows import BUILTIN_TRAIN, BUILTIN_VAL
 
@@ -69,11 +88,14 @@ def prepare_input(cfg: Config, say=print) -> Config:
         if not cfg.data.val_path:
             cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, val_path=str(BUILTIN_VAL)))
     if cfg.data.path == "memory":
-        return cfg
+        return cfg, True
     if cfg.data.path == "builtin":
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=builtin_dataset(cfg)))
-    schema_check(cfg, say)
-    return cfg
+        check_tokenizer(cfg)  # the corpus is tokenized with it
+        made = builtin_dataset(cfg, make=False)
+        if made is None:
+            return cfg, False
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=made))
+    return cfg, schema_check(cfg, say, encode_here=False) is not None
 
 
 def steps_to_train(cfg: Config) -> int:

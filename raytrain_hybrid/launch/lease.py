@@ -291,6 +291,18 @@ class Lease:
                 self.backend.delete(version)
 
 
+def in_use(uri: str, current: dict, ttl_s: float = TTL_S) -> ConfigError:
+    """The refusal of a run whose output directory ``uri`` another run (``current``) holds: `train`'s,
+    and `check`'s, which reads the lease without taking it."""
+    return ConfigError(
+        "run.output_dir",
+        uri,
+        f"is in use by another run ({describe(current)}); two runs on one directory would delete each "
+        f"other's checkpoints. Wait for it to end, or choose another run.output_dir (a crashed run's lease "
+        f"expires {ttl_s:.0f} s after its last renewal)",
+    )
+
+
 def acquire(output_dir: str, job: str = "", ttl_s: float = TTL_S) -> Lease:
     """The lease of ``output_dir`` for this driver, or a ConfigError naming the run holding it."""
     store = open_store(output_dir).child(LEASE)
@@ -300,13 +312,7 @@ def acquire(output_dir: str, job: str = "", ttl_s: float = TTL_S) -> Lease:
         return Lease(store, body, backend)
     current, version = backend.read()
     if current is not None and not expired(current):
-        raise ConfigError(
-            "run.output_dir",
-            store.parent.uri,
-            f"is in use by another run ({describe(current)}); two runs on one directory would delete each "
-            f"other's checkpoints. Wait for it to end, or choose another run.output_dir (a crashed run's lease "
-            f"expires {ttl_s:.0f} s after its last renewal)",
-        )
+        raise in_use(store.parent.uri, current, ttl_s)
     # Its holder is gone: take it over, unless another driver was quicker.
     if (current is None and backend.create(body)) or (current is not None and backend.replace(body, version)):
         return Lease(store, body, backend)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.config.elastic import at_world
 from raytrain_hybrid.distributed.parallel_dims import ParallelDims, arrange_ranks
@@ -24,13 +26,37 @@ def check_placement(
     world, counts = predict_start(cfg, resources, nodes, counts)
     dims = ParallelDims.from_config(at_world(cfg, world).parallelism)
     _check_output_dir(cfg, nodes, resources)
-    if hf_checkpoint.is_set(cfg.model.pretrained) and get_arch(cfg.model.arch).from_hf is not None:
-        # Resolving the config read its config.json only.
-        hf_checkpoint.check_weights(cfg.model.pretrained, cfg.model.pretrained_revision)
     if counts is not None:
         arrange_ranks(dims, [f"node{i}" for i, c in enumerate(counts) for _ in range(c)])
         _check_data_cpus(cfg, nodes, dims.world_size)
     return counts
+
+
+def check_weights(cfg: Config) -> None:
+    """model.pretrained holds safetensors weights (resolving the config read its config.json only)."""
+    if hf_checkpoint.is_set(cfg.model.pretrained) and get_arch(cfg.model.arch).from_hf is not None:
+        hf_checkpoint.check_weights(cfg.model.pretrained, cfg.model.pretrained_revision)
+
+
+# A private local Ray with more workers than this many per core: said before it starts.
+CROWDED_PER_CORE = 4
+
+
+def crowded(cfg: Config) -> str:
+    """A warning when a run without a cluster gives this machine far more workers than cores
+    (each takes seconds of CPU to start, and every step shares the cores); "" otherwise."""
+    from raytrain_hybrid.launch.session import ray_address
+
+    if ray_address(cfg) or cfg.parallelism.layout == "auto":
+        return ""
+    world, cores = max(worker_counts(cfg)), os.cpu_count() or 1
+    if world <= CROWDED_PER_CORE * cores:
+        return ""
+    return (
+        f"warning: {world} workers on this machine's {cores} CPU cores: each takes seconds of CPU to start and "
+        "every step shares the cores, so the first step may be minutes away; lower parallelism.dp, tp or pp "
+        "(e.g. --set parallelism.dp=1), or train on a cluster (--address)"
+    )
 
 
 def predict_start(

@@ -20,9 +20,9 @@ from raytrain_hybrid.config.elastic import is_elastic
 from raytrain_hybrid.errors import ConfigError
 from raytrain_hybrid.launch.autolayout import choose_layout, use_gpu_for
 from raytrain_hybrid.launch.elastic import start_line, worker_counts
-from raytrain_hybrid.launch.inputs import prepare_input, steps_to_train
+from raytrain_hybrid.launch.inputs import check_input, finish_input, prepare_input, steps_to_train
 from raytrain_hybrid.launch.placement import worker_resources
-from raytrain_hybrid.launch.preflight import check_placement, predict_start
+from raytrain_hybrid.launch.preflight import check_placement, check_weights, crowded, predict_start
 from raytrain_hybrid.launch.reach import Reach, cluster_reach
 from raytrain_hybrid.launch.session import ensure_ray, ray_address, resolve_use_gpu
 from raytrain_hybrid.planner.hardware import Hardware
@@ -212,14 +212,31 @@ def open_session(cfg: Config, marks: dict, say=print) -> tuple[Config, Reach, Ha
     return cfg, reach, layout_hw
 
 
-def plan_start(cfg: Config, point: ResumePoint, marks: dict, say=print) -> StartPlan:
+def check_before_ray(cfg: Config, say=print) -> tuple[Config, bool]:
+    """The checks `train` makes before Ray starts, and `check` makes the same: the pretrained
+    checkpoint's weights, a machine given far more workers than cores (said), the input
+    (launch.inputs.check_input). Returns the config with data.path resolved and whether the
+    input's check is whole (what is left needs Ray: launch.inputs.finish_input)."""
+    check_weights(cfg)
+    if warning := crowded(cfg):
+        say(warning)
+    return check_input(cfg, say)
+
+
+def plan_start(
+    cfg: Config, point: ResumePoint, marks: dict, say=print, *, input_whole: bool | None = None
+) -> StartPlan:
     """Ray joined, the layout picked, the placement checked against the live nodes, the output
-    directory made and the input checked: the run's StartPlan (ConfigError/LayoutError if none)."""
+    directory made and the input checked: the run's StartPlan (ConfigError/LayoutError if none).
+    ``input_whole``: ``cfg``'s input was checked before Ray started (check_before_ray), whole or
+    not; None: not yet."""
     cfg, reach, layout_hw = open_session(cfg, marks, say)
 
     def ready(cfg: Config) -> Config:
         open_store(cfg.run.output_dir).makedirs()  # only now: a refused run leaves nothing behind
-        return prepare_input(cfg, say=say)
+        if input_whole is None:
+            return prepare_input(cfg, say=say)
+        return finish_input(cfg, input_whole, say)
 
     plan = derive_plan(cfg, point, reach, layout_hw, say, ready=ready)
     marks["input_checked"] = time.time()

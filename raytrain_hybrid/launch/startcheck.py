@@ -23,12 +23,13 @@ from raytrain_hybrid.config import Config
 from raytrain_hybrid.config.elastic import is_elastic
 from raytrain_hybrid.errors import ConfigError
 from raytrain_hybrid.launch.autolayout import held_nodes, pick_for_check
-from raytrain_hybrid.launch.lease import LEASE, describe, expired
+from raytrain_hybrid.launch.lease import LEASE, describe, expired, in_use
 from raytrain_hybrid.launch.preflight import _check_output_dir
 from raytrain_hybrid.launch.reach import Reach
-from raytrain_hybrid.launch.session import join_ray, live_workers_per_node, local_cpus, ray_address
-from raytrain_hybrid.launch.start import ResumePoint, StartPlan, derive_plan, prepare_run_dir
-from raytrain_hybrid.storage import Store, open_store
+from raytrain_hybrid.launch.session import join_ray, live_workers_per_node, local_cpus, ray_address, use_train_v2
+from raytrain_hybrid.launch.start import ResumePoint, StartPlan, check_before_ray, derive_plan, prepare_run_dir
+from raytrain_hybrid.launch.tracking import check_tracking
+from raytrain_hybrid.storage import Store, is_uri, open_store
 
 _CONNECT_S, _REQUEST_S = 5.0, 20.0  # an object store out of reach answers nothing: give up soon
 # GCS's client bounds its retries by time; offline its credential look-up (the metadata server's
@@ -72,6 +73,8 @@ def check_plan(
     where `train` would refuse the resume or the output directory's checkpoints; what cannot be
     read here is appended to ``unverified``."""
     cfg = asked if is_elastic(asked.parallelism) else cfg  # an elastic run's workers pick at each start
+    check_tracking(cfg)  # the driver's first checks, in its order
+    use_train_v2()
     store = None
     try:
         store = open_store(cfg.run.output_dir)
@@ -90,6 +93,7 @@ def check_plan(
         point, lease = ResumePoint(None, [], {}), "not checked (run.output_dir could not be read here)"
     else:
         cfg, point = prepare_run_dir(cfg, resume, allow_change, say, reader=quick)
+    cfg = _inputs(cfg, say, unverified)
     placement = topology if topology else None
     reach = reach or _reach(cfg, topology)
     plan = derive_plan(
@@ -101,6 +105,23 @@ def check_plan(
     except ConfigError as exc:
         say(f"warning: train refuses this on these nodes: {exc}")
     return plan
+
+
+def _inputs(cfg: Config, say, unverified: list[str]) -> Config:
+    """`train`'s checks before Ray starts (launch.start.check_before_ray), refusing what it refuses;
+    a data set or model in storage out of reach here is said as not verified."""
+    try:
+        cfg, whole = check_before_ray(cfg, say)
+    except (OSError, ConfigError) as exc:
+        where = str(exc.value) if isinstance(exc, ConfigError) else ""
+        remote = is_uri(where) and not where.startswith("file://")
+        if isinstance(exc, ConfigError) and not (isinstance(exc.__cause__, OSError) and remote):
+            raise
+        unverified.append(f"{exc} (the input's checks could not be made here)")
+        return cfg
+    if not whole and cfg.data.path != "builtin":  # the shipped corpus, prepared when train first starts
+        unverified.append(f"data.path={cfg.data.path!r}: its rows are encoded and checked by train, on the cluster")
+    return cfg
 
 
 def _reach(cfg: Config, topology: list[int] | None) -> Reach:
@@ -131,7 +152,8 @@ def _local_gpus() -> int:
 
 
 def lease_state(out: Store) -> str:
-    """run.output_dir's lease (launch.lease), read and never taken: free, or held by whom."""
+    """run.output_dir's lease (launch.lease), read and never taken: free, else the ConfigError
+    `train` gives when another run holds it."""
     lease = out.child(LEASE)
     if not lease.is_file():
         return "free"
@@ -142,7 +164,7 @@ def lease_state(out: Store) -> str:
     body = body if isinstance(body, dict) else {}
     if expired(body):
         return f"free (the lease of a run that is gone has expired: {describe(body)})"
-    return f"in use by another run ({describe(body)}); train is refused until it ends"
+    raise in_use(out.uri, body)
 
 
 def quick(store: Store) -> Store:
