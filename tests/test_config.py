@@ -65,6 +65,9 @@ BAD = {
     "lr": (["train.lr=-1"], "train.lr"),
     "no-equals": (["parallelism.tp"], "parallelism.tp"),
     "tracking": (["run.tracking=tensorboard"], "run.tracking"),
+    "profile-one-step": (["run.profile_steps=3"], "run.profile_steps=[3]: must be [first, last]"),
+    "profile-reversed": (["run.profile_steps=[3,2]"], "1 <= first <= last"),
+    "profile-past-end": (["run.profile_steps=19,21", "train.steps=20"], "ends after train.steps=20"),
 }
 
 

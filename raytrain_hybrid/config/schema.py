@@ -305,8 +305,20 @@ class RunConfig:
     # own environment variables (MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME, ...; WANDB_PROJECT,
     # WANDB_API_KEY, WANDB_MODE, ...), never from this config.
     tracking: str = ""
+    # Steps to trace with torch.profiler, [first, last] counted from 1 as the progress line counts them,
+    # e.g. [10, 12]: every rank writes profile/trace_rank<R>.json (Chrome/Perfetto JSON, a "step <N>" span
+    # a step) into run.output_dir; on GPUs also a memory snapshot of those steps (memory_rank<R>.pickle, for
+    # pytorch.org/memory_viz) with the planner's prediction beside it (memory_rank<R>.json). Empty: off.
+    profile_steps: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        steps = self.profile_steps
+        if steps and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
+            raise ConfigError(
+                "run.profile_steps",
+                steps,
+                "must be [first, last] with 1 <= first <= last (steps counted from 1), e.g. [10, 12]; [] for off",
+            )
         if self.startup_timeout_s < 0:
             raise ConfigError("run.startup_timeout_s", self.startup_timeout_s, "must be >= 0 (0: no limit)")
         if self.max_failures < 0:

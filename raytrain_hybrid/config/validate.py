@@ -254,6 +254,15 @@ def _validate_run(cfg: Config) -> None:
             address,
             "is not a Ray address: give HOST:PORT (the head's GCS, e.g. 10.0.0.1:6379), auto, local or ray://HOST:PORT",
         )
+    steps, last = cfg.train.steps, cfg.run.profile_steps[-1:]
+    if last and last[0] > steps:
+        first = min(cfg.run.profile_steps[0], steps)
+        raise ConfigError(
+            "run.profile_steps",
+            cfg.run.profile_steps,
+            f"ends after train.steps={steps}, the run's last step; use steps within 1..{steps}, "
+            f"e.g. [{first}, {min(first + 2, steps)}]",
+        )
     if cfg.run.shared_fs and "://" in cfg.run.output_dir:
         raise ConfigError(
             "run.shared_fs",

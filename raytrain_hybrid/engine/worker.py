@@ -29,6 +29,7 @@ from raytrain_hybrid.data.stream import StreamPosition
 from raytrain_hybrid.distributed.parallel_dims import ParallelDims, arrange_ranks
 from raytrain_hybrid.engine.evaluation import ValidationSet, evaluate
 from raytrain_hybrid.engine.feed import ReplicaFeed
+from raytrain_hybrid.engine.profile import StepProfiler
 from raytrain_hybrid.engine.trainer import Trainer
 from raytrain_hybrid.storage import Store
 
@@ -69,6 +70,7 @@ def run_worker(
     end: int | None = None,
     data_origin: int | None = None,
     trajectory: dict | None = None,
+    predicted_memory: dict | None = None,
 ) -> dict:
     """Train up to ``cfg.train.steps`` steps; returns per-step metrics and this rank's memory stats.
 
@@ -87,6 +89,8 @@ def run_worker(
     data set from its beginning: the step it resumed at), so the stream skips the steps since
     then; None: the resumed checkpoint's own. ``trajectory``: what the driver recorded of the
     run's trajectory (checkpoint.trajectory), written into every manifest.
+    ``predicted_memory``: the planner's bytes for the fullest rank, written beside the memory
+    snapshots of run.profile_steps (engine.profile) on CUDA.
     ``marks`` collects the wall-clock times and process CPU of the start-up phases (:func:`mark`;
     rank 0's are reported).
     ``notice()``: whether this rank has heard that a node of the group is about to go (a
@@ -134,6 +138,7 @@ def run_worker(
         notice=notice,
         on_notice=on_notice,
         end=end,
+        profiler=StepProfiler.open(cfg, trainer, start, predicted_memory),
     )
     loop.run(start)
     if feed is not None:
@@ -206,6 +211,7 @@ class StepLoop:
     noticed_at: int | None = None  # the step boundary where the ranks agreed on a notice
     last_started: int = -1  # the step of the newest save started
     end: int = 0  # the steps the run trains, when known (data.epochs may end it before train.steps)
+    profiler: StepProfiler | None = None  # run.profile_steps
 
     def run(self, start: int) -> None:
         for step in range(start, self.cfg.train.steps):
@@ -220,7 +226,11 @@ class StepLoop:
             self.digest.update(batch.input_ids.numpy().tobytes())
             self.rows += batch.input_ids.shape[0]
             heard = self.notice is not None and self.noticed_at is None and self.notice()
+            if self.profiler is not None:
+                self.profiler.before(step)
             metrics = self.trainer.train_step(step, batch, flag=heard)
+            if self.profiler is not None:
+                self.profiler.after(step)
             mark(self.marks, "first_step_done")
             if "compile_s" in metrics:  # torch.compile compiles at the first step: its share of it
                 self.marks.setdefault("first_step_compile_s", metrics["compile_s"])
@@ -237,6 +247,8 @@ class StepLoop:
             self.checkpoint_if_due(step + 1, metrics)
             if self.trainer.flagged and self.noticed_at is None:
                 self.save_before_preemption(step + 1, metrics)
+        if self.profiler is not None:  # a window the data cut short: written as it stands
+            self.profiler.close()
         if self.writer is not None:  # the run does not end with a save in flight
             self.completed(self.writer.close())
 

@@ -88,6 +88,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             end=loop_config.get("end"),
             data_origin=loop_config.get("data_origin"),
             trajectory=loop_config.get("trajectory"),
+            predicted_memory=predicted_memory(cfg) if loop_config["use_gpu"] else None,
         )
     if rank == 0 and sink is not None:
         sink.put(("done", {"memory": result["memory"], "marks": result["marks"]}))
@@ -95,6 +96,17 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     # after it was saved) has no step left to run.
     last = result["history"][-1] if result["history"] else {"loss": None, "step": start - 1}
     ray.train.report({"loss": last["loss"], "step": last["step"]})
+
+
+def predicted_memory(cfg: Config) -> dict | None:
+    """With run.profile_steps: the planner's bytes for the fullest rank, by kind, which the worker
+    writes beside its memory snapshot (the memory model reads no hardware figure: any profile)."""
+    if not cfg.run.profile_steps:
+        return None
+    from raytrain_hybrid.planner.cost import predict
+    from raytrain_hybrid.planner.hardware import PROFILES
+
+    return predict(cfg, PROFILES["h100"])["memory_bytes"]
 
 
 def _start_layout(cfg: Config, node_id: str, hardware: dict | None) -> tuple[Config, list[str]]:
