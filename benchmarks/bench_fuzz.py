@@ -10,7 +10,8 @@ way a user does (tests/fuzz_files.py's ``run_case``). A case ends accepted, refu
 2 or a ConfigError naming a key or the file, the user's files unchanged), or it crashed
 (anything else: a traceback, an unclear message, a changed file, more than ``--timeout`` s).
 Writes benchmarks/results/fuzz.json: per target the cases tried, accepted, refused clearly and
-crashed (goal 0), with the first crashes' input and error, the command, date and machine.
+crashed (goal 0), with the first crashes' input and error, the slowest case and its time, the
+command, date and machine.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def fuzz(target: str, examples: int, seed: int, timeout: float) -> dict:
     from hypothesis import seed as hseed
 
     counts = collections.Counter()
+    slowest = [0.0, ""]  # seconds of the slowest case, and the case
     crashes: list[dict] = []
     signatures: set[str] = set()
 
@@ -61,6 +63,7 @@ def fuzz(target: str, examples: int, seed: int, timeout: float) -> dict:
     def one(case):
         counts["tried"] += 1
         signal.setitimer(signal.ITIMER_REAL, timeout)
+        started = time.perf_counter()
         try:
             counts[run_case(target, case)] += 1
         except (Exception, BaseException) as exc:  # noqa: BLE001 - every failure is a crash (DCP's are BaseException)
@@ -76,6 +79,8 @@ def fuzz(target: str, examples: int, seed: int, timeout: float) -> dict:
                 crashes.append({"case": repr(case)[:300], "error": error, "class": known or "new"})
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
+            if (took := time.perf_counter() - started) > slowest[0]:
+                slowest[:] = [took, repr(case)[:200]]
 
     t0 = time.perf_counter()
     one()
@@ -87,6 +92,8 @@ def fuzz(target: str, examples: int, seed: int, timeout: float) -> dict:
         # of them, in a class already found (tests/fuzz_files.py's known_crash, outside the fuzzed change)
         "crashed_in_known_classes": counts["crashed_known"],
         "seconds": round(time.perf_counter() - t0, 1),
+        "slowest_case_s": round(slowest[0], 3),
+        "slowest_case": slowest[1],
         "crashes": crashes,
     }
 
@@ -108,7 +115,7 @@ def main() -> None:
         row = targets[name]
         print(
             f"{name:>12}: {row['tried']} tried, {row['accepted']} accepted, {row['refused_clearly']} refused "
-            f"clearly, {row['crashed']} crashed ({row['seconds']} s)",
+            f"clearly, {row['crashed']} crashed ({row['seconds']} s, slowest case {row['slowest_case_s']} s)",
             flush=True,
         )
     totals = {k: sum(t[k] for t in targets.values()) for k in ("tried", "accepted", "refused_clearly", "crashed")}

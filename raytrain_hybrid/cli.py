@@ -10,7 +10,7 @@ import sys
 
 from raytrain_hybrid.cli_help import ADDRESS_HELP, DESCRIPTION, EPILOG, count, topology, version
 from raytrain_hybrid.config import LAYOUT_KEYS, load_config
-from raytrain_hybrid.errors import ConfigError, LayoutError
+from raytrain_hybrid.errors import ConfigError, LayoutError, redact
 
 
 def _add_config_args(p: argparse.ArgumentParser, address: bool = True) -> None:
@@ -151,7 +151,7 @@ def _prepare(args) -> int:
         join_ray(join_address(args.address))
         stats = prepare_data(args.source, args.out_dir, text_column=args.text_column, tokenizer=args.tokenizer)
     except (FileNotFoundError, ConfigError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(redact(f"error: {exc}"), file=sys.stderr)
         return 2
     print(f"wrote {stats['tokens']:,} tokens to {stats['out_dir']}")
     return 0
@@ -168,7 +168,7 @@ def _check(args, cfg, unverified: list[str] | None = None) -> int:
     from raytrain_hybrid.launch.startcheck import check_layout, check_plan
 
     for note in unverified or ():  # what could not be read here (no network, no credentials)
-        _say(args)(f"not verified: {note}")
+        _say(args)(redact(f"not verified: {note}"))
     asked = cfg
     cfg, counts, reach = check_layout(cfg, args.topology, _say(args))  # layout=auto: the planner's pick, printed
     par = cfg.parallelism
@@ -177,7 +177,7 @@ def _check(args, cfg, unverified: list[str] | None = None) -> int:
     notes, said = [], []  # the driver's start plan, made as it would make it; refused where it would refuse
     plan = check_plan(cfg, asked, args.topology, args.resume, args.allow_change, notes, said.append, reach)
     for note in notes:
-        _say(args)(f"not verified: {note}")
+        _say(args)(redact(f"not verified: {note}"))
     if args.json:
         for line in said:
             _say(args)(line)
@@ -202,7 +202,7 @@ def _check(args, cfg, unverified: list[str] | None = None) -> int:
         print(f"{axis} groups: {gs}")
     if par.ep > 1:  # each dp group's ep consecutive replicas share out the experts
         print(f"ep groups: {[g[i : i + par.ep] for g in groups['dp'] for i in range(0, len(g), par.ep)]}")
-    print(*said, *plan.lines(), f"lease: {plan.lease}", sep="\n")  # as the driver says them
+    print(redact("\n".join([*said, *plan.lines(), f"lease: {plan.lease}"])))  # as the driver says them
     if args.hardware:
         from raytrain_hybrid.planner.hardware import load_hardware
         from raytrain_hybrid.planner.search import describe
@@ -237,10 +237,10 @@ def _train(cfg, resume: str | None = None, verbose: bool = False, allow_change: 
                 refused.append(True)  # its log is not this directory's (it may be another run's)
                 # Said now, before Ray is torn down: whatever happens in that teardown (a driver
                 # killed on its way out, a shutdown that hangs), the refusal has reached the user.
-                print(f"error: {exc}", file=err, flush=True)
+                print(redact(f"error: {exc}"), file=err, flush=True)
                 return 2
             except Exception as exc:  # a worker failed: Ray's error carries its traceback
-                print(f"error: training failed: {exc}", file=err)
+                print(redact(f"error: training failed: {exc}"), file=err)  # (Ray's error quotes values)
                 if not verbose:
                     print(f"Ray's output of this run: {log}", file=err)
                 return 1
@@ -309,7 +309,7 @@ def _sweep(args, cfg) -> int:
     out = open_store(args.out, OUT_KEY)
     rows = sweep(cfg, args.world_size, hw, top=args.top, steps=args.steps, out_dir=out)
     for r in rows:
-        measured = f"{r['measured_tokens_per_s']:,.0f}" if not r["failed"] else f"failed: {r['reason'][:80]}"
+        measured = f"{r['measured_tokens_per_s']:,.0f}" if not r["failed"] else f"failed: {redact(r['reason'])[:80]}"
         print(f"{r['name']:>40}  predicted {r['predicted_tokens_per_s']:>12,.0f}  measured {measured}")
     ok = [r for r in rows if not r["failed"]]
     if not ok:
@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _command_run(args)
     except (ConfigError, LayoutError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(redact(f"error: {exc}"), file=sys.stderr)  # every message the CLI prints is redacted
         return 2
 
 

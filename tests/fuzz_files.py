@@ -12,6 +12,7 @@ import json
 import tempfile
 from pathlib import Path
 
+from fuzz_shapes import LONG_VALUES, run_long_values
 from fuzz_targets import (
     CHAT_ROWS,
     CONFIG_FILES,
@@ -211,6 +212,7 @@ TARGETS = {
     "jsonl_rows": (JSONL_ROWS, run_jsonl_rows),
     "manifest": (MANIFEST_EDITS, run_manifest),
     "hf_config": (HF_EDITS, run_hf_config),
+    "long_values": (LONG_VALUES, run_long_values),
 }
 
 

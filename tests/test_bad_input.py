@@ -128,6 +128,121 @@ def test_cli_locations_outside_the_config_are_refused_without_echoing_them(tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == [], "a refused command left files behind"
 
 
+# Shapes that made the credential patterns quadratic (40,000 letters took 1.2 s here and 11.6 s on
+# the reporter's machine; 200,000 take 25 times that): runs of scheme characters, a "?" before a
+# long name, "://" over and over, many parameters.
+SLOW_SHAPES = {
+    "letters": "a" * 200_000,
+    "query name": "?" + "x" * 200_000,
+    "schemes": "a://" * 50_000,
+    "schemes with colons": "a://a:" * 35_000,
+    "user-info without @": "s3://" + "a:" * 100_000,
+    "parameters": "&x=" * 70_000,
+    "secret parameters": "?token=a;" * 25_000,
+    "megabyte": "s3://b/" + "a/?k" * 250_000,
+}
+
+
+@pytest.mark.parametrize("shape", list(SLOW_SHAPES))
+def test_credential_matching_takes_time_linear_in_the_length(shape):
+    """A value or message of any shape is looked at in well under a second of CPU (counted for this
+    process alone, so that a busy machine does not fail it; quadratic matching took 30 s on these)."""
+    import time
+
+    from raytrain_hybrid.errors import has_credentials, redact
+
+    text = SLOW_SHAPES[shape]
+    start = time.process_time()
+    has_credentials(text)
+    redact(text)
+    ConfigError("run.output_dir", text, "refused")
+    assert time.process_time() - start < 1.0, shape
+
+
+def test_a_value_longer_than_any_the_trainer_takes_is_refused_by_its_length(tmp_path, capsys):
+    import time
+
+    path = tmp_path / "run.toml"
+    path.write_text('[data]\npath = "s3://b/x?token=hunter2x&' + "a" * 200_000 + '"\n')
+    start = time.process_time()
+    assert cli.main(["check", str(path)]) == 2
+    assert time.process_time() - start < 5.0
+    err = capsys.readouterr().err
+    assert "data.path='<200,024 characters>': is longer than any value" in err and len(err) < 400, err
+
+
+def test_check_with_a_60000_character_output_dir_is_quick(tmp_path, capsys):
+    import time
+
+    start = time.process_time()
+    assert cli.main(["check", "--set", f"run.output_dir={tmp_path}/" + "a" * 60_000]) in (0, 2)
+    assert time.process_time() - start < 5.0  # was 100 s
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "s3://bucket/data?api_key=hunter2x",
+        "https://host/x?apikey=hunter2x",
+        "https://host/x?auth=hunter2x",
+        "https://host/x?private_key=hunter2x",
+        "https://host/x?pwd=hunter2x",
+        "https://host/x?Authorization=hunter2x",
+        "https://host/x#token=hunter2x",
+        "https://host/x;token=hunter2x",
+        "https://host/x#access_token=hunter2x&state=1",
+        "https://ghp_hunter2xhunter2xhunter2x1234@github.com/org/repo",
+    ],
+)
+def test_more_secret_parameters_are_refused_without_echoing_them(capsys, uri):
+    assert cli.main(["check", "--set", f"data.path={uri}"]) == 2
+    err = capsys.readouterr().err
+    assert "data.path=" in err and "holds credentials" in err and "***" in err, err
+    assert "hunter2x" not in err, err
+
+
+def test_errors_the_cli_prints_are_redacted(tmp_path, capsys, monkeypatch):
+    """A refusal that is not a ConfigError, and a failed run whose error (Ray's, pyarrow's)
+    quotes a URI, are printed without its credentials."""
+    from raytrain_hybrid.errors import LayoutError
+
+    leaky = "s3://bucket/data?api_key=hunter2x failed: Authorization: Bearer hunter2x"
+
+    def refuse(*args, **kwargs):
+        raise LayoutError(leaky)
+
+    monkeypatch.setattr(cli, "_check", refuse)
+    assert cli.main(["check"]) == 2
+    err = capsys.readouterr().err
+    assert "hunter2x" not in err and "api_key=***" in err, err
+
+    def fail(*args, **kwargs):
+        raise RuntimeError(leaky)
+
+    monkeypatch.setattr("raytrain_hybrid.launch.driver.run", fail)
+    assert cli.main(["train", "--verbose", "--set", f"run.output_dir={tmp_path / 'run'}"]) == 1
+    err = capsys.readouterr().err
+    assert "training failed" in err and "hunter2x" not in err, err
+
+
+def test_an_authorization_header_in_a_message_is_redacted():
+    from raytrain_hybrid.errors import redact
+
+    assert redact("GET s3://b/x failed: Authorization: Bearer SECRET (403)") == (
+        "GET s3://b/x failed: Authorization: *** (403)"
+    )
+
+
+@pytest.mark.parametrize(
+    "uri", ["hdfs://user@namenode:8020/data", "ssh://git@github.com/org/repo", "s3://b/x?author=me"]
+)
+def test_a_user_without_a_secret_is_not_refused(uri):
+    from raytrain_hybrid.errors import has_credentials, redact
+
+    assert not has_credentials(uri) and redact(uri) == uri
+
+
 @pytest.fixture(scope="module")
 def secret_run(tmp_path_factory):
     """A short run that saves a checkpoint (the engine's workers as gloo processes, no Ray), with

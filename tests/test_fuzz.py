@@ -31,7 +31,15 @@ def _offline():
 
 
 # Seeded and small: the suite's share of the fuzzing (the benchmark runs thousands).
-EXAMPLES = {"set_values": 30, "config_file": 30, "chat_rows": 15, "jsonl_rows": 5, "manifest": 15, "hf_config": 30}
+EXAMPLES = {
+    "set_values": 30,
+    "config_file": 30,
+    "chat_rows": 15,
+    "jsonl_rows": 5,
+    "manifest": 15,
+    "hf_config": 30,
+    "long_values": 10,
+}
 
 
 @pytest.mark.parametrize("target", list(TARGETS))

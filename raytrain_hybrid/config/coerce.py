@@ -96,11 +96,21 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     raise TypeError(f"unsupported annotation {annotation!r} for {key}")
 
 
+MAX_VALUE_CHARS = 65_536  # a path or URI is at most 4,096 on Linux; no config value comes near
+
+
 def refuse_credentials(key: str, value: Any) -> None:
     """A URI holding credentials (``s3://KEY:SECRET@bucket``, ``?X-Amz-Signature=``) in any value,
     nested ones included: refused naming the key, the URI shown without them. Credentials come
     from the environment (AWS_ACCESS_KEY_ID, ..., instance roles), never from a config: a config
-    is copied into config.json, the checkpoint manifests, the tracker's params and errors."""
+    is copied into config.json, the checkpoint manifests, the tracker's params and errors.
+    A string longer than any the trainer takes is refused first, by its length, not shown."""
+    if isinstance(value, str) and len(value) > MAX_VALUE_CHARS:
+        raise ConfigError(
+            key,
+            f"<{len(value):,} characters>",
+            f"is longer than any value the trainer takes (at most {MAX_VALUE_CHARS:,})",
+        )
     if isinstance(value, str) and has_credentials(value):
         raise ConfigError(
             key,
