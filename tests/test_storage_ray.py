@@ -6,6 +6,9 @@ Everything a run keeps lands in the bucket and nothing in the working directory,
 files at every checkpoint (the bucket keeps every version of an object); --resume from the bucket
 under another layout continues with the uninterrupted run's losses; export reads the bucket; a
 damaged checkpoint on S3 is refused as on disk; no credential reaches the bucket, in any version.
+The run (one replica of two pipeline stages) and its resume are held to the single-process
+reference on the same Ray Data input (tests/reference.py): every step's loss, gradient norm and
+learning rate, and the exported final weights.
 """
 
 from __future__ import annotations
@@ -14,13 +17,16 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
+from conftest import reference_history
 from s3_server import KEY_ID, SECRET, s3_server
+from test_oracle import RTOL, _noise_only
 
 from raytrain_hybrid.data.corpus import DEFAULT_CORPUS
 
@@ -67,6 +73,17 @@ def _objects(fs: pafs.FileSystem, prefix: str) -> dict[str, bytes]:
 
 def _losses(metrics: bytes) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in map(json.loads, metrics.decode().splitlines())}
+
+
+def _assert_reference(metrics: bytes, reference: list[dict], steps: list[int]) -> None:
+    """Each of ``steps`` in a run's metrics.jsonl has the single-process reference's loss and gradient
+    norm (RTOL, as every Ray run is held) and learning rate."""
+    rows = {m["step"]: m for m in map(json.loads, metrics.decode().splitlines())}
+    assert sorted(rows) == steps and len(reference) == 4
+    for step in steps:
+        got, want = rows[step], reference[step]
+        for key, rtol in (("loss", RTOL), ("grad_norm", RTOL), ("lr", 1e-9)):
+            assert got[key] == pytest.approx(want[key], rel=rtol), (key, step, got[key], want[key])
 
 
 def _versions(s3, key: str) -> list[bytes]:
@@ -127,16 +144,25 @@ def test_prepare_data_writes_its_shards_into_the_bucket(s3, prepared):
 def first_run(s3, prepared, tmp_path_factory):
     """A run on the prepared data in the bucket (data.path=s3://...: the input check before workers
     start, Ray Data's reads and the replica leaders' streams all read the bucket), its output
-    there too."""
+    there too. The single-process reference on the same Ray Data input is computed meanwhile (the
+    run mostly waits on its workers)."""
     _, fs = s3
     cwd = tmp_path_factory.mktemp("cwd")
-    done = _cli(["train", *_sets([*COMMON, *FIRST, "run.output_dir=s3://bucket/run"])], cwd, s3)
+    with ThreadPoolExecutor(1) as pool:
+        reference = pool.submit(reference_history, tuple(COMMON), "ray")
+        done = _cli(["train", *_sets([*COMMON, *FIRST, "run.output_dir=s3://bucket/run"])], cwd, s3)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done, cwd, _objects(fs, "bucket/run")
+    return done, cwd, _objects(fs, "bucket/run"), reference.result()
+
+
+def test_the_pipeline_run_on_the_bucket_trains_as_the_single_process_reference(first_run):
+    """(1,1,2) through Ray Train, reading Ray Data's shards of the bucket: every step as one process."""
+    _, _, objects, reference = first_run
+    _assert_reference(objects["metrics.jsonl"], reference, [0, 1, 2, 3])
 
 
 def test_everything_the_run_keeps_is_in_the_bucket(first_run):
-    done, cwd, objects = first_run
+    done, cwd, objects, _ = first_run
     assert "newest checkpoint s3://bucket/run/checkpoints/step_4" in done.stdout.splitlines()[-1]
     for name in ("metrics.jsonl", "summary.json", "config.json", "driver.log"):
         assert name in objects, sorted(objects)
@@ -155,7 +181,7 @@ def test_the_driver_files_reach_the_bucket_at_every_checkpoint(s3, first_run):
     """Not only at the end: the driver uploads its files whenever a checkpoint completes (two
     here) and at the end, every file each time (tests/test_storage.py shows one such upload
     mid-run); summary.json exists only at the end."""
-    _, _, objects = first_run
+    _, _, objects, _ = first_run
     checkpoints = len(json.loads(objects["summary.json"])["checkpoints"])
     uploads = len(_versions(s3, "run/metrics.jsonl"))
     assert checkpoints == 2 and uploads > checkpoints
@@ -172,10 +198,10 @@ def test_no_credential_reaches_the_bucket(s3, first_run):
 def test_resume_from_the_bucket_under_another_layout_continues_the_losses(s3, first_run, tmp_path):
     """Another layout, the one the planner picks for the cluster (two replicas where the first run
     had one of two stages; another placement group, so Ray Data cuts the read into other blocks):
-    the same documents, the same losses. The run
+    the same documents, the single-process reference's steps. The run
     prints its pick and the runner-up; summary.json has the layout it ran."""
     _, fs = s3
-    _, _, objects = first_run
+    _, _, objects, reference = first_run
     done = _cli(
         [
             "train",
@@ -196,15 +222,25 @@ def test_resume_from_the_bucket_under_another_layout_continues_the_losses(s3, fi
     assert sorted(after) == [2, 3]
     for step in (2, 3):
         assert after[step] == pytest.approx(before[step], rel=1e-4), (step, before, after)
+    _assert_reference(resumed["metrics.jsonl"], reference, [2, 3])
 
 
 def test_export_reads_the_bucket(s3, first_run, tmp_path):
+    """The run's last checkpoint, exported from the bucket, holds the reference's final weights."""
     from transformers import AutoModelForCausalLM
 
+    reference = first_run[3]
     done = _cli(["export", "s3://bucket/run", str(tmp_path / "hf")], tmp_path, s3)
     assert done.returncode == 0, done.stderr[-3000:]
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert model.config.num_hidden_layers == 4
+    params, want = dict(model.named_parameters()), reference[-1]["params"]
+    assert sorted(params) == sorted(want)
+    noise = _noise_only(reference)  # a zero gradient but for rounding: AdamW's steps are noise
+    for name, w in want.items():
+        if name not in noise:
+            diff = float((params[name].detach() - w).norm() / w.norm().clamp_min(1e-12))
+            assert diff <= RTOL, f"final value of {name} differs by {diff:.2e} of its norm"
 
 
 def test_a_damaged_checkpoint_on_s3_is_refused(s3, first_run, tmp_path):
