@@ -77,6 +77,8 @@ def _named(err: str, names: set[str]) -> None:
     if start is None or "Traceback" in err:
         raise Crash(f"unclear refusal: {err[-500:]!r}")
     said = err[start.end() :]  # (a key may hold a newline: the whole text, not its first line)
+    if several := re.match(r"\d+ mistakes in the config:\n  ", said):  # a config's mistakes at once: the first
+        said = said[several.end() :]
     if not any(said.startswith(f"{n}=") for n in names):
         raise Crash(f"refusal names none of the keys or files: {err[:300]!r}")
 

@@ -128,7 +128,12 @@ def refuse_credentials(key: str, value: Any) -> None:
             refuse_credentials(key, v)
 
 
-def build_section(cls: type, data: dict[str, Any], prefix: str):
+def build_section(cls: type, data: dict[str, Any], prefix: str, errors: list[ConfigError] | None = None):
+    """``cls`` built from ``data``. ``errors`` (a list): every mistake is appended there and the
+    section built from the keys that work (their defaults for the others), so that a config's
+    mistakes are said at once; without it the first is raised."""
+    collect: list[ConfigError] = [] if errors is None else errors
+    before = len(collect)
     if not isinstance(data, dict):
         raise ConfigError(prefix.rstrip(".") or "<config>", data, "must be a table of keys")
     hints = _section_types(cls)
@@ -136,12 +141,41 @@ def build_section(cls: type, data: dict[str, Any], prefix: str):
     kwargs = {}
     for key, value in data.items():
         full = f"{prefix}{key}"
-        refuse_credentials(full, value)  # first: no other error may show the value
-        if key not in known:
-            raise ConfigError(full, value, f"is not a known key; known keys here: {choices(sorted(known))}")
-        annotation = hints[key]
-        if dataclasses.is_dataclass(annotation):
-            kwargs[key] = build_section(annotation, value, prefix=f"{full}.")
-        else:
-            kwargs[key] = _coerce(full, value, annotation)
-    return cls(**kwargs)
+        try:
+            refuse_credentials(full, value)  # first: no other error may show the value
+            if key not in known:
+                raise ConfigError(full, value, _unknown(key, prefix, known))
+            annotation = hints[key]
+            if dataclasses.is_dataclass(annotation):
+                kwargs[key] = build_section(annotation, value, f"{full}.", errors)
+            else:
+                kwargs[key] = _coerce(full, value, annotation)
+        except ConfigError as exc:
+            if errors is None:
+                raise
+            collect.append(exc)
+    while True:  # the section's own checks (__post_init__): each field that fails is said, then left out
+        try:
+            section = cls(**kwargs)
+            break
+        except ConfigError as exc:
+            if errors is None:
+                raise
+            collect.append(exc)
+            name = str(exc.key).removeprefix(prefix)
+            if name not in kwargs:  # a check across the section's keys: the section's defaults
+                kwargs = {}
+            kwargs.pop(name, None)
+    if errors is None and len(collect) > before:
+        raise collect[before]
+    return section
+
+
+def _unknown(key: str, prefix: str, known: set[str]) -> str:
+    """What an unknown key is told: the closest known key of its section, else the section's keys."""
+    from raytrain_hybrid.config.report import closest
+
+    near = closest(key, sorted(known))
+    if near:
+        return f"is not a known key; did you mean {' or '.join(prefix + k for k in near)}?"
+    return f"is not a known key; known keys here: {choices(sorted(known))}"

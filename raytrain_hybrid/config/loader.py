@@ -6,8 +6,10 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from raytrain_hybrid.config.coerce import build_section
 from raytrain_hybrid.config.defaults import resolve_defaults
 from raytrain_hybrid.config.placeholders import refuse_placeholders
+from raytrain_hybrid.config.report import key_lines, located
 from raytrain_hybrid.config.schema import Config
 from raytrain_hybrid.config.validate import validate
 from raytrain_hybrid.errors import ConfigError
@@ -52,19 +54,26 @@ def load_config(
     could not be read here (a checkpoint's config.json without a network or credentials) is
     noted there, and the rest validated, instead of refused."""
     data: dict[str, Any] = {}
+    text = ""
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise ConfigError("config file", str(path), "does not exist; pass a TOML file or omit it for the defaults")
         try:
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
+            text = path.read_text(encoding="utf-8")
+            data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError("config file", str(path), f"is not valid TOML: {exc}") from exc
         except UnicodeDecodeError as exc:
             raise ConfigError("config file", str(path), f"is not UTF-8 text (TOML is): {exc}") from None
     data = _merge(data, parse_overrides(overrides or []))
+    # Every mistake of the file and the --set values at once, each where it was given.
+    errors: list[ConfigError] = []
+    cfg = build_section(Config, data, prefix="", errors=errors)
+    if errors:
+        given = {item.split("=", 1)[0].strip() for item in overrides or []}
+        raise located(errors, str(path) if path is not None else None, key_lines(text), given)
     # The model keys the file or --set name: each must agree with a pretrained checkpoint's.
-    cfg = Config.from_dict(data)
     refuse_placeholders(cfg)  # before resolving reads model.pretrained: <path-to-model-dir> is no path
     cfg = resolve_defaults(cfg, given=set(data.get("model") or {}), unverified=unverified)
     validate(cfg)
