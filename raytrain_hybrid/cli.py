@@ -218,14 +218,21 @@ def _check(args, cfg, unverified: list[str] | None = None) -> int:
 
 
 def _train(cfg, resume: str | None = None, verbose: bool = False, allow_change: list[str] | None = None) -> int:
-    import ray
-
-    from raytrain_hybrid.launch.driver import run
-    from raytrain_hybrid.launch.progress import quiet_driver
-    from raytrain_hybrid.launch.rundir import RunDir, mirror_dir
+    from raytrain_hybrid.launch.driver import sigterm_ends_the_run
     from raytrain_hybrid.launch.session import ray_address
 
     ray_address(cfg)  # an address that cannot be joined is refused before the run directory is made
+    with sigterm_ends_the_run():
+        return _train_in(cfg, resume, verbose, allow_change)
+
+
+def _train_in(cfg, resume, verbose: bool, allow_change) -> int:
+    import ray
+
+    from raytrain_hybrid.launch.driver import Terminated, run
+    from raytrain_hybrid.launch.progress import quiet_driver
+    from raytrain_hybrid.launch.rundir import RunDir, mirror_dir
+
     connected_before = ray.is_initialized()  # e.g. a notebook's or a test's own session
     log = mirror_dir(cfg.run.output_dir) / "driver.log"  # the run dir itself, unless it is a URI
     summary, refused = None, []
@@ -244,6 +251,10 @@ def _train(cfg, resume: str | None = None, verbose: bool = False, allow_change: 
                 if not verbose:
                     print(f"Ray's output of this run: {log}", file=err)
                 return 1
+            except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (launch.driver.sigterm_ends_the_run)
+                how = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted (Ctrl-C)"
+                print(f"{how}: the run stopped; what it wrote is in {cfg.run.output_dir}", file=err, flush=True)
+                return 143 if isinstance(exc, Terminated) else 130
             finally:
                 if ray.is_initialized() and not connected_before:
                     ray.shutdown()  # inside: Ray's listener threads print until they stop
@@ -371,13 +382,17 @@ def _command_run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit codes: 0 success; 1 the run failed; 2 bad input (argparse's own errors are 2 too)."""
+    """Exit codes: 0 success; 1 the run failed; 2 bad input (argparse's own errors are 2 too);
+    130 Ctrl-C; 143 SIGTERM during `train`."""
     args = _parser().parse_args(argv)
     try:
         return _command_run(args)
     except (ConfigError, LayoutError) as exc:
         print(redact(f"error: {exc}"), file=sys.stderr)  # every message the CLI prints is redacted
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside a run (a check, a prepare-data, Ray's start): one line
+        print("interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

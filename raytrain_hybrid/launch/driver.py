@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -104,9 +105,14 @@ def _run_leased(
         on_checkpoint=functools.partial(run_dir.sync, driver_log),
         said=said,
     )
-    with contextlib.closing(run_log), tracked:  # a run that fails ends its tracker run FAILED
-        watchdog = StartupWatchdog.for_run(cfg.cluster, plan.resources, cfg.run.startup_timeout_s)
-        watch(trainer, sink, run_log, watchdog, marks)
+    try:
+        with contextlib.closing(run_log), tracked:  # a run that fails ends its tracker run FAILED
+            watchdog = StartupWatchdog.for_run(cfg.cluster, plan.resources, cfg.run.startup_timeout_s)
+            watch(trainer, sink, run_log, watchdog, marks)
+    except BaseException as exc:  # failed, Ctrl-C, SIGTERM (cli): summary.json says how, beside driver.log
+        with contextlib.suppress(Exception):
+            write_results(cfg, run_log, marks, run_dir, driver_log, ended=how_ended(exc))
+        raise
     pruned = prune_earlier(cfg)
     if pruned:
         say(
@@ -243,9 +249,49 @@ def watch(trainer, sink, run_log: RunLog, watchdog: StartupWatchdog, marks: dict
         raise outcome["error"]
 
 
-def write_results(cfg: Config, run_log: RunLog, marks: dict, run_dir: RunDir, driver_log: Path | None = None) -> dict:
-    """summary.json in run.output_dir (config.json is there from the start); returns the summary."""
-    summary = summarize(cfg, run_log.history, run_log.memory, run_log.restarts, run_log.restarted_from)
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised on the driver's main thread (the CLI's handler) so that the run ends as
+    after Ctrl-C: Ray shut down, driver.log and summary.json written."""
+
+
+@contextlib.contextmanager
+def sigterm_ends_the_run():
+    """SIGTERM (a job stopped, `kill`) ends a run as Ctrl-C does: its files written, one line said."""
+
+    def terminate(signum, frame):
+        raise Terminated()
+
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def how_ended(exc: BaseException | None) -> str:
+    """summary.json's "ended": completed, interrupted (Ctrl-C), terminated (SIGTERM), or failed: why."""
+    if exc is None:
+        return "completed"
+    if isinstance(exc, KeyboardInterrupt):
+        return "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted (Ctrl-C)"
+    return f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:500]
+
+
+def write_results(
+    cfg: Config,
+    run_log: RunLog,
+    marks: dict,
+    run_dir: RunDir,
+    driver_log: Path | None = None,
+    ended: str = "completed",
+) -> dict:
+    """summary.json in run.output_dir (config.json is there from the start); returns the summary.
+    ``ended``: how the run ended (how_ended); one that did not complete has the steps it made."""
+    summary = {"ended": ended}
+    summary |= summarize(cfg, run_log.history, run_log.memory, run_log.restarts, run_log.restarted_from)
     summary["startup_s"] = startup_breakdown({**marks, **run_log.marks})
     summary["startup_cpu_s"] = startup_cpu(run_log.marks)  # rank 0's worker process
     summary["checkpoints"] = run_log.checkpoints

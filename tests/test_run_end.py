@@ -1,0 +1,72 @@
+"""However a run ends after it started (a failure, Ctrl-C, SIGTERM), `train` says one line, exits
+with its code (1, 130, 143), and leaves driver.log and summary.json in the run directory, the
+summary saying how it ended. The driver runs as the CLI runs it, with Ray's parts stood in for
+(no cluster: the run is ended while it waits for its workers); a real SIGTERM reaches it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from raytrain_hybrid import cli
+from raytrain_hybrid.launch import driver, start
+from raytrain_hybrid.launch.reach import Reach
+
+SETS = ["parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=1", "parallelism.microbatches=1", "data.path=memory"]
+
+
+class _Queue:
+    def __init__(self, **kwargs):
+        pass
+
+
+def _sigterm():
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)  # the handler raises on this thread before the sleep ends
+    raise AssertionError("SIGTERM did not end the run")
+
+
+def _fail():
+    raise RuntimeError("a worker died\nits traceback")
+
+
+@pytest.mark.parametrize(
+    "end, code, said, ended",
+    [
+        (_fail, 1, "error: training failed: a worker died", "failed: RuntimeError: a worker died"),
+        (KeyboardInterrupt, 130, "interrupted (Ctrl-C): the run stopped; what it wrote is in ", "interrupted (Ctrl-C)"),
+        (_sigterm, 143, "terminated (SIGTERM): the run stopped; what it wrote is in ", "terminated (SIGTERM)"),
+    ],
+    ids=["failure", "ctrl-c", "sigterm"],
+)
+def test_a_run_ended_early_leaves_its_log_and_a_summary_saying_how(
+    end, code, said, ended, tmp_path, monkeypatch, capsys
+):
+    import ray.util.queue
+
+    def watch(*args):
+        print("Ray's own line, for driver.log")
+        if isinstance(end, type):
+            raise end()
+        end()
+
+    monkeypatch.setattr(start, "open_session", lambda cfg, marks, say: (cfg, Reach([{"CPU": 4.0}]), None))
+    monkeypatch.setattr(ray.util.queue, "Queue", _Queue)
+    monkeypatch.setattr(driver, "sink_options", dict)
+    monkeypatch.setattr(driver, "make_trainer", lambda plan, **kw: None)
+    monkeypatch.setattr(driver, "watch", watch)
+    out = tmp_path / "run"
+    before = signal.getsignal(signal.SIGTERM)
+    got = cli.main(["train", *(a for s in [*SETS, f"run.output_dir={out}"] for a in ("--set", s))])
+    err = capsys.readouterr().err
+    assert got == code, err
+    assert signal.getsignal(signal.SIGTERM) is before  # the CLI's handler is gone with the run
+    assert said in err and "Traceback" not in err, err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ended"] == ended and summary["steps"] == 0, summary
+    assert "Ray's own line, for driver.log" in (out / "driver.log").read_text()
+    assert (out / "config.json").exists() and not (out / "run.lease.json").exists()
