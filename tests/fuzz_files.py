@@ -12,7 +12,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from fuzz_shapes import LONG_VALUES, run_long_values
+from fuzz_shapes import DEEP_FILES, LONG_VALUES, run_deep_files, run_long_values
 from fuzz_targets import (
     CHAT_ROWS,
     CONFIG_FILES,
@@ -213,6 +213,7 @@ TARGETS = {
     "manifest": (MANIFEST_EDITS, run_manifest),
     "hf_config": (HF_EDITS, run_hf_config),
     "long_values": (LONG_VALUES, run_long_values),
+    "deep_files": (DEEP_FILES, run_deep_files),
 }
 
 

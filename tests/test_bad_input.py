@@ -456,3 +456,109 @@ def test_a_planted_cache_directory_is_refused_naming_it(tmpdir_root, tmp_path, c
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+# --- 6. input nested deep, manifests that are not the trainer's, a cut-off metrics.jsonl -------------
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "x = " + "[" * 100_000 + "]" * 100_000,
+        "x = " + "{a = " * 50_000 + "1" + "}" * 50_000,
+        "x = " + "[" * 40 + "]" * 40,  # parses, but deeper than a config nests
+    ],
+    ids=["arrays 100,000 deep", "inline tables 50,000 deep", "arrays 40 deep"],
+)
+def test_a_config_nested_deep_is_refused_naming_the_file(tmp_path, capsys, body):
+    path = tmp_path / "run.toml"
+    path.write_text(f"[run]\n{body}\n")
+    assert cli.main(["check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"config file='{path}'" in err and "nests arrays or tables deeper" in err and "Traceback" not in err
+
+
+def test_a_set_key_nested_deep_is_refused(capsys):
+    assert cli.main(["check", "--set", "a." * 100_000 + "b=1"]) == 2
+    assert "is not a key: nests arrays or tables deeper" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A checkpoint as a run writes it (tests/fuzz_files.py's: DCP shards and a manifest), no Ray."""
+    from fuzz_files import make_checkpoint
+
+    step = tmp_path_factory.mktemp("ckpt") / "run" / "checkpoints" / "step_2"
+    step.mkdir(parents=True)
+    return step, make_checkpoint(step)
+
+
+FUZZ_TINY = [*TINY[:4], "model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "model.vocab_size=4096"]
+FUZZ_TINY += ["model.seq_len=16", "train.global_batch_size=1", "train.steps=4"]
+
+
+def _planted(tiny_checkpoint, tmp_path, text: str) -> Path:
+    import shutil
+
+    source, _ = tiny_checkpoint
+    step = tmp_path / "run" / "checkpoints" / "step_2"
+    shutil.copytree(source, step)
+    (step / "manifest.json").write_text(text)
+    return tmp_path / "run"
+
+
+def _edited(manifest: dict, key: str, value) -> str:
+    out = json.loads(json.dumps(manifest))
+    if value is ...:
+        del out[key]
+    else:
+        out[key] = value
+    return json.dumps(out)
+
+
+MALFORMED = {
+    "step Infinity": lambda m: _edited(m, "step", 0).replace('"step": 0', '"step": Infinity'),
+    "size 1e400": lambda m: json.dumps(m).replace('"size": ', '"size": 1e400, "was": ', 1),
+    'step "2"': lambda m: _edited(m, "step", "2"),
+    "step -3": lambda m: _edited(m, "step", -3),
+    "step 2.5": lambda m: _edited(m, "step", 2.5),
+    "no config": lambda m: _edited(m, "config", ...),
+    "nested 200,000 deep": lambda m: _edited(m, "extra", 0).replace("0}", "[" * 200_000 + "]" * 200_000 + "}"),
+    "nested 40 deep": lambda m: _edited(m, "extra", 0).replace("0}", "[" * 40 + "]" * 40 + "}"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_a_malformed_manifest_is_refused_by_export_and_resume_before_ray(
+    tiny_checkpoint, tmp_path, capsys, monkeypatch, case
+):
+    import ray
+
+    started: list = []
+    monkeypatch.setattr(ray, "init", lambda *a, **k: started.append("ray.init"))
+    run = _planted(tiny_checkpoint, tmp_path, MALFORMED[case](tiny_checkpoint[1]))
+    manifest = run / "checkpoints" / "step_2" / "manifest.json"
+    assert cli.main(["export", str(run), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert f"CHECKPOINT='{run}': holds no intact checkpoint: step_2 has a manifest.json" in err, err
+    assert "Traceback" not in err and not (tmp_path / "hf").exists()
+    sets = [a for s in [*FUZZ_TINY, f"run.output_dir={tmp_path / 'out'}"] for a in ("--set", s)]
+    assert cli.main(["train", "--resume", str(run), *sets]) == 2
+    err = capsys.readouterr().err
+    assert f"--resume='{run}': holds no intact checkpoint: step_2 has a manifest.json" in err, err
+    assert "Traceback" not in err
+    assert started == [] and manifest.exists()
+
+
+def test_a_cut_off_last_line_of_metrics_jsonl_is_left_out_on_resume(tmp_path):
+    from raytrain_hybrid.launch.start import _metrics_lines
+    from raytrain_hybrid.storage import as_store
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 0, "loss": 9.1}\n{"step": 1, "loss": 8.7}\n{"step": 2, "lo\xc3')
+    said: list[str] = []
+    assert [h["step"] for h in _metrics_lines(as_store(path), said.append)] == [0, 1]
+    assert len(said) == 1 and "cut off" in said[0]
+    path.write_text('{"step": 0}\nnot json\n{"step": 2}\n')
+    with pytest.raises(ConfigError, match="line 2 is not a step's record"):
+        _metrics_lines(as_store(path), said.append)

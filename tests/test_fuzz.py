@@ -39,6 +39,7 @@ EXAMPLES = {
     "manifest": 15,
     "hf_config": 30,
     "long_values": 10,
+    "deep_files": 10,
 }
 
 
@@ -80,6 +81,14 @@ FIXED_CRASHES = {
     "config.json without hidden_size": ("hf_config", ("edits", [(["hidden_size"], "del", None)])),
     "config.json hidden_size a string": ("hf_config", ("edits", [(["hidden_size"], "set", "wide")])),
     "cluster.address none": ("set_values", ["cluster.address=none"]),
+    "config file arrays 100,000 deep": ("deep_files", ("toml arrays", 100_000, "step", "1")),
+    "config file tables 50,000 deep": ("deep_files", ("toml tables", 50_000, "step", "1")),
+    "manifest 200,000 deep": ("deep_files", ("manifest arrays", 200_000, "step", "1")),
+    "manifest step Infinity": ("deep_files", ("manifest value", 1, "step", "Infinity")),
+    "manifest size 1e400": ("deep_files", ("manifest value", 1, "size", "1e400")),
+    'manifest step "2"': ("deep_files", ("manifest value", 1, "step", '"2"')),
+    "manifest step 2.5": ("deep_files", ("manifest value", 1, "step", "2.5")),
+    "manifest without config": ("deep_files", ("manifest value", 1, "config", "null")),
 }
 
 

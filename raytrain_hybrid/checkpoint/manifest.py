@@ -18,6 +18,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 
 from raytrain_hybrid.config import layout_dict
+from raytrain_hybrid.config.nesting import too_deep
 from raytrain_hybrid.errors import ConfigError
 from raytrain_hybrid.storage import Store, as_store, is_uri
 
@@ -41,6 +42,46 @@ def layout_of(cfg) -> dict:
 def read_manifest(path: str | Path | Store) -> dict:
     """The manifest of a checkpoint directory (unverified: see ``verify`` for the driver's check)."""
     return json.loads(as_store(path).child(MANIFEST).read_text())
+
+
+def _whole(value, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:60] + "..."
+
+
+def manifest_problem(manifest) -> str | None:
+    """What makes ``manifest`` (parsed JSON) other than a manifest the trainer writes, or None:
+    every value the driver and the workers read from it, checked for its type and range before
+    any of them is used (a step of Infinity, a size of 1e400, a step of "2" or 2.5, no config)."""
+    if not isinstance(manifest, dict):
+        return f"it is a JSON {type(manifest).__name__}, not an object"
+    if where := too_deep(manifest):
+        return f"it nests deeper than any the trainer writes (at {where[:200]})"
+    for name, least in (("step", 0), ("world_size", 1), ("data_origin", 0)):
+        if (name in manifest or name != "data_origin") and not _whole(manifest.get(name), least):
+            return f'"{name}" is {_shown(manifest.get(name))}; it must be a whole number >= {least}'
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        return f'"files" is {_shown(files)}; it must map each file of the checkpoint to its size and SHA-256'
+    for name, want in files.items():
+        if not isinstance(want, dict) or not _whole(want.get("size"), 0):
+            return f'"files" gives {name!r} as {_shown(want)}; each must be {{"size": bytes >= 0, "sha256": ...}}'
+        if not isinstance(want.get("sha256", ""), str):
+            return f'"files" gives {name!r} a SHA-256 of {_shown(want["sha256"])}, not a string'
+    config = manifest.get("config")
+    if not isinstance(config, dict):
+        return f'"config" is {_shown(config)}; it must be the config of the run (an object of sections)'
+    for section, body in config.items():
+        if not isinstance(body, dict):
+            return f'"config.{section}" is {_shown(body)}; each section must be an object of keys'
+    for name in ("trajectory", "layout", "data_position"):
+        if name in manifest and not isinstance(manifest[name], dict):
+            return f'"{name}" is {_shown(manifest[name])}; it must be an object'
+    return None
 
 
 def file_digest(path: str | Path | Store) -> dict:
@@ -88,15 +129,18 @@ def verify(path: str | Path | Store, key: str = "--resume", digests: bool | None
         )
     try:
         manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-        int(manifest["step"])
-        sizes = {str(name): int(want["size"]) for name, want in files.items()}
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise ConfigError(key, str(path), f"has an unreadable {MANIFEST}: {exc!r}") from exc
-    if manifest.get("format") != FORMAT:
+    except ValueError as exc:
+        raise ConfigError(key, str(path), f"has an unreadable {MANIFEST}: {exc!r}") from None
+    except RecursionError:  # json parses nested arrays and objects by recursion
+        raise ConfigError(key, str(path), f"has a {MANIFEST} nested deeper than any the trainer writes") from None
+    if isinstance(manifest, dict) and manifest.get("format") != FORMAT:
         raise ConfigError(
-            key, str(path), f"has checkpoint format {manifest.get('format')}; this version reads {FORMAT}"
+            key, str(path), f"has checkpoint format {_shown(manifest.get('format'))}; this version reads {FORMAT}"
         )
+    if problem := manifest_problem(manifest):
+        raise ConfigError(key, str(path), f"has a {MANIFEST} that is not one the trainer writes: {problem}")
+    files = manifest["files"]
+    sizes = {name: want["size"] for name, want in files.items()}
     for name in sorted(files):
         if name != posixpath.basename(name) or name in ("", ".", ".."):
             raise ConfigError(key, str(path), f"has a {MANIFEST} naming {name!r}, not a file of the checkpoint")
@@ -149,7 +193,7 @@ def resolve(path: str | Path | Store, key: str = "--resume") -> tuple[Store, dic
         try:
             return candidate, verify(candidate, key)
         except ConfigError as exc:
-            errors.append(exc.fix)
+            errors.append(f"{candidate.name} {exc.fix}")
     raise ConfigError(key, str(path), f"holds no intact checkpoint: {'; '.join(errors)}")
 
 

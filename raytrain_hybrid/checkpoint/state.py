@@ -114,7 +114,7 @@ def load_checkpoint(trainer, cfg, path: str | Path | Store) -> dict:
     # elastic resize comes here without the driver's check; a listing and one small file).
     manifest = verify(path, digests=False)
     rank = dist.get_rank()
-    same_layout = manifest["world_size"] == dist.get_world_size() and manifest["layout"] == layout_of(cfg)
+    same_layout = manifest["world_size"] == dist.get_world_size() and manifest.get("layout") == layout_of(cfg)
     state, per_module = training_state(trainer, rank, with_rng=same_layout)
     # Straight from storage: this rank's byte ranges only (checkpoint.reader), nothing copied to disk.
     safe_load(state, path)

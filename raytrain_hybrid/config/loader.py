@@ -8,6 +8,7 @@ from typing import Any
 
 from raytrain_hybrid.config.coerce import build_section
 from raytrain_hybrid.config.defaults import resolve_defaults
+from raytrain_hybrid.config.nesting import MAX_DEPTH, too_deep
 from raytrain_hybrid.config.placeholders import refuse_placeholders
 from raytrain_hybrid.config.report import key_lines, located
 from raytrain_hybrid.config.schema import Config
@@ -26,12 +27,17 @@ def _set_nested(tree: dict[str, Any], dotted: str, value: str) -> None:
     node[parts[-1]] = value
 
 
+_TOO_DEEP = f"nests arrays or tables deeper than a config does (at most {MAX_DEPTH} levels)"
+
+
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     tree: dict[str, Any] = {}
     for item in overrides:
         if "=" not in item:
             raise ConfigError(item, item, "a --set needs the form key=value, e.g. parallelism.tp=2")
         key, value = item.split("=", 1)
+        if key.count(".") >= MAX_DEPTH:  # a section.key is one dot; a merge of thousands would recurse
+            raise ConfigError(f"{key[:80]}...", "", f"is not a key: {_TOO_DEEP}")
         _set_nested(tree, key.strip(), value.strip())
     return tree
 
@@ -66,6 +72,10 @@ def load_config(
             raise ConfigError("config file", str(path), f"is not valid TOML: {exc}") from exc
         except UnicodeDecodeError as exc:
             raise ConfigError("config file", str(path), f"is not UTF-8 text (TOML is): {exc}") from None
+        except RecursionError:  # tomllib parses nested arrays and inline tables by recursion
+            raise ConfigError("config file", str(path), _TOO_DEEP) from None
+        if where := too_deep(data):
+            raise ConfigError("config file", str(path), f"{_TOO_DEEP} (at {where[:200]})")
     data = _merge(data, parse_overrides(overrides or []))
     # Every mistake of the file and the --set values at once, each where it was given.
     errors: list[ConfigError] = []

@@ -106,8 +106,34 @@ def check_resume(
     history = []
     metrics = out.child("metrics.jsonl")
     if path.parent.uri == ckpt_root.uri and metrics.exists():  # continuing in place: keep the steps before
-        history = [h for h in map(json.loads, metrics.read_text().splitlines()) if h["step"] < manifest["step"]]
+        history = [h for h in _metrics_lines(metrics, say) if h["step"] < manifest["step"]]
     return ResumePoint(path.uri, history, describe(cfg), origin, manifest["step"])
+
+
+def _metrics_lines(metrics: Store, say) -> list[dict]:
+    """The steps metrics.jsonl records. A last line cut off (the run was killed while writing it)
+    is left out, and said; any other line that is not a step's record is refused, naming it."""
+    lines = metrics.read_bytes().decode(errors="replace").splitlines()  # (a cut may split a character)
+    steps = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError):
+            record = None
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and not isinstance(record["step"], bool):
+            steps.append(record)
+        elif number == len(lines):
+            say(f"resume: the last line of {metrics.uri} was cut off (a run killed while writing it); left out")
+        else:
+            raise ConfigError(
+                "run.output_dir",
+                metrics.uri,
+                f"line {number} is not a step's record (JSON with an integer step): {line[:80]!r}; "
+                "move the file aside to resume without the earlier steps' metrics",
+            )
+    return steps
 
 
 def _intact(path) -> bool:
