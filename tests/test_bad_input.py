@@ -562,3 +562,60 @@ def test_a_cut_off_last_line_of_metrics_jsonl_is_left_out_on_resume(tmp_path):
     path.write_text('{"step": 0}\nnot json\n{"step": 2}\n')
     with pytest.raises(ConfigError, match="line 2 is not a step's record"):
         _metrics_lines(as_store(path), said.append)
+
+
+# --- 7. links planted in a run directory or a checkpoint --------------------------------------------
+
+
+def test_files_a_run_writes_replace_a_planted_link_and_leave_its_target(tmp_path):
+    """config.json, summary.json (written whole), metrics.jsonl (written as it goes), driver.log
+    (copied in at each checkpoint and at the end) and files through the storage layer: a link
+    planted at the name is replaced by the run's file, its target left as it was."""
+    from raytrain_hybrid.launch.driver import write_config, write_results
+    from raytrain_hybrid.launch.progress import RunLog, quiet_driver
+    from raytrain_hybrid.launch.rundir import RunDir
+    from raytrain_hybrid.storage import as_store
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("config.json", "summary.json", "metrics.jsonl", "driver.log", "run.lease.json"):
+        (run / name).symlink_to(victim)
+    cfg = load_config(None, [f"run.output_dir={run}"])
+    write_config(cfg, RunDir.open(str(run)))
+    log = RunLog(run, steps=2, progress=False, tensorboard=False)
+    driver_log = tmp_path / "live.log"
+    driver_log.write_text("ray said\n")
+    write_results(cfg, log, {}, RunDir.open(str(run)), driver_log, ended="failed")  # summary.json, driver.log
+    log.file.close()
+    as_store(run / "run.lease.json").write_text("{}")
+    assert victim.read_text() == "precious\n"
+    for name in ("config.json", "summary.json", "metrics.jsonl", "driver.log", "run.lease.json"):
+        assert not (run / name).is_symlink() and (run / name).is_file(), name
+    assert (run / "driver.log").read_text() == "ray said\n"
+    # The CLI's driver.log, moved into the run at its end.
+    (run / "driver.log").unlink()
+    (run / "driver.log").symlink_to(victim)
+    with quiet_driver(run / "driver.log") as (_, _, live):
+        assert live is not None
+    assert victim.read_text() == "precious\n" and not (run / "driver.log").is_symlink()
+
+
+def test_a_shard_that_links_outside_the_checkpoint_is_refused(tiny_checkpoint, tmp_path, capsys):
+    import shutil
+
+    source, manifest = tiny_checkpoint
+    step = tmp_path / "run" / "checkpoints" / "step_2"
+    shutil.copytree(source, step)
+    shard = next(n for n in manifest["files"] if n.endswith(".distcp"))
+    outside = tmp_path / "elsewhere.bin"
+    (step / shard).rename(outside)  # the same bytes: sizes and digests match the manifest
+    (step / shard).symlink_to(outside)
+    assert cli.main(["export", str(step), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert f"has {shard} as a link to {outside}, outside the checkpoint" in err, err
+    assert not (tmp_path / "hf").exists()
+    (step / shard).unlink()
+    (step / shard).symlink_to(outside.rename(step / "beside.bin"))  # a link inside the checkpoint reads
+    assert cli.main(["export", str(step), str(tmp_path / "hf")]) == 0, capsys.readouterr().err

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import posixpath
 import re
 from pathlib import Path
@@ -144,6 +145,7 @@ def verify(path: str | Path | Store, key: str = "--resume", digests: bool | None
     for name in sorted(files):
         if name != posixpath.basename(name) or name in ("", ".", ".."):
             raise ConfigError(key, str(path), f"has a {MANIFEST} naming {name!r}, not a file of the checkpoint")
+    _refuse_links_out(path, [MANIFEST, *files], key)
     # One listing for the sizes (on object storage one request, not one per file).
     on_storage = {i.base_name: i for i in path.fs.get_file_info(pafs.FileSelector(path.path)) if i.is_file}
     if digests is None:
@@ -158,6 +160,22 @@ def verify(path: str | Path | Store, key: str = "--resume", digests: bool | None
             raise ConfigError(key, str(path), f"has a corrupted {name}: its SHA-256 differs from the one written")
     _check_metadata(path, files, key)
     return {**manifest, "verified": "sha256" if digests else "sizes"}
+
+
+def _refuse_links_out(path: Store, names: list[str], key: str) -> None:
+    """On a local disk, a file of the checkpoint that is a link to somewhere outside it: a
+    planted link to another file (a key, another run's weights) would be read as a shard."""
+    if not path.local:
+        return
+    root = os.path.realpath(path.path)
+    for name in names:
+        file = os.path.join(path.path, name)
+        if os.path.islink(file) and os.path.dirname(os.path.realpath(file)) != root:
+            raise ConfigError(
+                key,
+                str(path),
+                f"has {name} as a link to {os.path.realpath(file)}, outside the checkpoint (nothing read)",
+            )
 
 
 def _check_metadata(path: Store, files: dict, key: str) -> None:

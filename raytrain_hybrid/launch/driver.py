@@ -36,6 +36,7 @@ from raytrain_hybrid.launch.start import ResumePoint, StartPlan, check_before_ra
 from raytrain_hybrid.launch.summary import startup_breakdown, startup_cpu, summarize
 from raytrain_hybrid.launch.tracking import TrackedRun, check_tracking
 from raytrain_hybrid.storage import open_store
+from raytrain_hybrid.storage.nofollow import write_new
 
 
 def run(
@@ -94,8 +95,7 @@ def _run_leased(
     tracking = tracked.open(cfg)
     trainer = make_trainer(plan, sink=sink, tracking=tracking)
     run_dir = RunDir.open(cfg.run.output_dir, fresh=True)
-    # config.json from the start: it reaches the output URI with the first checkpoint.
-    (run_dir.local / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    write_config(cfg, run_dir)
     run_log = RunLog(
         run_dir.local,
         steps=plan.end,
@@ -280,6 +280,12 @@ def how_ended(exc: BaseException | None) -> str:
     return f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:500]
 
 
+def write_config(cfg: Config, run_dir: RunDir) -> None:
+    """config.json from the start: it reaches the output URI with the first checkpoint. A link
+    planted at the name (a shared run directory) is replaced, its target left as it was."""
+    write_new(run_dir.local / "config.json", json.dumps(cfg.to_dict(), indent=2) + "\n")
+
+
 def write_results(
     cfg: Config,
     run_log: RunLog,
@@ -302,6 +308,6 @@ def write_results(
             "max_dp": cfg.parallelism.dp,
             "starts": run_log.dp_starts,
         }
-    (run_dir.local / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_new(run_dir.local / "summary.json", json.dumps(summary, indent=2) + "\n")
     run_dir.sync(driver_log)
     return summary

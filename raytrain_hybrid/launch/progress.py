@@ -10,10 +10,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import sys
 import tempfile
 from pathlib import Path
+
+from raytrain_hybrid.storage.nofollow import copy_new, create_new
 
 # metrics.jsonl key -> TensorBoard tag
 _SCALARS = {
@@ -73,9 +74,8 @@ def quiet_driver(log_path: Path, *, quiet: bool = True, keep=lambda: True):
             terminal_err.close()
         log.close()
         if log_path.parent.is_dir() and keep():
-            shutil.move(tmp, log_path)
-        else:
-            os.unlink(tmp)
+            copy_new(tmp, log_path)  # (not shutil.move: across file systems it writes through a link)
+        os.unlink(tmp)
 
 
 def _is_fd2(stream) -> bool:
@@ -124,7 +124,7 @@ class RunLog:
         self.preemptions: list[dict] = []  # per notice: step saved, nodes, ranks, deadline; restarted_from
         self.marks: dict = {}  # rank 0's start-up phases (wall clock)
         self.on_checkpoint = on_checkpoint  # e.g. copy the run's files to its URI
-        self.file = self.path.open("w")
+        self.file = create_new(self.path)  # a link planted there is replaced, not followed
         for m in history or ():  # the steps a resumed run did before its checkpoint
             self._record(m)
         self.bar = self.lines = None
@@ -148,6 +148,8 @@ class RunLog:
         if tensorboard:
             from tensorboardX import SummaryWriter
 
+            if (out_dir / "tensorboard").is_symlink():  # its event files go into the run, not a link's target
+                (out_dir / "tensorboard").unlink()
             self.tb = SummaryWriter(str(out_dir / "tensorboard"), flush_secs=10)
 
     def _say(self, text: str) -> None:
@@ -231,7 +233,7 @@ class RunLog:
         kept = [h for h in self.history if h["step"] < step]
         self.checkpoints = [c for c in self.checkpoints if c["step"] <= step]  # later ones are redone
         self.file.close()
-        self.file = self.path.open("w")
+        self.file = create_new(self.path)
         self.history = []
         for h in kept:
             self._record(h)

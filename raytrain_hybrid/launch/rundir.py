@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from raytrain_hybrid.storage import Store, open_store, private_dir
+from raytrain_hybrid.storage.nofollow import copy_new
 
 
 def mirror_dir(output_dir: str) -> Path:
@@ -52,6 +53,6 @@ class RunDir:
         """Copy the mirror's files to the run's URI (nothing to do for a local run); first
         ``driver_log``, the driver's log being written (progress.quiet_driver), as driver.log."""
         if driver_log is not None and driver_log.exists():
-            shutil.copyfile(driver_log, self.local / "driver.log")
+            copy_new(driver_log, self.local / "driver.log")  # a link planted there is replaced, not followed
         if not self.store.local:
             self.store.upload(str(self.local))

@@ -132,12 +132,11 @@ class Store:
     def write_bytes(self, data: bytes) -> None:
         """Whole or not at all: on a local disk through a rename, on an object store by the
         store's own semantics (an object appears only when its upload completes)."""
-        if self.local:
+        if self.local:  # (through a new temporary file: a link planted at the name is replaced, not followed)
+            from raytrain_hybrid.storage.nofollow import write_new
+
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            tmp = f"{self.path}.tmp{os.getpid()}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, self.path)
+            write_new(self.path, data)
             return
         with self.fs.open_output_stream(self.path) as f:
             f.write(data)
