@@ -41,6 +41,13 @@ def lm_model(cfg) -> nn.Module:
     import transformers
 
     m = cfg.model
+    if m.arch not in ("llama", "gpt2"):  # any other family: transformers' own class for its checkpoint
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        assert m.pretrained, f"a {m.arch} reference is built from its checkpoint"
+        config = AutoConfig.from_pretrained(m.pretrained, local_files_only=True)
+        config.use_cache = False
+        return AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     if m.arch == "llama":
         config = transformers.LlamaConfig(
             vocab_size=m.vocab_size,
@@ -244,7 +251,15 @@ def reference_run(cfg, windows: list | None = None, keep_model: list | None = No
         logits = model(input_ids=inputs).logits
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
-    out = _train(cfg, model, gpt2_to_engine if gpt2 else dict, loss_of, steps=min(cfg.train.steps, len(windows)))
+    to_engine = gpt2_to_engine if gpt2 else dict
+    if getattr(model.config, "tie_word_embeddings", False) and not gpt2:
+        # A tied model has one matrix; the engine names it twice (embedding and head, kept equal).
+        embed = next(n for n, p in model.named_parameters() if p is model.get_input_embeddings().weight)
+
+        def to_engine(named: dict) -> dict:
+            return {**named, "lm_head.weight": named[embed]}
+
+    out = _train(cfg, model, to_engine, loss_of, steps=min(cfg.train.steps, len(windows)))
     out[0]["initial"] = start
     if keep_model is not None:
         keep_model.append(model)

@@ -25,7 +25,7 @@ from raytrain_hybrid.config.parallelism import (  # noqa: F401  (re-exported: th
     layout_dict,
 )
 from raytrain_hybrid.errors import ConfigError
-from raytrain_hybrid.models import ARCH_NAMES
+from raytrain_hybrid.models import ARCH_NAMES, is_arch
 
 # The architectures of the registry (raytrain_hybrid.models).
 ARCHS = ARCH_NAMES
@@ -80,8 +80,12 @@ class ModelConfig:
     fusion_hidden_size: int = 128
 
     def __post_init__(self) -> None:
-        if self.arch not in ARCHS:
-            raise ConfigError("model.arch", self.arch, f"must be one of {choices(ARCHS)}")
+        if not is_arch(self.arch):
+            raise ConfigError(
+                "model.arch",
+                self.arch,
+                f"must be one of {choices(ARCHS)} or a transformers decoder model_type (docs/models.md)",
+            )
         for key in ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_len", "num_experts"):
             value = getattr(self, key)
             if value < 1:

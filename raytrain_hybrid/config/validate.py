@@ -56,7 +56,9 @@ def _validate_model(cfg: Config, spec: ArchSpec) -> None:
             f"must divide model.hidden_size={model.hidden_size}; try one of {choices(divisors(model.hidden_size))}",
         )
     spec.check(cfg)
-    if model.head_dim and spec.attention is None:  # the Llama family's attention reads it, no other
+    # The Llama family's attention reads it, and every transformers family the generic path builds
+    # (models.generic: on_stage), no other.
+    if model.head_dim and spec.attention is None and spec.on_stage is None:
         raise ConfigError(
             "model.head_dim",
             model.head_dim,

@@ -31,6 +31,10 @@ def _style(style: str, sp: bool):
         return ColwiseParallel()
     if style == "rowwise":
         return RowwiseParallel(output_layouts=between)
+    if style == "colwise_gather":  # transformers' colwise_gather_output: the whole output on every rank
+        return ColwiseParallel(output_layouts=Replicate())
+    if style == "rowwise_split":  # transformers' rowwise_split_input: a whole input, this rank's columns
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
     if style == "embedding":
         # Vocab-parallel embedding: each rank holds vocab/tp rows; partial lookups are summed
         # (all-reduce, or reduce-scatter onto sequence shards).

@@ -90,6 +90,12 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         self._grad_ready = True
 
     @torch.no_grad()
+    def exclude_from_norm(self, param: torch.Tensor) -> None:
+        """Leave ``param`` out of the gradient norm (a tied head: its gradient is the embedding's)."""
+        for i, p in enumerate(self.model_params):
+            if p is param:
+                self.copies[i] = float("inf")
+
     def grad_norm_sq(self) -> torch.Tensor:
         """This rank's part of the squared global gradient norm (sum it over the world)."""
         total = torch.zeros((), dtype=torch.float64, device=self.shard.device)
@@ -187,6 +193,10 @@ class SplitZeroOne(ZeroOneOptimizer):
         for part in self.parts:
             part.reduce_gradients()
         self._grad_ready = True
+
+    def exclude_from_norm(self, param: torch.Tensor) -> None:
+        for part in self.parts:
+            part.exclude_from_norm(param)
 
     def grad_norm_sq(self) -> torch.Tensor:
         return sum(part.grad_norm_sq() for part in self.parts)

@@ -28,6 +28,7 @@ from raytrain_hybrid.distributed.utils import clip_grads_, global_grad_norm
 from raytrain_hybrid.distributed.zero1 import ZeroOneOptimizer
 from raytrain_hybrid.engine.compile_clock import CompileClock
 from raytrain_hybrid.engine.loss import TokenLoss, lr_factor, make_loss, make_router_loss, moe_metrics
+from raytrain_hybrid.engine.tied import TiedEmbedding
 from raytrain_hybrid.models import get_arch, hf_checkpoint, lora
 from raytrain_hybrid.models.common import build_stage, full_init_state_dict
 from raytrain_hybrid.models.flops import device_peak_tflops, flops_per_token, tokens_per_row
@@ -66,6 +67,7 @@ class Trainer:
         self.compile_clock = CompileClock() if self.compiled else None
         self.has_first = 0 in ids
         self.has_last = num_stages - 1 in ids
+        self.tied = TiedEmbedding.of(self.spec, self.hf_config, mesh, dims, par, num_stages)
         self.modules = [self._build(sid, split[sid], num_stages) for sid in ids]
         # What the optimizer trains: with LoRA the adapters only (the base is frozen: no gradient,
         # no optimizer state, in no DP bucket or ZeRO-1 slice).
@@ -84,6 +86,8 @@ class Trainer:
             weight_decay=cfg.train.weight_decay,
             device=device,
         )
+        if self.tied is not None:
+            self.tied.bind(self.modules, self.optimizer)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             lambda s: lr_factor(
@@ -132,6 +136,16 @@ class Trainer:
             full = self.spec.initial_state(self.cfg, stage, shapes)
         else:
             full = full_init_state_dict(stage, self.cfg.train.seed, self.cfg.train.init_std, shapes)
+            if self.tied is not None:  # the head starts as the embedding, wherever each lives
+                self.tied.initial(full, shapes, self.cfg.train.seed, self.cfg.train.init_std)
+        # Buffers computed at build (rotary tables, an embedding scale; not in any state dict),
+        # kept by module: materialising the stage below leaves them uninitialised.
+        buffers = [
+            (mod, name, buf.clone())
+            for mod in stage.modules()
+            for name, buf in mod._buffers.items()
+            if buf is not None and not buf.is_meta
+        ]
         parallelize_stage(
             stage,
             self.spec,
@@ -143,6 +157,8 @@ class Trainer:
             compile=self.compiled,
         )
         stage.to_empty(device=self.device)
+        for mod, name, value in buffers:
+            mod._buffers[name] = value.to(self.device)
         if self.spec.init_buffers is not None:
             self.spec.init_buffers(stage, self.hf_config, self.device)
         if full is None:
@@ -247,6 +263,8 @@ class Trainer:
         if self.cfg.lora.dropout:  # the adapters' dropout masks are a function of the step
             start_dropout_step(self.modules, step)
         replica_loss = self._forward_backward(batch)
+        if self.tied is not None:
+            self.tied.sum_grads()
         # Exactly dp*cp*tp ranks hold the last stage, each with its replica's loss (times cp, its
         # tokens' share of it under cp: the cp ranks' shares add up to cp times the replica's).
         summed = torch.stack([replica_loss.detach().reshape(()), replica_loss.new_tensor(float(flag))])
@@ -260,7 +278,8 @@ class Trainer:
         if isinstance(self.optimizer, ZeroOneOptimizer):
             norm = self._zero1_reduce_and_clip()
         else:
-            norm = global_grad_norm(self.params, ranks_per_stage, self.device)
+            in_norm = self.params if self.tied is None else self.tied.counted(self.params)
+            norm = global_grad_norm(in_norm, ranks_per_stage, self.device)
             clip_grads_(self.params, self.cfg.train.grad_clip, norm)
         self.optimizer.step()
         self.scheduler.step()

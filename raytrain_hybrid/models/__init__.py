@@ -6,6 +6,7 @@ from outside, driven by the :class:`ArchSpec` of the architecture.
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 from raytrain_hybrid.errors import ConfigError
@@ -28,10 +29,32 @@ _MODULES = {
 ARCH_NAMES = tuple(_MODULES)
 
 
+def is_arch(name: str) -> bool:
+    """A hand-written architecture, or a transformers decoder family the generic path trains."""
+    if name in _MODULES:
+        return True
+    from raytrain_hybrid.models import generic
+
+    return generic.is_generic(name)
+
+
+@functools.cache
 def get_arch(name: str) -> ArchSpec:
-    if name not in _MODULES:
-        raise ConfigError("model.arch", name, f"must be one of {sorted(_MODULES)}")
-    return importlib.import_module(f"raytrain_hybrid.models.{_MODULES[name]}").SPEC
+    if name in _MODULES:
+        return importlib.import_module(f"raytrain_hybrid.models.{_MODULES[name]}").SPEC
+    from raytrain_hybrid.models import generic
+
+    try:
+        why = generic.refusal(name)
+    except Exception:  # noqa: BLE001 - not a name transformers knows
+        why = "is not a transformers model_type"
+    if why:
+        raise ConfigError(
+            "model.arch",
+            name,
+            f"{why}; use one of {sorted(_MODULES)} or a transformers decoder model_type (docs/models.md)",
+        )
+    return generic.spec(name)
 
 
 def arch_names(task: str) -> tuple[str, ...]:
@@ -39,4 +62,4 @@ def arch_names(task: str) -> tuple[str, ...]:
     return tuple(name for name in ARCH_NAMES if get_arch(name).task == task)
 
 
-__all__ = ["ARCH_NAMES", "ArchSpec", "arch_names", "get_arch"]
+__all__ = ["ARCH_NAMES", "ArchSpec", "arch_names", "get_arch", "is_arch"]

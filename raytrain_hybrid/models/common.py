@@ -49,7 +49,10 @@ def build_stage(spec: ArchSpec, hf_config, layer_ids: list[int], first: bool, la
     for path, block in spec.anchors(hf_config).items():
         if block not in layer_ids:
             _set_submodule(model, path, None)
-    return StageModule(model, spec, hf_config)
+    stage = StageModule(model, spec, hf_config)
+    if spec.on_stage is not None:
+        spec.on_stage(stage, model)
+    return stage
 
 
 def param_kinds(module: nn.Module) -> dict[str, str]:

@@ -159,12 +159,26 @@ def arch_of(model_type: str, location: str) -> str:
     for name in arch_names("lm"):
         for mt in get_arch(name).hf_model_types:
             supported[mt] = name
-    if model_type not in supported:
-        bert = " (a BERT checkpoint is for the classifier: model.arch=multimodal-bert)" if model_type == "bert" else ""
+    if model_type in supported:
+        return supported[model_type]
+    if model_type == "bert":
         raise ConfigError(
-            KEY, location, f"model_type {model_type!r} has no spec; supported: {', '.join(sorted(supported))}{bert}"
+            KEY, location, "is a BERT checkpoint, which is for the classifier: model.arch=multimodal-bert"
         )
-    return supported[model_type]
+    from raytrain_hybrid.models import generic
+
+    try:
+        why = generic.refusal(model_type)
+    except Exception:  # noqa: BLE001 - a model_type transformers does not know
+        why = "is not a model_type transformers knows"
+    if why:
+        raise ConfigError(
+            KEY,
+            location,
+            f"model_type {model_type!r} {why}; supported: transformers decoder families with tensor and "
+            "pipeline plans (docs/models.md)",
+        )
+    return model_type
 
 
 def resolve(model, given: set[str] | None = None, unverified: list[str] | None = None):

@@ -122,6 +122,11 @@ class ArchSpec:
     # attention implementation, and a stage_forward that gives RoPE the positions of the stage's
     # ``seq_chunk`` (context parallelism runs only where this is set).
     attention: str | None = None
+    # Whether the model ties its head to its token embedding (hf_config -> bool): the engine then
+    # holds both, the head starting from the embedding's value, their gradients summed each step.
+    tied: Callable[[Any], bool] = lambda hf_config: False
+    # Called by build_stage with (stage, the model it was cut from) after re-parenting its children.
+    on_stage: Callable[[Any, Any], None] | None = None
 
     def import_model_code(self) -> None:
         """Import the transformers classes the spec names (a worker does it with its imports,

@@ -1,0 +1,376 @@
+"""Any Hugging Face decoder: an architecture spec derived from transformers' own classes and plans.
+
+transformers ships, on a causal LM's config class, a tensor-parallel plan (``base_model_tp_plan``:
+module pattern -> style) and a pipeline plan (``base_model_pp_plan``: the base model's embedding,
+its block list and its final norm), and on the model class the head's (``_tp_plan``,
+``_pp_plan``). A family with both is trained here as transformers builds it
+(``AutoModelForCausalLM``'s class for its model_type), with no code of its own: the plans are
+translated to the engine's TP styles (models.spec), the pipeline splits the plan's block list,
+and one stage forward (``stage_forward``) runs what a stage holds the way transformers' decoders
+do: embed, rotary tables and masks per attention type (``layer_types``: full or sliding), the
+blocks, the final norm, and the head through the causal LM's own forward, so its logit scaling
+and soft-capping are transformers' code.
+
+What differs between families is read from the config and the modules: tied embeddings
+(``tie_word_embeddings``: the engine keeps a head that starts equal to the embedding and whose
+gradient is summed with it, engine.tied), an embedding multiplier the base model applies, per-head
+query/key norms (their gradient summed over tp), sliding windows, biases. A family is refused
+before workers start where a plan style has no translation (then tp must be 1), where it has no
+pipeline plan, or where the model is not a transformer decoder (``refusal``); families checked
+against transformers' own are listed in assets/generic_families.json (scripts/model_matrix.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from raytrain_hybrid.errors import ConfigError
+from raytrain_hybrid.models.generic_forward import on_stage, stage_forward
+from raytrain_hybrid.models.spec import ArchSpec
+
+if TYPE_CHECKING:
+    pass
+
+# transformers' TP styles -> the engine's (distributed.tensor_parallel._style). "headnorm": a
+# norm over each head of a column-sharded projection (its weight whole, its gradient summed).
+_STYLES = {
+    "colwise": "colwise",
+    "rowwise": "rowwise",
+    "colwise_gather_output": "colwise_gather",
+    "rowwise_split_input": "rowwise_split",
+    "replicated_with_grad_allreduce": "headnorm",
+    "embedding_rowwise": "embedding",
+}
+# Model types whose layers are not all attention blocks, or that are not decoders: refused by name.
+_NOT_DECODERS = ("mamba", "rwkv", "xlstm", "linear", "hybrid", "recurrent", "ssm", "t5", "bart", "encoder")
+# Dropout probabilities are set to 0: layouts would draw different masks.
+_DROPOUT_KEYS = ("dropout", "pdrop", "dropout_prob")
+_VERIFIED = Path(__file__).parents[1] / "assets" / "generic_families.json"
+
+
+def _transformers():
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return transformers, CONFIG_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+@functools.lru_cache(maxsize=1)
+def verified() -> dict[str, dict]:
+    """{model_type: {"status": "passed" | "refused", "reason": ...}} from the model matrix."""
+    try:
+        return json.loads(_VERIFIED.read_text())["families"]
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
+@functools.cache
+def classes(model_type: str) -> tuple[type, type]:
+    """(config class, causal-LM class) of a model_type; KeyError where transformers has none."""
+    transformers, config_mapping, lm_names = _transformers()
+    return config_mapping[model_type], getattr(transformers, lm_names[model_type])
+
+
+def refusal(model_type: str, *, tp: int = 1, recorded: bool = True) -> str | None:
+    """Why ``model_type`` cannot be trained here (None: it can), in words for a message;
+    ``recorded``: with the model matrix's verdicts (scripts/model_matrix.py), not only the plans'."""
+    transformers, config_mapping, lm_names = _transformers()
+    if model_type not in lm_names or model_type not in config_mapping:
+        return f"is not a causal language model of transformers {transformers.__version__}"
+    if any(word in model_type for word in _NOT_DECODERS):
+        return "is not a transformer decoder (state-space, linear-attention or encoder-decoder layers)"
+    config_cls, _ = classes(model_type)
+    if not getattr(config_cls, "base_model_pp_plan", None):
+        return "has no pipeline plan in transformers (base_model_pp_plan), so its stages are not known"
+    if not getattr(config_cls, "base_model_tp_plan", None):
+        return "has no tensor-parallel plan in transformers (base_model_tp_plan)"
+    known = verified().get(model_type) if recorded else None
+    if known and known.get("status") == "refused":
+        return known["reason"]
+    if tp > 1:
+        odd = sorted({s for s in _tp_plan_raw(model_type).values() if s not in _STYLES})
+        if odd:
+            return f"has tensor-parallel styles the engine cannot honour ({', '.join(odd)}); use parallelism.tp=1"
+    return None
+
+
+def is_generic(model_type: str) -> bool:
+    try:
+        return refusal(model_type) is None
+    except Exception:  # noqa: BLE001 - an unknown name, a transformers without the family
+        return False
+
+
+def _tp_plan_raw(model_type: str) -> dict[str, str]:
+    config_cls, lm_cls = classes(model_type)
+    return dict(config_cls.base_model_tp_plan or {})
+
+
+def _prefix(model_type: str) -> str:
+    return classes(model_type)[1].base_model_prefix or "model"
+
+
+# ----------------------------------------------------------------- config
+
+
+def tiny_kwargs(m) -> dict:
+    """The transformers config keywords of a model built from model.* sizes (no checkpoint)."""
+    head_dim = m.head_dim or m.hidden_size // m.num_heads
+    return {
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.hidden_size,
+        "intermediate_size": m.ffn_hidden_size,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads,
+        "num_key_value_heads": m.num_kv_heads or m.num_heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": max(m.seq_len, 128),
+        # The families' default special ids lie outside a small vocabulary.
+        "pad_token_id": 0,
+        "bos_token_id": 1 % m.vocab_size,
+        "eos_token_id": 2 % m.vocab_size,
+    }
+
+
+def _no_dropout(conf: dict) -> dict:
+    return {
+        k: 0.0
+        for k, v in conf.items()
+        if isinstance(v, float) and not isinstance(v, bool) and any(k.endswith(s) for s in _DROPOUT_KEYS)
+    }
+
+
+def hf_config(model_type: str, cfg):
+    """The transformers config: the checkpoint's (every setting kept) or one from model.* sizes;
+    dropout off, sdpa attention, no cache. Tied embeddings stay as the family has them."""
+    from raytrain_hybrid.models.hf_checkpoint import is_set, read_config_json
+
+    config_cls, _ = classes(model_type)
+    m = cfg.model
+    if is_set(m.pretrained):
+        dropped = ("architectures", "transformers_version", "torch_dtype", "dtype", "auto_map")
+        conf = {k: v for k, v in read_config_json(m.pretrained, m.pretrained_revision).items() if k not in dropped}
+    else:
+        conf = tiny_kwargs(m)
+    config = config_cls(**conf)
+    for key, value in _no_dropout(config.to_dict()).items():
+        setattr(config, key, value)
+    config.use_cache = False
+    config._attn_implementation = attention_implementation(model_type)
+    return config
+
+
+def attention_implementation(model_type: str) -> str:
+    """SDPA where the family takes it (causal without a mask tensor), else transformers' eager."""
+    return "sdpa" if getattr(classes(model_type)[1], "_supports_sdpa", False) else "eager"
+
+
+def sizes_from_hf(model_type: str, conf: dict) -> dict:
+    """A config.json's sizes as model.* keys (read through the config class: its attribute map)."""
+    config_cls, _ = classes(model_type)
+    c = config_cls(**{k: v for k, v in conf.items() if k not in ("architectures", "auto_map")})
+    heads = c.num_attention_heads
+    return {
+        "num_layers": int(c.num_hidden_layers),
+        "hidden_size": int(c.hidden_size),
+        "num_heads": int(heads),
+        "num_kv_heads": int(getattr(c, "num_key_value_heads", None) or heads),
+        "head_dim": int(getattr(c, "head_dim", None) or c.hidden_size // heads),
+        "ffn_hidden_size": int(getattr(c, "intermediate_size", None) or 4 * c.hidden_size),
+        "vocab_size": int(c.vocab_size),
+    }
+
+
+def max_seq_len(conf: dict) -> int:
+    # Sliding windows are computed (masks per layer type), so only the positions bound the length.
+    return int(conf.get("max_position_embeddings") or 0)
+
+
+def is_tied(hf_config) -> bool:
+    return bool(getattr(hf_config, "tie_word_embeddings", False))
+
+
+# ----------------------------------------------------------------- build
+
+
+@contextlib.contextmanager
+def _params_on_meta():
+    """Parameters go to the meta device as they are registered; buffers (rotary tables, an
+    embedding scale) are computed for real on the CPU, where the engine keeps them (engine:
+    restored after the stage is materialised). Parameters are allocated empty, never filled."""
+    import torch
+    from torch import nn
+
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        with torch.device("cpu"):
+            yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def build(model_type: str, hf_config):
+    """transformers' causal LM for ``hf_config``, parameters on the meta device, untied (a tied
+    family's head starts equal to its embedding and stays so: engine.tied)."""
+    import copy
+
+    _, lm_cls = classes(model_type)
+    config = copy.copy(hf_config)
+    config.tie_word_embeddings = False
+    with _params_on_meta():
+        model = lm_cls(config)
+    model.config = hf_config  # the head's forward reads the family's settings (soft-capping, scales)
+    return model
+
+
+# ----------------------------------------------------------------- checkpoints and counts
+
+
+def from_hf(model_type: str, name: str, conf: dict):
+    """Engine names are transformers' names; a tied checkpoint has no head: it is the embedding."""
+    prefix = _prefix(model_type)
+    if name == "lm_head.weight":
+        return ("lm_head.weight", f"{prefix}.embed_tokens.weight"), False, ()
+    return (name,), False, ()
+
+
+def to_hf(sd: dict) -> dict:
+    return dict(sd)
+
+
+@functools.lru_cache(maxsize=64)
+def _counts(model_type: str, sizes: tuple) -> tuple[int, int, int, int, int]:
+    """(per block, embedding, final norm + head, head, tied) parameters of a model built on meta."""
+    import torch
+
+    m = dict(sizes)
+    config_cls, lm_cls = classes(model_type)
+    if m.get("pretrained"):
+        from raytrain_hybrid.models.hf_checkpoint import read_config_json
+
+        conf = {
+            k: v
+            for k, v in read_config_json(m["pretrained"], m.get("pretrained_revision", "")).items()
+            if k not in ("architectures", "auto_map", "torch_dtype", "dtype")
+        }
+    else:
+        conf = tiny_kwargs(_Sizes(**m))
+    config = config_cls(**conf)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    config.tie_word_embeddings = False
+    with torch.device("meta"):
+        model = lm_cls(config)
+    prefix = lm_cls.base_model_prefix or "model"
+    inner = getattr(model, prefix)
+
+    def count(mod) -> int:
+        return sum(p.numel() for p in mod.parameters()) if mod is not None else 0
+
+    layers = inner.layers
+    per_block = sum(count(b) for b in layers) // max(1, len(layers))
+    embed = count(inner.embed_tokens)
+    head = count(model.lm_head)
+    rest = count(model) - count(layers) - embed - head  # the final norm and anything else
+    return per_block, embed, rest + head, head, int(tied)
+
+
+class _Sizes:
+    def __init__(self, **kw) -> None:
+        self.__dict__.update(kw)
+
+
+def _size_key(m) -> tuple:
+    keys = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
+    keys += ("seq_len", "pretrained", "pretrained_revision")
+    return tuple((k, getattr(m, k)) for k in keys)
+
+
+def param_parts(model_type: str, m) -> tuple[int, int, int]:
+    """(per block, first stage extra, last stage extra). A tied head is counted once, as
+    transformers counts it (the engine's copy of it on the last stage is the planner's to add)."""
+    per_block, embed, last, head, tied = _counts(model_type, _size_key(m))
+    return per_block, embed, last - head * tied
+
+
+def matmul_params(model_type: str, m) -> int:
+    per_block, embed, last, head, tied = _counts(model_type, _size_key(m))
+    # Norm weights and biases are a rounding error here; the embedding lookup is no matmul, the head is.
+    return m.num_layers * per_block + head
+
+
+def check(model_type: str, cfg) -> None:
+    """Refusals before workers start: a family the engine cannot run at this layout."""
+    why = refusal(model_type, tp=cfg.parallelism.tp)
+    if why:
+        key = "parallelism.tp" if "parallelism.tp" in why else "model.arch"
+        raise ConfigError(key, cfg.parallelism.tp if key == "parallelism.tp" else model_type, f"{model_type} {why}")
+
+
+def spec(model_type: str) -> ArchSpec:
+    """The spec of a transformers causal-LM family (see the module docstring)."""
+    why = refusal(model_type)
+    if why:
+        raise ConfigError("model.arch", model_type, why)
+    prefix = _prefix(model_type)
+    raw = _tp_plan_raw(model_type)
+    tp_plan = {}
+    for pattern, style in raw.items():
+        module = pattern.removeprefix("layers.*.")
+        if module == pattern:  # a pattern outside the blocks (an embedding's)
+            continue
+        tp_plan[module] = _STYLES.get(style, style)
+    return ArchSpec(
+        name=model_type,
+        hf_config=functools.partial(hf_config, model_type),
+        build=functools.partial(build, model_type),
+        hf_class=functools.partial(_hf_model, model_type),
+        hf_model_types=(model_type,),
+        sizes_from_hf=functools.partial(sizes_from_hf, model_type),
+        max_seq_len=max_seq_len,
+        from_hf=functools.partial(from_hf, model_type),
+        default_ffn=lambda hidden: 32 * ((8 * hidden // 3 + 31) // 32),
+        param_parts=functools.partial(param_parts, model_type),
+        matmul_params=functools.partial(matmul_params, model_type),
+        layers=f"{prefix}.layers",
+        first_stage=(f"{prefix}.embed_tokens",),
+        last_stage=(f"{prefix}.norm", "lm_head"),
+        tp_plan=tp_plan,
+        # Vocab-parallel embedding and head: a tied pair is sharded alike (engine.tied sums them).
+        tp_plan_outer={f"{prefix}.embed_tokens": "embedding", "lm_head": "head"},
+        stage_forward=stage_forward,
+        check=functools.partial(check, model_type),
+        attention=_cp_attention(model_type),
+        tied=is_tied,
+        on_stage=functools.partial(on_stage, prefix),
+    )
+
+
+def _hf_model(model_type: str, config):
+    """The unmodified transformers class ``export`` checks its output against."""
+    return classes(model_type)[1](config)
+
+
+def _cp_attention(model_type: str) -> str | None:
+    """Context parallelism swaps the attention function for one over the whole causal sequence:
+    only families whose layers all attend over it (no sliding window) take it."""
+    config_cls, _ = classes(model_type)
+    try:
+        config = config_cls()
+    except Exception:  # noqa: BLE001 - a config class that needs arguments
+        return None
+    types = set(getattr(config, "layer_types", None) or ())
+    if types - {"full_attention"} or (not types and getattr(config, "sliding_window", None)):
+        return None
+    return "self_attn"

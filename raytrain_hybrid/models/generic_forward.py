@@ -1,0 +1,128 @@
+"""The generic decoder's stage forward (models.generic): what a pipeline stage of any transformers
+decoder family runs, the way transformers' own decoders do: embed (and any multiplier the base
+model applies), rotary tables and masks per attention type (``layer_types``: full or sliding), the
+blocks the stage holds, the final norm, and the head through the causal LM's own forward, so the
+family's logit scaling and soft-capping are transformers' code."""
+
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+# Attributes a base model multiplies its token embeddings by (first stage only), by name.
+_EMBEDDING_MULTIPLIERS = ("embedding_multiplier", "embedding_scale")
+
+
+def layer_type(config, index: int) -> str:
+    types = getattr(config, "layer_types", None)
+    if types:
+        return types[index]
+    return "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+
+
+def _mask(kind: str, config, positions: torch.Tensor, packed: bool, dtype):
+    """The mask of one attention type ([rows, 1, s, s]): SDPA's boolean one, or None (causal over
+    the row); for transformers' eager attention, which adds its mask to the scores, an additive one."""
+    import torch
+
+    from raytrain_hybrid.models.packed import document_mask
+
+    window = getattr(config, "sliding_window", None) if kind == "sliding_attention" else None
+    eager = config._attn_implementation == "eager"
+    if not packed and not window and not eager:
+        return None
+    seq = positions.shape[-1]
+    if packed:
+        mask = document_mask(positions)
+    else:
+        mask = torch.ones(seq, seq, dtype=torch.bool, device=positions.device).tril()[None, None]
+    if window:
+        idx = torch.arange(seq, device=positions.device)
+        mask = mask & ((idx[:, None] - idx[None, :]) < window)
+    if eager:
+        blocked = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=positions.device)
+        return torch.where(mask, torch.zeros((), dtype=dtype, device=positions.device), blocked)
+    return mask
+
+
+def _rotary(inner, h, positions, kinds: set[str]):
+    """{layer type: (cos, sin)} (one table for every type, or the family's per-type tables)."""
+    rotary = getattr(inner, "rotary_emb", None)
+    if rotary is None:
+        return dict.fromkeys(kinds)
+    if "layer_type" in inspect.signature(rotary.forward).parameters:
+        return {k: rotary(h, positions, layer_type=k) for k in kinds}
+    table = rotary(h, positions)
+    return dict.fromkeys(kinds, table)
+
+
+class _Hidden:
+    """Stands in for the base model inside the causal LM's own forward: hands it the stage's hidden
+    states, so the head, logit scaling and soft-capping run as transformers wrote them."""
+
+    def __init__(self) -> None:
+        self.value = None
+
+    def __call__(self, *args, **kwargs):
+        from transformers.modeling_outputs import MoeModelOutputWithPast
+
+        # (A mixture of experts' head reads router_logits: none, its auxiliary loss is not added.)
+        return MoeModelOutputWithPast(last_hidden_state=self.value, router_logits=None)
+
+
+def stage_forward(stage, x: torch.Tensor, position_ids: torch.Tensor | None = None):
+    """A pipeline stage: embed (first), the blocks it holds, the final norm and head (last).
+    ``position_ids``: packed rows' per-example positions (data.packing), passed on beside the
+    hidden states as in models.llama.stage_forward."""
+    import torch
+
+    inner, config = getattr(stage, stage._generic_prefix), stage.hf_config
+    first = inner.embed_tokens is not None
+    h = x
+    if first:
+        h = inner.embed_tokens(x)
+        for name in _EMBEDDING_MULTIPLIERS:
+            scale = getattr(inner, name, None)
+            if isinstance(scale, (int, float)) and scale != 1:
+                h = h * scale
+    packed = position_ids is not None
+    if packed:
+        positions = position_ids
+    else:
+        seq = h.shape[1]
+        start = seq * getattr(stage, "seq_chunk", 0)  # context parallelism: this rank's slice
+        positions = torch.arange(start, start + seq, device=h.device).unsqueeze(0)
+    ids = [int(i) for i in inner.layers.keys()]
+    kinds = {layer_type(config, i) for i in ids}
+    masks = {k: _mask(k, config, positions, packed, h.dtype) for k in kinds}
+    tables = _rotary(inner, h, positions, kinds)
+    for i, block in zip(ids, inner.layers.values(), strict=True):
+        kind = layer_type(config, i)
+        kwargs: dict[str, Any] = {"attention_mask": masks[kind], "position_ids": positions}
+        if tables[kind] is not None:
+            kwargs["position_embeddings"] = tables[kind]
+        out = block(h, **kwargs)
+        h = out[0] if isinstance(out, tuple) else out
+    if inner.norm is not None:
+        h = inner.norm(h)
+    if stage.lm_head is not None:
+        lm = stage._generic_lm[0]
+        lm.model.value = h
+        try:
+            return lm(logits_to_keep=0).logits
+        finally:
+            lm.model.value = None
+    return h if position_ids is None else (h, position_ids)
+
+
+def on_stage(prefix: str, stage, model) -> None:
+    """After build_stage re-parents ``model``'s children into ``stage``: keep the causal LM (its
+    head's forward runs on the last stage) unregistered, its base model replaced by ``_Hidden``
+    (its modules are the stage's own, so nothing is held twice)."""
+    model._modules.pop(prefix, None)
+    object.__setattr__(model, prefix, _Hidden())
+    stage._generic_prefix = prefix
+    stage._generic_lm = [model]
