@@ -418,7 +418,9 @@ def run_cases(args, work: Path, links: list[Link], head_link: Link, node_dirs: l
         watch = DiskWatch(node_dirs)
         try:
             with open(os.devnull, "w") as quiet:
-                run(load_config(None, overrides), resume=resume, stream=quiet)
+                # (one more step than the checkpoint's run: its schedule stretched, on purpose)
+                allow = ["train.steps"] if resume else None
+                run(load_config(None, overrides), resume=resume, stream=quiet, allow_change=allow)
         finally:
             disk = watch.stop()
         ranks = [json.loads(f.read_text()) for d in node_dirs for f in sorted((d / "records").iterdir())]

@@ -357,6 +357,11 @@ CHANGES = {
     "train.warmup_steps=5": ("train.warmup_steps", "train.warmup_steps=2"),
     "train.seed=7": ("train.seed", "train.seed=0"),
     "data.shuffle_seed=3": ("data.shuffle_seed", "data.shuffle_seed=0"),
+    "train.weight_decay=0.01": ("train.weight_decay", "train.weight_decay=0.1"),
+    "train.grad_clip=0.5": ("train.grad_clip", "train.grad_clip=1.0"),
+    "train.dtype=bfloat16": ("train.dtype", "train.dtype='float32'"),
+    # the learning-rate schedule's horizon: the cosine decay would be stretched (given last: wins)
+    "train.steps=6": ("train.steps", "train.steps=4"),
 }
 
 
@@ -370,7 +375,8 @@ def test_a_resume_that_changes_the_trajectory_is_refused_naming_the_key(saved_ru
     err = capsys.readouterr().err
     assert code == 2, err
     # The value whole (the refusal goes on after ";"): "train.lr=0.0" must not pass for 0.0003.
-    assert f"{change}: " in err and f"was trained with {was}; " in err, err
+    shown = change if change != "train.dtype=bfloat16" else "train.dtype='bfloat16'"
+    assert f"{shown}: " in err and f"was trained with {was}; " in err, err
     assert f"--allow-change {key}" in err and not target.exists()
 
 
@@ -384,12 +390,13 @@ def test_allowed_changes_and_new_data_are_said_and_checked(saved_run, tmp_path):
     out, _ = saved_run
     said: list[str] = []
     cfg = load_config(None, [*COMMON, "train.steps=6", "train.lr=0.01", f"run.output_dir={tmp_path / 'a'}"])
-    point = check_resume(cfg, str(out), ["train.lr"], said.append)
+    point = check_resume(cfg, str(out), ["train.lr,train.steps"], said.append)
     assert point.data_origin == 0 and said == [
-        "resume: train.lr differs from the checkpoint's (allowed by --allow-change)"
+        "resume: train.lr differs from the checkpoint's (allowed by --allow-change)",
+        "resume: train.steps differs from the checkpoint's (allowed by --allow-change)",
     ]
     cfg = load_config(None, [*COMMON, "train.steps=6", "train.global_batch_size=8", f"run.output_dir={tmp_path / 'b'}"])
-    point = check_resume(cfg, str(out), ["train.global_batch_size"], said.append)
+    point = check_resume(cfg, str(out), ["train.global_batch_size", "train.steps"], said.append)
     assert point.data_origin == 4 and said[-1] == "resume: the data starts from its beginning at step 5"
     tok = tmp_path / "tokenizer.json"
     tok.write_text(DEFAULT_TOKENIZER.read_text().replace('"unk_token":null', '"unk_token": null'))
@@ -397,8 +404,8 @@ def test_allowed_changes_and_new_data_are_said_and_checked(saved_run, tmp_path):
     cfg = load_config(None, [*COMMON, "train.steps=6", f"data.tokenizer={tok}", f"run.output_dir={tmp_path / 'c'}"])
     with pytest.raises(ConfigError, match="data.tokenizer=.*its tokenizer.json differ.*--allow-change data.tokenizer"):
         check_resume(cfg, str(out))
-    with pytest.raises(ConfigError, match="--allow-change='train.steps': is not a key a resume compares"):
-        check_resume(cfg, str(out), ["train.steps"])
+    with pytest.raises(ConfigError, match="--allow-change='checkpoint.interval': is not a key a resume compares"):
+        check_resume(cfg, str(out), ["checkpoint.interval"])
 
 
 def test_the_skipped_stream_stands_where_the_checkpoint_recorded(tmp_path):
@@ -447,4 +454,4 @@ def test_a_checkpoint_from_before_a_new_model_key_still_resumes(saved_run, tmp_p
     del manifest["config"]["model"]["pretrained_revision"]
     (old / "manifest.json").write_text(json.dumps(manifest))
     cfg = load_config(None, [*COMMON, "train.steps=6", f"run.output_dir={tmp_path / 'r'}"])
-    assert check_resume(cfg, str(old)).step == 4
+    assert check_resume(cfg, str(old), ["train.steps"]).step == 4

@@ -235,5 +235,6 @@ def check_compatible(cfg, manifest: dict, path: str | Path | Store) -> None:
         raise ConfigError(
             "train.steps",
             cfg.train.steps,
-            f"the checkpoint {path} has done {manifest['step']} steps already; raise train.steps to continue",
+            f"the checkpoint {path} has done {manifest['step']} steps already; raise train.steps to continue "
+            "(with --allow-change train.steps: the learning-rate schedule is stretched to the new length)",
         )

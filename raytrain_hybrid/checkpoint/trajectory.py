@@ -3,7 +3,9 @@
 A resumed run must continue the run it resumes: the same batches in the same order at the same
 learning rate. Today's config is compared with the checkpoint's before any worker starts; a
 difference is refused, naming the key, both values and the flag that allows it on purpose
-(``train --allow-change KEY``). Raising train.steps to continue is not a difference.
+(``train --allow-change KEY``). train.steps is one too: it is the learning-rate schedule's
+horizon, and raising it stretches the cosine decay, so the learning rate would rise again at the
+resumed step instead of going on down (0.000300 -> 0.000355 in a 12 -> 24 step run).
 
 Data is compared by what it is, not where it is: a digest of the listing of data.path (file
 names relative to it, and sizes), and of the tokenizer file raw text goes through, so moving
@@ -20,7 +22,8 @@ import pyarrow.fs as pafs
 from raytrain_hybrid.errors import ConfigError
 from raytrain_hybrid.storage import as_store
 
-# Config keys whose value shapes the batches, their order or the learning rate at each step.
+# Config keys whose value shapes the batches, their order, the learning rate at each step or the
+# update itself (weight decay, the clipping bound, the precision of the step's arithmetic).
 CONFIG_KEYS = (
     "train.global_batch_size",
     "train.seed",
@@ -32,6 +35,10 @@ CONFIG_KEYS = (
     "data.format",
     "data.epochs",
     "data.packing",
+    "train.weight_decay",
+    "train.grad_clip",
+    "train.dtype",
+    "train.steps",
 )
 # Recorded digests: the data files under data.path, and the tokenizer (None: could not be read).
 DATA_KEY, TOKENIZER_KEY = "data.path", "data.tokenizer"
@@ -123,7 +130,8 @@ def check_trajectory(cfg, manifest: dict, path, allowed: list[str]) -> list[str]
     returns the changes that were allowed (said to the user, and the data ones restart the data)."""
     saved, now = recorded(manifest), describe(cfg)
     changed = []
-    for key, before in saved.items():
+    # train.steps last: a resume that changes another key as well is told about that one first
+    for key, before in sorted(saved.items(), key=lambda item: item[0] == "train.steps"):
         after = now.get(key)
         if before is None or after is None or before == after:  # a digest that could not be read: no claim
             continue
@@ -136,6 +144,8 @@ def check_trajectory(cfg, manifest: dict, path, allowed: list[str]) -> list[str]
             what = "the files under it" if key == DATA_KEY else "its tokenizer.json"
             was = f"{what} differ from those the checkpoint {path} was trained with"
         then = "the data from its beginning" if key in RESTARTS_DATA else "the new value from the next step on"
+        if key == "train.steps":  # the horizon: the cosine decay is stretched, the learning rate rises
+            then = "the learning-rate schedule stretched to the new length from the next step on"
         raise ConfigError(
             key,
             _value(cfg, key),
