@@ -226,6 +226,18 @@ def test_errors_the_cli_prints_are_redacted(tmp_path, capsys, monkeypatch):
     assert "training failed" in err and "hunter2x" not in err, err
 
 
+def test_lines_the_driver_prints_during_a_run_are_redacted(tmp_path):
+    import io
+
+    from raytrain_hybrid.launch.progress import RunLog
+
+    stream = io.StringIO()
+    log = RunLog(tmp_path, steps=2, progress=True, tensorboard=False, stream=stream)
+    log._say("restart 1: worker died reading s3://AKIAX:hunter2x@bucket/data?token=hunter2x")
+    log.file.close()
+    assert "hunter2x" not in stream.getvalue() and "s3://***@bucket" in stream.getvalue()
+
+
 def test_an_authorization_header_in_a_message_is_redacted():
     from raytrain_hybrid.errors import redact
 

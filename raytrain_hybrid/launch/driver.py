@@ -23,6 +23,7 @@ from typing import Any
 from raytrain_hybrid.checkpoint.manifest import MANIFEST, step_dirs, step_number
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.config.elastic import is_elastic
+from raytrain_hybrid.errors import redact
 from raytrain_hybrid.launch.autoscale import POLL_S, ScalerProbe, StartupTimeout, StartupWatchdog
 from raytrain_hybrid.launch.elastic import make_torch_trainer, scaling_workers
 from raytrain_hybrid.launch.entry import train_loop_per_worker
@@ -60,6 +61,7 @@ def run(
     said: list[str] = []  # what is printed before the run (RunLog does not repeat it)
 
     def say(line: str) -> None:
+        line = redact(line)  # every line the driver prints (a path, a pyarrow error) is redacted
         said.append(line)
         print(line, file=stream or sys.stdout, flush=True)
 

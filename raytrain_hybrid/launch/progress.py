@@ -14,6 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from raytrain_hybrid.errors import redact
 from raytrain_hybrid.storage.nofollow import copy_new, create_new
 
 # metrics.jsonl key -> TensorBoard tag
@@ -153,6 +154,7 @@ class RunLog:
             self.tb = SummaryWriter(str(out_dir / "tensorboard"), flush_secs=10)
 
     def _say(self, text: str) -> None:
+        text = redact(text)  # (a worker's error or a path may quote a URI)
         if self.bar is not None:
             self.bar.console.print(text)
         elif self.lines is not None:
