@@ -330,9 +330,14 @@ def test_bad_directories_are_refused(checkpoints, tmp_path):
     bert.mkdir()
     (bert / "config.json").write_text(json.dumps({"model_type": "bert"}))
     with pytest.raises(
-        ConfigError, match=r"model_type 'bert' has no spec; supported: gpt2, llama, mistral, mixtral, qwen2, qwen3_moe"
+        ConfigError, match=r"is a BERT checkpoint, which is for the classifier: model.arch=multimodal-bert"
     ):
         load_config(None, [f"model.pretrained={bert}"])
+    encdec = tmp_path / "t5"  # a transformers model_type that is no decoder: refused saying so
+    encdec.mkdir()
+    (encdec / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    with pytest.raises(ConfigError, match=r"model_type 't5' is not a causal language model"):
+        load_config(None, [f"model.pretrained={encdec}"])
     bare = tmp_path / "bare"
     bare.mkdir()
     (bare / "config.json").write_text((checkpoints["llama"] / "config.json").read_text())
