@@ -190,12 +190,15 @@ def _driver(overrides: list[str], resume: str | None, env: dict, queue, release)
     from raytrain_hybrid.errors import ConfigError
     from raytrain_hybrid.launch.lease import acquire
 
-    try:
-        point = restart_point(overrides, resume)
+    try:  # the lease first, as the driver takes it: then the checkpoint the resume picks
         lease = acquire(load_config(None, overrides).run.output_dir)
+        point = restart_point(overrides, resume)
         lease.start_renewing()
         queue.put(("start", -1, point))
     except ConfigError as exc:
+        if "lease" in locals():
+            lease.release()
+            del lease
         queue.put(("refused", -1, str(exc)))
     except BaseException as exc:  # noqa: BLE001 - reported to the caller
         queue.put(("error", -1, repr(exc)))

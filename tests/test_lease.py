@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from s3_server import s3_server
@@ -100,3 +101,36 @@ def test_the_cli_refuses_a_run_on_a_directory_in_use(tmp_path, capsys):
     assert f"run.output_dir='{out}': is in use by another run (host {socket.gethostname()}" in capsys.readouterr().err
     assert (out / LEASE).read_bytes() == before and sorted(p.name for p in out.iterdir()) == [LEASE]
     holder.release()
+
+
+def test_a_save_completes_only_under_the_lease_its_run_started_under(out):
+    """A driver killed (or cut off) while its workers save: once another run has taken the lease
+    over, the workers' save does not complete (the other run may have chosen its checkpoint);
+    under the run's own lease, or with no lease at all (no driver), it completes."""
+    from raytrain_hybrid.checkpoint.save import LEASE_FILE, CheckpointSaveError, _Finish, lease_epoch
+    from raytrain_hybrid.storage import private_dir
+
+    assert LEASE_FILE == LEASE
+    root = open_store(out).child("checkpoints")
+
+    def finish(step: int, epoch) -> _Finish:
+        staging = private_dir("test-lease") / f"{os.getpid()}-{step}"
+        staging.mkdir(parents=True, exist_ok=True)
+        if root.local:  # (on a disk the staging directory is renamed into place)
+            staging = Path(root.path) / f"step_{step}.partial"
+            staging.mkdir(parents=True)
+        return _Finish(root, root.child(f"step_{step}"), staging, 0, 1, None, {"step": step}, 0.0, epoch)
+
+    first = acquire(out)
+    epoch = lease_epoch(root)
+    assert epoch == first.token
+    finish(2, epoch)._complete({})
+    assert root.child("step_2", "manifest.json").exists()
+    first.release()  # its driver gone; the next run takes the directory
+    second = acquire(out)
+    with pytest.raises(CheckpointSaveError, match="another run took over the lease on .* not completed"):
+        finish(4, epoch)._complete({})
+    assert not root.child("step_4").exists() or not root.child("step_4", "manifest.json").exists()
+    second.release()
+    finish(6, lease_epoch(root))._complete({})  # no lease: a run without a driver saves as before
+    assert root.child("step_6", "manifest.json").exists()

@@ -16,6 +16,11 @@ no fixed order. So the background part has a gloo group of its own, and the rank
 save is complete at a step boundary with a one-integer all-reduce on a second gloo group
 (main thread only): every rank then reports it (to Ray Train) at the same step. A save still in
 flight is waited for before the next one starts and at the end of the run.
+
+A checkpoint commits only under the lease its run started under: rank 0 reads the driver's
+lease on run.output_dir (launch.lease) when its writer is made and again before it completes a
+save, and refuses to complete it once another run has taken the lease over (this run's driver
+killed, or cut off from the storage): the other run may have chosen its checkpoint already.
 """
 
 from __future__ import annotations
@@ -63,6 +68,35 @@ class _InFlight:
     blocked_s: float = 0.0
 
 
+LEASE_FILE = "run.lease.json"  # launch.lease.LEASE, read here (this layer is below launch)
+_UNKNOWN = object()  # no lease could be read: nothing to compare with
+
+
+def lease_epoch(root: Store):
+    """The token of the lease on ``root``'s run directory (``root`` is its checkpoints/), None
+    when there is none (a run without a driver), _UNKNOWN when it cannot be read."""
+    try:
+        lease = root.parent.child(LEASE_FILE)
+        if not lease.is_file():
+            return None
+        holder = json.loads(lease.read_bytes()).get("holder")
+        return holder["token"] if isinstance(holder, dict) and isinstance(holder.get("token"), str) else _UNKNOWN
+    except (OSError, ValueError, AttributeError):
+        return _UNKNOWN
+
+
+def lease_taken(root: Store, epoch) -> str | None:
+    """Why a save of a run that started under lease ``epoch`` may not complete: another run holds
+    run.output_dir's lease now. None when the lease is as it was or cannot be read."""
+    now = lease_epoch(root)
+    if epoch is _UNKNOWN or now is _UNKNOWN or now == epoch:
+        return None
+    return (
+        f"another run took over the lease on {root.parent.uri} ({LEASE_FILE}) after this run started: "
+        "this checkpoint is not completed, and this run stops writing there"
+    )
+
+
 class CheckpointWriter:
     """Saves the checkpoints of one run; every rank holds one and calls it at the same steps.
 
@@ -79,6 +113,7 @@ class CheckpointWriter:
         self.trajectory = trajectory or {}
         self.background = cfg.checkpoint.async_save
         self.root = open_store(cfg.run.output_dir).child("checkpoints")
+        self.lease = lease_epoch(self.root) if dist.get_rank() == 0 else _UNKNOWN  # rank 0 completes saves
         self.inflight: _InFlight | None = None
         self.group = self.poll_group = None
         self.copy = _CpuCopy()
@@ -114,7 +149,7 @@ class CheckpointWriter:
             "data_origin": self.data_origin,
             "trajectory": self.trajectory,
         }
-        finish = _Finish(self.root, final, staging, rank, world, self.group, manifest, t0)
+        finish = _Finish(self.root, final, staging, rank, world, self.group, manifest, t0, self.lease)
         future: Future = Future()
         if not self.background:  # all of it here, on the default group: the step waits
             try:
@@ -224,6 +259,7 @@ class _Finish:
     group: object  # the background's own gloo group; None (the default group) in the foreground
     manifest: dict
     t0: float
+    lease: object = _UNKNOWN  # the lease the run started under (lease_epoch)
 
     def __call__(self, state: dict) -> dict:
         import torch.distributed.checkpoint as dcp
@@ -275,6 +311,8 @@ class _Finish:
             raise CheckpointSaveError(outcome[0])
 
     def _complete(self, files: dict) -> None:
+        if taken := lease_taken(self.root, self.lease):
+            raise CheckpointSaveError(taken)
         text = json.dumps({**self.manifest, "files": files}, indent=1) + "\n"
         if self.root.local:
             # Durable before it counts: DCP fsyncs the shards and .metadata (sync_files); the

@@ -65,11 +65,14 @@ def run(
         said.append(line)
         print(line, file=stream or sys.stdout, flush=True)
 
-    cfg, point = prepare_run_dir(cfg, resume, allow_change, say)
     out = open_store(cfg.run.output_dir)
     fresh = not out.exists()
-    lease = acquire(out.uri)  # one run per output directory, from here to the end (launch.lease)
+    # One run per output directory, from here to the end (launch.lease); taken before the resume
+    # picks its checkpoint: a killed run's workers that outlive their driver complete no save
+    # after this (checkpoint.save), so the checkpoint picked is the newest there will be.
+    lease = acquire(out.uri)
     try:
+        cfg, point = prepare_run_dir(cfg, resume, allow_change, say)
         lease.start_renewing()
         # What can be refused without Ray is refused before its start (seconds), as `check` refuses it.
         cfg, input_whole = check_before_ray(cfg, say)
