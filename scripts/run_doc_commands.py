@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/run_doc_commands.py                      # every page (an hour or more on 2 CPUs)
     .venv/bin/python scripts/run_doc_commands.py docs/checkpoints.md  # one page again; the others' records kept
+    .venv/bin/python scripts/run_doc_commands.py --check              # CI (.ci/docs): no record; exit 1 on a miss
 
 Each page runs in a fresh scratch copy of the checkout (the files git tracks or does not ignore,
 and a link to .venv),
@@ -13,10 +14,14 @@ reader brings) is recorded as skipped with the reason (tests/test_docs.py ``chec
 loads their configs). A repository script a block runs first (``.venv/bin/python
 examples/.../make_checkpoint.py ...``) runs when a later command needs what it makes.
 
-Each command is recorded in benchmarks/results/doc_commands.json: page, line, the command, its
-digest, exit code and the one the docs expect (2 where the page shows it refused), seconds, and
-its last output line. tests/test_docs.py fails when a command that runs on a CPU has no record
-with the expected exit code, so a command edited without running this again fails the suite.
+A command does as its page says when it exits with the code the page shows (2 where it shows the
+refusal, else 0) and prints every line the page shows it print (tests/doc_commands.missing_claims;
+a throughput of a run is an example). Each command is recorded in
+benchmarks/results/doc_commands.json (page, line, the command, its digest, exit code and the one
+the docs expect, seconds, its last output line, the shown lines it did not print): a log of the
+walk's timings, which no test reads. ``--check`` writes no record and exits 1 when a command did
+not do as its page says: CI runs it on a clean checkout (.ci/docs), so that every documented
+command that runs on a CPU is run, as pasted, whenever the code or a page changes.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from doc_commands import DOCS, Setup, walk  # noqa: E402
+from doc_commands import DOCS, Setup, missing_claims, walk  # noqa: E402
 
 RESULT = ROOT / "benchmarks" / "results" / "doc_commands.json"
 RETRIES = 2  # a run whose Ray cluster did not come up (the message below) runs again, at most this often
@@ -97,9 +102,18 @@ def _run(step, cwd: Path) -> dict:
     record["last_line"] = (out or err or [""])[-1].strip()
     if retried:
         record["retried_after"] = retried
-    if code != (2 if getattr(step, "fails", False) else 0):
+    if not isinstance(step, Setup):
+        training = step.args[:1] in (("train",), ("sweep",))  # their throughputs are examples
+        missing = missing_claims(step, "\n".join(out + err), checkout=str(cwd), measured=training)
+        if missing:
+            record["claims_missing"] = missing
+    if code != (2 if getattr(step, "fails", False) else 0) or record.get("claims_missing"):
         record["output_tail"] = (out + err)[-25:]
     return record
+
+
+def _as_shown(record: dict) -> bool:
+    return record["exit_code"] == record["expected_exit"] and not record.get("claims_missing")
 
 
 def run_page(page: Path, log, earlier: list[dict] | None = None) -> tuple[list[dict], float]:
@@ -108,7 +122,7 @@ def run_page(page: Path, log, earlier: list[dict] | None = None) -> tuple[list[d
     records = []
     start = time.monotonic()
     steps = walk(page)
-    done = {r["command"]: r for r in earlier or [] if r["status"] == "ran" and r["exit_code"] == r["expected_exit"]}
+    done = {r["command"]: r for r in earlier or [] if r["status"] == "ran" and _as_shown(r)}
     if any(s.chained and s.step.text not in done for s in steps if not s.skip):
         done = {}  # a command to run again reads what an earlier one makes: the whole page runs again
     cwd = Path(tempfile.mkdtemp(prefix="docswalk-"))
@@ -136,12 +150,14 @@ def run_page(page: Path, log, earlier: list[dict] | None = None) -> tuple[list[d
             log(f"{step.where}: {step.text}")
             record.update(status="ran", expected_exit=item.expected_exit, **_run(step, cwd))
             record["date"] = datetime.date.today().isoformat()
-            ok = "ok" if record["exit_code"] == item.expected_exit else "FAILED"
+            ok = "ok" if _as_shown(record) else "FAILED"
             log(f"  -> {ok}: exit {record['exit_code']} in {record['seconds']} s: {record['last_line']}")
+            for line in record.get("claims_missing", []):
+                log(f"     the page shows it print: {line}")
             for line in record.get("output_tail", []) if ok != "ok" else []:
                 log(f"     | {line}")
         records.append(record)
-    if any(r["status"] == "ran" and r["exit_code"] != r["expected_exit"] for r in records):
+    if any(r["status"] == "ran" and not _as_shown(r) for r in records):
         log(f"kept the scratch copy of {page.relative_to(ROOT)}: {cwd}")
     else:
         shutil.rmtree(cwd, ignore_errors=True)
@@ -166,11 +182,17 @@ def main(argv: list[str] | None = None) -> int:
         "whose such command reads what an earlier one makes runs whole)",
     )
     parser.add_argument("--out", default=str(RESULT), help="the result file (default: %(default)s)")
+    parser.add_argument(
+        "--check", action="store_true", help="write no record: exit 1 when a command did not do as its page says (CI)"
+    )
     opts = parser.parse_args(argv)
+    if opts.check and opts.failed_only:
+        parser.error("--check runs every command of the pages; --failed-only reads earlier records")
     out = Path(opts.out)
     pages = [(ROOT / p).resolve() for p in opts.pages] or DOCS
     # One page again: the other pages' records are kept. Every page: a new file.
-    result = json.loads(out.read_text()) if opts.pages and out.exists() else {"pages": {}, "records": []}
+    keep = opts.pages and out.exists() and not opts.check
+    result = json.loads(out.read_text()) if keep else {"pages": {}, "records": []}
     command = shlex.join(
         [".venv/bin/python", "scripts/run_doc_commands.py", *(argv if argv is not None else sys.argv[1:])]
     )
@@ -184,15 +206,20 @@ def main(argv: list[str] | None = None) -> int:
         earlier = [r for r in records if r["page"] == name] if opts.failed_only else None
         page_records, seconds = run_page(page, lambda text: print(text, flush=True), earlier)
         records = [r for r in records if r["page"] != name] + page_records
+        if opts.check:
+            continue
         # The machine's load average while it ran: other work on it slows the runs' seconds.
         result["pages"][name] = {"date": today, "command": command, "seconds": seconds}
         result["pages"][name]["load_average"] = [round(load, 1), round(os.getloadavg()[0], 1)]
         _write(result, records, out)
     ran = [r for r in records if r["status"] == "ran"]
-    failed = [r for r in ran if r["exit_code"] != r["expected_exit"]]
-    print(f"{len(ran)} ran, {len(records) - len(ran)} skipped, {len(failed)} not as the docs say; wrote {out}")
+    failed = [r for r in ran if not _as_shown(r)]
+    wrote = "" if opts.check else f"; wrote {out}"
+    print(f"{len(ran)} ran, {len(records) - len(ran)} skipped, {len(failed)} not as the docs say{wrote}")
     for r in failed:
         print(f"  {r['page']}:{r['line']}: {r['command']} -> exit {r['exit_code']}: {r['last_line']}")
+        for line in r.get("claims_missing", []):
+            print(f"    does not print: {line}")
     return 1 if failed else 0
 
 

@@ -105,6 +105,9 @@ BACKGROUND = {
     "test_autoscaling_sim": None,
     "test_topology_ray": "test_autoscaling_sim",
     "test_jobs_ray": "test_topology_ray",
+    # The README's quick start as pasted (its own local Ray, 8 workers): last, in the cores the
+    # single-process modules at the end of a run leave.
+    "test_quick_start": "test_jobs_ray",
 }
 # Background modules held back until the main thread reaches a module (when that module is
 # selected): the submitted jobs' head (~160 s of CPU, much of it drivers waiting) started with

@@ -7,6 +7,9 @@ page, in a scratch copy of the repository, and records what each did).
 Collected: every line of a bash/sh block, the ``$ `` lines of other blocks; ``.venv/bin/raytrain-hybrid``,
 ``raytrain-hybrid`` and ``python -m raytrain_hybrid.cli``, also after ``ray job submit ... --``.
 Placeholders such as ``<your-bucket>`` are filled in with a sample value, as a reader would.
+What a command is shown to print: the lines after it in a console block (up to the next ``$ ``),
+or, for the last command of a shell block, a ``text`` block that follows it directly (the README's
+quick start); ``missing_claims`` says which of those lines a run did not print.
 
 ``walk(page)`` says, for each command of a page in order, whether it runs on a CPU here, and if
 not why: a cluster's job server, a bucket, GPUs, a tracking server or account, or a file the
@@ -143,6 +146,36 @@ def _segments(path: Path):
                 yield f"{path.relative_to(ROOT)}:{number}", lang, segment[:cut], tuple(output)
 
 
+def _printed_after_shell_blocks(text: str) -> dict[int, tuple[str, ...]]:
+    """{line number of a shell block's last line: the lines of a ``text`` block right after it}
+    (only blank lines between, and no ``$ `` line in it): what the block's last command prints."""
+    found: dict[int, tuple[str, ...]] = {}
+    lines = text.splitlines()
+    last_shell, gap_ok = 0, False
+    block, lang = None, ""
+    for number, line in enumerate(lines, 1):
+        m = _FENCE.match(line)
+        if block is None and m:
+            block, lang = [], m.group(2).lower()
+            if lang == "text" and last_shell and gap_ok:
+                block_of = last_shell
+            else:
+                block_of = 0
+        elif block is not None and line.strip().startswith("```") and line.strip().strip("`") == "":
+            if lang in SHELLS:
+                last_shell, gap_ok = max((n for n, t in block if t.strip()), default=0), True
+            else:
+                if block_of and not any(t.strip().startswith("$ ") for _, t in block):
+                    found[block_of] = tuple(t.strip() for _, t in block)
+                last_shell, gap_ok = 0, False
+            block = None
+        elif block is not None:
+            block.append((number, line))
+        elif line.strip():
+            gap_ok = False  # prose between: the text block is not the shell block's output
+    return found
+
+
 def commands(path: Path) -> list[Shown]:
     shown = []
     for where, _, words, output in _segments(path):
@@ -150,7 +183,41 @@ def commands(path: Path) -> list[Shown]:
         if found is not None:
             env, args, remote = found
             shown.append(Shown(where, tuple(fill(a) for a in args), output, tuple(fill(e) for e in env), remote))
+    printed = _printed_after_shell_blocks(path.read_text())
+    for i, cmd in enumerate(shown):  # the last command on a shell block's last line
+        number = int(cmd.where.rsplit(":", 1)[1])
+        last = i + 1 == len(shown) or shown[i + 1].where != cmd.where
+        if number in printed and last and not cmd.output:
+            shown[i] = Shown(cmd.where, cmd.args, printed[number], cmd.env, cmd.remote)
     return shown
+
+
+# A figure a run measures (its throughput) differs run to run: "592 tok/s" is shown as an example.
+_MEASURED = re.compile(r"[\d,]+(?:\.\d+)? (tok/s|tokens/s)")
+
+
+def missing_claims(shown: Shown, printed: str, checkout: str = "", measured: bool = False) -> list[str]:
+    """The lines ``shown`` is shown to print that ``printed`` lacks. "..." elides lines; a line ending
+    in "..." shows the start of one; ``<checkout>`` is the directory it ran in (``checkout``); with
+    ``measured``, throughputs (N tok/s, N tokens/s) are examples and any value matches."""
+
+    def norm(line: str) -> str:
+        line = line.strip()
+        if checkout:
+            line = line.replace("<checkout>", checkout.rstrip("/"))
+        return _MEASURED.sub(r"N \1", line) if measured else line
+
+    lines = [norm(line) for line in printed.splitlines()]
+    missing = []
+    for raw in shown.output:
+        want = norm(raw)
+        if want in ("", "...", "…") or want in lines:
+            continue
+        head = want.rstrip(".…").rstrip()
+        if (want.endswith("...") or want.endswith("…")) and any(line.startswith(head) for line in lines):
+            continue
+        missing.append(raw)
+    return missing
 
 
 def steps(path: Path) -> list[Shown | Setup]:
