@@ -49,7 +49,10 @@ def background(workdir: Path, env: dict, cases: set[str] | None = None) -> dict:
     env = {k: v for k, v in env.items() if k != "RAY_ADDRESS"}
     env.update(HF_HUB_OFFLINE="1", AWS_EC2_METADATA_DISABLED="true", AWS_ENDPOINT_URL="http://127.0.0.1:9")
     argv = [".venv/bin/raytrain-hybrid", *COMMAND]
-    proc = subprocess.run(argv, cwd=checkout, env=env, capture_output=True, text=True, timeout=900)
+    for _ in range(2):  # Ray's own start gave up on a loaded machine (its fixed wait), before the run began
+        proc = subprocess.run(argv, cwd=checkout, env=env, capture_output=True, text=True, timeout=900)
+        if "timed out during startup" not in proc.stdout + proc.stderr:
+            break
     latest = checkout / "runs" / "latest"
     files = sorted(str(p.relative_to(latest)) for p in latest.rglob("*")) if latest.is_dir() else []
     return {"checkout": str(checkout), "code": proc.returncode, "out": proc.stdout, "err": proc.stderr, "files": files}
