@@ -134,3 +134,14 @@ def test_a_save_completes_only_under_the_lease_its_run_started_under(out):
     second.release()
     finish(6, lease_epoch(root))._complete({})  # no lease: a run without a driver saves as before
     assert root.child("step_6", "manifest.json").exists()
+
+
+def test_a_run_sees_that_its_lease_was_taken_over(out):
+    """What the driver asks before it prunes or writes summary.json: after another run took the
+    directory over, the lease is no longer held, and ``lost`` names the run that has it."""
+    first = acquire(out)
+    assert first.held() and not first.lost
+    first.backend.delete(first._ours()[2])  # as if it had expired and been taken over
+    second = acquire(out)
+    assert not first.held() and f"process {os.getpid()}" in first.lost
+    second.release()

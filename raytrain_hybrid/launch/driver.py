@@ -28,7 +28,7 @@ from raytrain_hybrid.launch.autoscale import POLL_S, ScalerProbe, StartupTimeout
 from raytrain_hybrid.launch.elastic import make_torch_trainer, scaling_workers
 from raytrain_hybrid.launch.entry import train_loop_per_worker
 from raytrain_hybrid.launch.inputs import build_datasets, reader_env
-from raytrain_hybrid.launch.lease import acquire
+from raytrain_hybrid.launch.lease import LeaseLost, acquire
 from raytrain_hybrid.launch.preflight import waiting_for
 from raytrain_hybrid.launch.progress import RunLog
 from raytrain_hybrid.launch.rundir import RunDir
@@ -76,7 +76,7 @@ def run(
         lease.start_renewing()
         # What can be refused without Ray is refused before its start (seconds), as `check` refuses it.
         cfg, input_whole = check_before_ray(cfg, say)
-        return _run_leased(cfg, point, marks, say, said, stream, driver_log, input_whole)
+        return _run_leased(cfg, point, marks, say, said, stream, driver_log, input_whole, lease.held)
     finally:
         lease.release()
         if fresh and out.local:  # a run refused after the lease leaves no empty directory behind
@@ -85,9 +85,18 @@ def run(
 
 
 def _run_leased(
-    cfg: Config, point: ResumePoint, marks: dict, say, said: list[str], stream, driver_log, input_whole: bool
+    cfg: Config,
+    point: ResumePoint,
+    marks: dict,
+    say,
+    said: list[str],
+    stream,
+    driver_log,
+    input_whole: bool,
+    held=lambda: True,
 ) -> dict:
-    """The run, once its checks passed and it holds run.output_dir's lease."""
+    """The run, once its checks passed and it holds run.output_dir's lease (``held``: whether it
+    still does; a run that lost it to another run writes nothing more there)."""
     import ray
     from ray.util.queue import Queue
 
@@ -116,8 +125,14 @@ def _run_leased(
             watch(trainer, sink, run_log, watchdog, marks)
     except BaseException as exc:  # failed, Ctrl-C, SIGTERM (cli): summary.json says how, beside driver.log
         with contextlib.suppress(Exception):
-            write_results(cfg, run_log, marks, run_dir, driver_log, ended=how_ended(exc))
+            if held():  # (not over the summary of the run that took the directory over)
+                write_results(cfg, run_log, marks, run_dir, driver_log, ended=how_ended(exc))
         raise
+    if not held():
+        raise LeaseLost(
+            f"run.output_dir={cfg.run.output_dir} was taken over by another run while this one ran; "
+            "this run wrote nothing more there (no pruning, no summary.json)"
+        )
     pruned = prune_earlier(cfg)
     if pruned:
         say(

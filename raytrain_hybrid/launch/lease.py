@@ -271,6 +271,17 @@ class Lease:
         self.body = body
         return True
 
+    def held(self) -> bool:
+        """Whether this run still holds it, looked at now (False, and ``lost`` says who has it,
+        once another run took it over; True when it cannot be read: no claim)."""
+        try:
+            ours, current, _ = self._ours()
+        except Exception:  # storage briefly unreachable
+            return not self.lost
+        if not ours:
+            self.lost = describe(current or {})
+        return ours
+
     def start_renewing(self, every_s: float = RENEW_S) -> None:
         def loop() -> None:
             while not self._stop.wait(every_s):
