@@ -46,7 +46,8 @@ def background(workdir: Path, env: dict, cases: set[str] | None = None) -> dict:
     checkout = workdir / "checkout"
     checkout.mkdir()
     _scratch(checkout)
-    env = {k: v for k, v in env.items() if k != "RAY_ADDRESS"}
+    # What the session's own ray.init put in this process's environment is not a reader's shell.
+    env = {k: v for k, v in env.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_CLIENT_MODE")}
     env.update(HF_HUB_OFFLINE="1", AWS_EC2_METADATA_DISABLED="true", AWS_ENDPOINT_URL="http://127.0.0.1:9")
     argv = [".venv/bin/raytrain-hybrid", *COMMAND]
     for _ in range(2):  # Ray's own start gave up on a loaded machine (its fixed wait), before the run began
