@@ -191,6 +191,8 @@ def _check(args, cfg, unverified: list[str] | None = None) -> int:
     print(f"layout ok: dp={par.dp}{cp} tp={par.tp} pp={par.pp} on {len(counts)} node(s) {counts}")
     if "cp_placement" in report:
         print(report["cp_placement"])
+    if "hsdp_placement" in report:  # parallelism.replicate: the shard and replica groups
+        print(report["hsdp_placement"])
     if is_elastic(asked.parallelism):  # parallelism.min_dp: the dp values a start may take
         print(describe(asked))
     cp_col = f" {'cp':>3}" if par.cp > 1 else ""

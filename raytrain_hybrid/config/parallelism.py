@@ -48,6 +48,11 @@ class ParallelismConfig:
     # 0 = DDP-style replication, 1 = optimizer state and update sharded over dp (ZeRO-1),
     # 2 = FSDP2 without resharding after forward, 3 = FSDP2 full sharding.
     zero: int = 0
+    # Hybrid sharding (zero=1/2/3): dp = replicate x shard. ZeRO shards the state inside a shard group of
+    # dp/replicate consecutive dp ranks (inside a node where it fits) and keeps replicate copies of it, one per
+    # replica group, whose gradients are all-reduced across them each step (TorchTitan's
+    # data_parallel_replicate_degree). 1: shard over all of dp.
+    replicate: int = 1
     # Activation checkpointing of each transformer block: true (full) recomputes the whole block in
     # backward; "selective" keeps matmul, attention and TP-collective outputs and recomputes the
     # element-wise ops (norms, activations, RoPE); false (none) stores every activation.
@@ -65,7 +70,7 @@ class ParallelismConfig:
     ep: int = 1
 
     def __post_init__(self) -> None:
-        for key in ("dp", "tp", "pp", "cp", "microbatches", "ep"):
+        for key in ("dp", "tp", "pp", "cp", "microbatches", "ep", "replicate"):
             value = getattr(self, key)
             if value < 1:
                 raise ConfigError(f"parallelism.{key}", value, "must be >= 1")

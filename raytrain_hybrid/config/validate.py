@@ -30,6 +30,7 @@ def validate(cfg: Config) -> None:
     _validate_layout(cfg, spec)
     _validate_experts(cfg, spec)
     _validate_cp(cfg, spec)
+    _validate_replicate(cfg)
     check_elastic(cfg)  # parallelism.min_dp: the dp values below dp the layout allows
     _validate_task(cfg, spec)
     check_lora(cfg, spec)  # [lora]: a pretrained model, targets among its linears
@@ -205,6 +206,34 @@ def _validate_experts(cfg: Config, spec: ArchSpec) -> None:
     for key, value in (("parallelism.dp", par.dp), ("model.num_experts", model.num_experts)):
         if value % par.ep:
             raise ConfigError("parallelism.ep", par.ep, f"must divide {key}={value}; try ep in {choices(fits)}")
+
+
+def _validate_replicate(cfg: Config) -> None:
+    """Hybrid sharding: replicate x shard = dp, over a ZeRO stage that shards something."""
+    par = cfg.parallelism
+    if par.replicate == 1:
+        return
+    if par.dp % par.replicate:
+        fits = choices(divisors(par.dp))
+        raise ConfigError("parallelism.replicate", par.replicate, f"must divide dp={par.dp}; try replicate in {fits}")
+    if par.zero == 0:  # nothing is sharded: every dp rank already holds a whole copy
+        raise ConfigError(
+            "parallelism.replicate",
+            par.replicate,
+            "splits dp into replica groups of sharded state, and zero=0 shards nothing (every dp rank is "
+            "already a replica); use zero=1, 2 or 3 with it, or replicate=1",
+        )
+    for key, value, why in (
+        ("ep", par.ep, "the experts are sharded over the dp/ep ranks holding them"),
+        ("min_dp", par.min_dp, "an elastic run changes dp at each start"),
+    ):
+        if value > 1 or (key == "min_dp" and value):
+            raise ConfigError(
+                "parallelism.replicate",
+                par.replicate,
+                f"is not combined with parallelism.{key}={value} ({why}); use replicate=1 or {key}="
+                + ("1" if key == "ep" else "0"),
+            )
 
 
 def _validate_task(cfg: Config, spec: ArchSpec) -> None:

@@ -6,6 +6,8 @@ zero=0: FSDP2 on a (dp_replicate=dp, dp_shard=1) HSDP mesh, i.e. plain replicati
 zero=1: no wrapper; ZeroOneOptimizer reduce-scatters gradients and shards AdamW state and
         the update over dp (distributed/zero1.py), at every tp and pp; under ep the experts in
         their own ZeRO-1 over the dp/ep ranks holding the same experts.
+replicate > 1 (hybrid sharding, dp = replicate x shard): FSDP2 (zero=2/3) on the (dp_replicate,
+        dp_shard) HSDP mesh, ZeRO-1 sliced over the shard group and all-reduced over the replicas.
 zero=2: FSDP2 sharding, parameters kept gathered between forward and backward.
 zero=3: FSDP2 full sharding, parameters re-gathered for backward.
 """
@@ -46,6 +48,11 @@ def adamw_kernel(device: torch.device) -> dict:
 def build_optimizer(params, mesh, dims: ParallelDims, *, device: torch.device, **adamw):
     adamw = {**adamw, **adamw_kernel(device)}
     if dims.zero == 1 and dims.dp * dims.cp > 1:
+        if dims.replicate > 1:  # hybrid sharding: sliced over dp/replicate x cp, the slices all-reduced
+            shard, copies = mesh.shard.get_group(), mesh.replicate.get_group()
+            return ZeroOneOptimizer(
+                params, dp_group=shard, tp=dims.tp, divide=dims.dp * dims.cp, replica_group=copies, **adamw
+            )
         group = (mesh.grads if dims.cp > 1 else mesh.dp).get_group()  # sharded over dp x cp
         if dims.ep > 1:
             return _zero1_with_experts(list(params), mesh, dims, group, adamw)

@@ -2,7 +2,10 @@
 
 The mesh is ``("pp", "dp_replicate", "dp_shard", "cp", "tp")`` with ``dp`` the flattened
 pair: ZeRO-0 replicates along ``dp_replicate`` (HSDP with a shard group of one),
-ZeRO-2/3 shard along ``dp_shard``. TP is innermost so that a TP group is a set of
+ZeRO-1/2/3 shard along ``dp_shard`` and, with ``replicate`` > 1 (hybrid sharding, TorchTitan's
+data_parallel_replicate_degree), keep ``replicate`` copies of the sharded state along
+``dp_replicate``: a shard group of dp/replicate consecutive dp ranks (inside a node where it
+fits), the replica groups across them. TP is innermost so that a TP group is a set of
 consecutive slots, laid onto one node; context parallelism (``cp``, each rank a slice of
 the sequence) sits next to it, so that cp x tp stays inside a node where it fits; PP is
 outermost so its stages go across nodes. Gradients are reduced over dp x cp: the cp ranks
@@ -34,6 +37,8 @@ class Meshes:
     replica: Any  # pp x cp x tp flattened: the ranks of one data-parallel replica (same rows)
     cp: Any = None  # the ranks that split one sequence (context parallelism)
     grads: Any = None  # dp x cp flattened: the ranks whose gradients are averaged (ZeRO-1's group)
+    shard: Any = None  # dp_shard (x cp): the ranks sharing one copy of the state (ZeRO-1 under replicate > 1)
+    replicate: Any = None  # dp_replicate: the copies of the sharded state (their gradients all-reduced)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +49,7 @@ class ParallelDims:
     zero: int = 0
     cp: int = 1  # context parallelism: the sequence split over this many ranks of a replica
     ep: int = 1  # expert parallelism: experts sharded over this many dp ranks (distributed.expert_parallel)
+    replicate: int = 1  # hybrid sharding: dp = replicate x shard, the state sharded inside a shard group
 
     @classmethod
     def from_config(cls, parallelism) -> ParallelDims:
@@ -55,12 +61,15 @@ class ParallelDims:
             zero=parallelism.zero,
             cp=parallelism.cp,
             ep=parallelism.ep,
+            replicate=parallelism.replicate,
         )
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "cp"):
+        for name in ("dp", "tp", "pp", "cp", "replicate"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.dp % self.replicate or (self.replicate > 1 and self.zero == 0):
+            raise ValueError(f"replicate={self.replicate} needs zero >= 1 and to divide dp={self.dp}")
 
     @property
     def world_size(self) -> int:
@@ -68,11 +77,11 @@ class ParallelDims:
 
     @property
     def dp_replicate(self) -> int:
-        return self.dp if self.zero in (0, 1) else 1
+        return self.dp if self.zero == 0 else self.replicate
 
     @property
     def dp_shard(self) -> int:
-        return 1 if self.zero in (0, 1) else self.dp
+        return self.dp // self.dp_replicate
 
     def coords(self, slot: int) -> dict[str, int]:
         """(pp, dp, [cp,] tp) of a mesh slot in ("pp", "dp", "cp", "tp") row-major order (cp only when > 1)."""
@@ -91,12 +100,14 @@ class ParallelDims:
         ranks = torch.tensor(arrangement, dtype=torch.int).reshape(shape)
         world = DeviceMesh(device_type, ranks, mesh_dim_names=MESH_DIMS)
         dp = world["dp_replicate", "dp_shard"]
+        shard = world["dp_shard"]
         if self.cp == 1:
             fsdp = dp
-        elif self.zero in (0, 1):  # cp replicates like dp: HSDP (dp_replicate x cp, shard group of one)
+        elif self.zero == 0:  # cp replicates like dp: HSDP (dp_replicate x cp, shard group of one)
             fsdp = DeviceMesh._concatenate([world["dp_replicate", "cp"]._flatten("dp_replicate_cp"), world["dp_shard"]])
-        else:  # FSDP shards over dp_shard x cp (TorchTitan's dp_shard_cp)
-            fsdp = DeviceMesh._concatenate([world["dp_replicate"], world["dp_shard", "cp"]._flatten("dp_shard_cp")])
+        else:  # FSDP and ZeRO-1 shard over dp_shard x cp (TorchTitan's dp_shard_cp)
+            shard = world["dp_shard", "cp"]._flatten("dp_shard_cp")
+            fsdp = DeviceMesh._concatenate([world["dp_replicate"], shard])
         return Meshes(
             world=world,
             pp=world["pp"],
@@ -106,6 +117,8 @@ class ParallelDims:
             replica=world["pp", "cp", "tp"]._flatten("replica"),
             cp=world["cp"],
             grads=world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp") if self.cp > 1 else None,
+            shard=shard,
+            replicate=world["dp_replicate"],
         )
 
 
@@ -189,7 +202,33 @@ def placement_report(dims: ParallelDims, workers_per_node: list[int]) -> dict:
     report = {"ranks": ranks, "groups": groups}
     if dims.cp > 1:
         report["cp_placement"] = cp_placement(dims, groups["cp"], nodes)
+    if dims.replicate > 1:
+        shard = dims.dp // dims.replicate
+        groups["shard"] = [g[i : i + shard] for g in groups["dp"] for i in range(0, dims.dp, shard)]
+        groups["replicate"] = [g[i::shard] for g in groups["dp"] for i in range(shard)]
+        report["hsdp_placement"], report["hsdp_where"] = hsdp_placement(dims, groups, nodes)
     return report
+
+
+def _crossing(groups: list[list[int]], node_of_rank: list[str]) -> int:
+    return sum(len({node_of_rank[r] for r in g}) > 1 for g in groups)
+
+
+def hsdp_placement(dims: ParallelDims, groups: dict, node_of_rank: list[str]) -> tuple[str, str]:
+    """Where hybrid sharding's groups lie, in full (for `check`) and in short (the start line): the
+    shard groups (the state's all-gathers and reduce-scatters) inside a node where dp/replicate x
+    cp x tp workers fit one, the replica groups (one all-reduce of a shard's gradients a step) across."""
+    shard, crossing = dims.dp // dims.replicate, _crossing(groups["shard"], node_of_rank)
+    across = _crossing(groups["replicate"], node_of_rank)
+    where = "inside a node" if not crossing else f"across nodes ({crossing} of {len(groups['shard'])})"
+    there = f"across nodes ({across} of {len(groups['replicate'])})" if across else "inside a node"
+    listed = {k: f"{groups[k][:4]}{' ...' if len(groups[k]) > 4 else ''}" for k in ("shard", "replicate")}
+    full = (
+        f"hybrid sharding: dp={dims.dp} as replicate={dims.replicate} x shard={shard} (zero={dims.zero}): shard "
+        f"groups {listed['shard']} {where}; replica groups {listed['replicate']} {there}, each step an all-reduce "
+        f"of 1/{shard * dims.cp} of the stage's gradients between them"
+    )
+    return full, f"shard groups {where}, replica groups {there}"
 
 
 def cp_placement(dims: ParallelDims, cp_groups: list[list[int]], node_of_rank: list[str]) -> str:

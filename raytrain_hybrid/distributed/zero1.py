@@ -7,6 +7,12 @@ rank receives the averaged gradient of one contiguous 1/dp slice, keeps the Adam
 moments of that slice only, updates it, and the updated slices are all-gathered back
 into the parameters. Optimizer memory per rank is full / (tp * pp * dp).
 
+Hybrid sharding (parallelism.replicate > 1): the slices are cut over a shard group of
+dp/replicate ranks only, and each reduce-scattered slice is then all-reduced over the
+``replicate`` ranks holding the same slice in the other shard groups (one all-reduce of a
+shard's size a step, across nodes); every copy updates its slice alike. Optimizer memory per
+rank is then full / (tp * pp * dp/replicate).
+
 Works on DTensor parameters through their local shards, so it composes with TP and
 with any pipeline schedule (no DDP reducer: gradients accumulate locally over the
 micro-batches and are reduced once per step). torch's ZeroRedundancyOptimizer
@@ -28,11 +34,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class ZeroOneOptimizer(torch.optim.Optimizer):
-    def __init__(self, params, *, dp_group, tp: int, divide: int = 0, copies: int = 0, **adamw) -> None:
+    def __init__(
+        self, params, *, dp_group, tp: int, divide: int = 0, copies: int = 0, replica_group=None, **adamw
+    ) -> None:
         """``divide``: what the summed gradients are divided by (default: the group's size);
-        ``copies``: the ranks of a replica's stage holding each element (default: from its placements)."""
+        ``copies``: the ranks of a replica's stage holding each element (default: from its placements);
+        ``replica_group``: under hybrid sharding, the ranks holding the same slice in other shard groups."""
         self.model_params = list(params)
         self.group = dp_group
+        self.replica_group = replica_group
+        self.replicas = dist.get_world_size(replica_group) if replica_group is not None else 1
         self.dp = dist.get_world_size(dp_group)
         self.divide = divide or self.dp
         self.dp_rank = dist.get_rank(dp_group)
@@ -86,6 +97,8 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
                 flat[off : off + n] = _local(p.grad).reshape(-1)
         out = torch.empty(self.slice_len, device=flat.device)
         dist.reduce_scatter_single(out, flat, group=self.group)
+        if self.replicas > 1:  # hybrid sharding: the other shard groups' sums of the same slice
+            dist.all_reduce(out, group=self.replica_group)
         self.shard.grad = out.div_(self.divide)
         self._grad_ready = True
 
@@ -97,10 +110,11 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
                 self.copies[i] = float("inf")
 
     def grad_norm_sq(self) -> torch.Tensor:
-        """This rank's part of the squared global gradient norm (sum it over the world)."""
+        """This rank's part of the squared global gradient norm (sum it over the world; each slice
+        is held by ``replicas`` ranks under hybrid sharding)."""
         total = torch.zeros((), dtype=torch.float64, device=self.shard.device)
         for i, _, s_at, n in self._segments():
-            total += self.shard.grad[s_at : s_at + n].double().pow(2).sum() / self.copies[i]
+            total += self.shard.grad[s_at : s_at + n].double().pow(2).sum() / (self.copies[i] * self.replicas)
         return total
 
     @torch.no_grad()

@@ -206,6 +206,12 @@ class StartPlan:
 
             placed += f" ({placement_report(ParallelDims.from_config(par), self.placement)['cp_placement']})"
         cp += f" ep={par.ep}" if par.ep > 1 else ""  # as check's layout line names it
+        if par.replicate > 1:  # hybrid sharding: where its shard and replica groups sit on these nodes
+            from raytrain_hybrid.distributed.parallel_dims import ParallelDims, placement_report
+
+            cp += f" zero={par.zero} replicate={par.replicate}"
+            if self.placement:
+                placed += f" ({placement_report(ParallelDims.from_config(par), self.placement)['hsdp_where']})"
         return [
             f"start: dp={par.dp}{cp} tp={par.tp} pp={par.pp}, {counts} workers ({each} each){placed}; "
             f"{self.end} steps; output {f['output']} ({f['output_store']}); {start}"

@@ -74,6 +74,7 @@ def rank_layouts(cfg: Config, slots: list[int], hw: Hardware, worlds: list[int] 
             r["world"],
             r["cp"],  # (context parallelism only where it is faster)
             r["zero"],
+            r.get("replicate", 1),
             bool(r["activation_checkpointing"]),
             r["pp"],
             r["tp"],
@@ -93,9 +94,10 @@ def runner_up(rows: list[dict]) -> dict | None:
 def layout_text(row: dict) -> str:
     ac, cp = row["activation_checkpointing"], f" cp={row['cp']}" if row["cp"] > 1 else ""
     cp += f" ep={row['ep']}" if row.get("ep", 1) > 1 else ""
+    zero = f"zero={row['zero']}" + (f" replicate={row['replicate']}" if row.get("replicate", 1) > 1 else "")
     return (
         f"dp={row['dp']}{cp} tp={row['tp']} pp={row['pp']} {row['schedule']} microbatches={row['microbatches']} "
-        f"zero={row['zero']} activation_checkpointing={str(ac).lower()}"
+        f"{zero} activation_checkpointing={str(ac).lower()}"
     )
 
 
@@ -127,7 +129,7 @@ def why(best: dict, other: dict | None) -> str:
 
 
 _PICKED = (
-    *("dp", "cp", "ep", "tp", "pp", "microbatches", "schedule", "zero"),
+    *("dp", "cp", "ep", "tp", "pp", "microbatches", "schedule", "zero", "replicate"),
     *("activation_checkpointing", "sequence_parallel"),
 )
 

@@ -19,6 +19,11 @@ Sources of the formulas (cited where used):
   held in memory, 1/ep of them a rank under expert parallelism, whole on each TP rank; two
   all-to-alls (dispatch, combine) a MoE layer forward and two backward, each moving a
   micro-batch's tokens times top-k at model width, (ep-1)/ep of it to other ranks.
+- Hybrid sharding (parallelism.replicate; Zhao et al., "PyTorch FSDP", VLDB'23, section 3.2.2, and
+  TorchTitan's HSDP): the state sharded over the shard group only (dp/replicate x cp ranks), the
+  gradients reduce-scattered inside it, then one all-reduce of the shard's gradients (1/shard of
+  them) across the replicate ranks holding the same shard, over the network once dp x cp x tp
+  workers leave a node.
 """
 
 from __future__ import annotations
@@ -222,15 +227,17 @@ def predict(cfg: Config, hw: Hardware) -> dict:
     # Experts are whole on each TP rank and 1/ep a rank under expert parallelism.
     ep, experts = par.ep, expert_rank_params(cfg)
     phi = (max_rank_params(cfg) - experts) / tp + experts / ep
-    # The cp ranks of a replica average gradients like replicas: ZeRO shards over dp x cp; the
-    # experts' state over the dp/ep ranks holding the same experts.
-    states = state_bytes(phi - experts / ep, zero=par.zero, dp=dp * cp)
+    # The cp ranks of a replica average gradients like replicas: ZeRO shards over dp x cp (over the
+    # shard group, dp/replicate x cp, under hybrid sharding); the experts' state over the dp/ep ranks
+    # holding the same experts.
+    shard = dp // par.replicate
+    states = state_bytes(phi - experts / ep, zero=par.zero, dp=shard * cp)
     if experts:
         expert_states = state_bytes(experts / ep, zero=par.zero, dp=dp // ep)
         states = {k: v + expert_states[k] for k, v in states.items()}
     trained = phi  # parameters with gradients, optimizer state and a DP reduction
     if cfg.lora.rank:  # the frozen base holds its weights only; the adapters train
-        states, trained = lora_state_bytes(cfg, phi, zero=par.zero, dp=dp * cp)
+        states, trained = lora_state_bytes(cfg, phi, zero=par.zero, dp=shard * cp)
     act = activation_bytes(cfg, micro_batch)
     memory = {**states, "activations": act}
     memory["total"] = sum(memory.values())
@@ -258,11 +265,15 @@ def predict(cfg: Config, hw: Hardware) -> dict:
     ep_s = ep_alltoall_s(cfg, micro_batch, hw) * share
     # Placement fills nodes TP-first, then CP, then DP, then PP: an axis leaves the node once the
     # product of the axes inside it exceeds the node.
-    dp_link = hw.intra_node_gbps if tp * cp * dp <= hw.gpus_per_node else hw.inter_node_gbps
+    dp_link = hw.intra_node_gbps if tp * cp * shard <= hw.gpus_per_node else hw.inter_node_gbps
+    replica_link = hw.intra_node_gbps if tp * cp * dp <= hw.gpus_per_node else hw.inter_node_gbps
     pp_link = hw.intra_node_gbps if tp * cp * dp * pp <= hw.gpus_per_node else hw.inter_node_gbps
     pp_s = 0.0 if pp == 1 else 2 * mb * virtual * (act_msg / (pp_link * 1e9) + hw.latency_s)
     grad_bytes = (trained - experts / ep) * 4.0
-    dp_s = _allreduce_s(grad_bytes, dp * cp, dp_link, hw.latency_s) * (1.5 if par.zero == 3 else 1.0)
+    dp_s = _allreduce_s(grad_bytes, shard * cp, dp_link, hw.latency_s) * (1.5 if par.zero == 3 else 1.0)
+    # Hybrid sharding: the shard's gradients all-reduced across the replica groups.
+    replicate_s = _allreduce_s(grad_bytes / (shard * cp), par.replicate, replica_link, hw.latency_s)
+    dp_s += replicate_s
     if experts and dp // ep > 1:  # the experts' gradients over the ranks holding the same experts
         dp_s += _allreduce_s(experts / ep * 4.0, dp // ep, dp_link, hw.latency_s) * (1.5 if par.zero == 3 else 1.0)
     # Buckets overlap with the backward (2/3 of compute) on devices; on shared cores the
@@ -286,6 +297,7 @@ def predict(cfg: Config, hw: Hardware) -> dict:
             "ep": ep_s,
             "pp": pp_s,
             "dp": dp_s,
+            "dp_replicate": replicate_s,  # (part of dp)
             "dp_exposed": dp_exposed,
         },
     }

@@ -1,4 +1,5 @@
-"""Layout search: every (dp, cp, tp, pp, micro-batches, schedule, ZeRO, recompute) that fits, ranked."""
+"""Layout search: every (dp, cp, tp, pp, micro-batches, schedule, ZeRO, hybrid sharding, recompute) that fits,
+ranked."""
 
 from __future__ import annotations
 
@@ -20,6 +21,15 @@ def _microbatch_counts(per_replica: int) -> list[int]:
     """Micro-batches per replica: every divisor of the replica's batch, down to one sequence
     per micro-batch (the validator then drops counts a schedule refuses)."""
     return [d for d in range(1, per_replica + 1) if per_replica % d == 0]
+
+
+def _replicates(dp: int, zero: int, inner: int, gpus_per_node: int) -> list[int]:
+    """Hybrid sharding's candidates: 1 (shard over all of dp), and, where dp's groups leave a node
+    (``inner`` = cp x tp workers a dp rank), the replicate that keeps each shard group inside one."""
+    if zero == 0 or dp * inner <= gpus_per_node:
+        return [1]
+    shard = max((d for d in range(1, dp + 1) if dp % d == 0 and d * inner <= gpus_per_node), default=1)
+    return [1, dp // shard]
 
 
 def _candidates(world: int, cfg: Config, gpus_per_node: int, fixed: dict):
@@ -44,7 +54,10 @@ def _candidates(world: int, cfg: Config, gpus_per_node: int, fixed: dict):
             eps = [e for e in range(1, dp + 1) if dp % e == 0 and cfg.model.num_experts % e == 0] if moe else [1]
             for schedule, ep in ((s, e) for s in allowed("schedule", schedules) for e in allowed("ep", eps)):
                 for mb in allowed("microbatches", _microbatch_counts(cfg.train.global_batch_size // dp)):
-                    for zero in allowed("zero", [0] if dp * cp == 1 else [0, 1, 2, 3]):
+                    zeros = allowed("zero", [0] if dp * cp == 1 else [0, 1, 2, 3])
+                    for zero, rep in (
+                        (z, r) for z in zeros for r in allowed("replicate", _replicates(dp, z, cp * tp, gpus_per_node))
+                    ):
                         for ac in allowed("activation_checkpointing", [False, True]):
                             for sp in allowed("sequence_parallel", [True, False] if tp > 1 and has_sp else [False]):
                                 yield {
@@ -56,6 +69,7 @@ def _candidates(world: int, cfg: Config, gpus_per_node: int, fixed: dict):
                                     "schedule": schedule,
                                     "microbatches": mb,
                                     "zero": zero,
+                                    "replicate": rep,
                                     "activation_checkpointing": ac,
                                     "sequence_parallel": sp,
                                 }
@@ -108,6 +122,7 @@ def format_table(rows: list[dict]) -> str:
             f"{'y' if r['activation_checkpointing'] else 'n':>3} {'y' if r['sequence_parallel'] else 'n':>3} "
             f"{r['memory_bytes']['total'] / GiB:>9.2f} "
             f"{r['predicted_tokens_per_s']:>12,.0f} {r['predicted_mfu']:>6.1%} {r['bubble_fraction']:>6.1%}  "
-            f"{'ep=' + str(r['ep']) + ' ' if r.get('ep', 1) > 1 else ''}{r['reason']}"
+            f"{'ep=' + str(r['ep']) + ' ' if r.get('ep', 1) > 1 else ''}"
+            f"{'replicate=' + str(r['replicate']) + ' ' if r.get('replicate', 1) > 1 else ''}{r['reason']}"
         )
     return "\n".join(lines)
