@@ -58,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}", help="print the version")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
-    train = _command(sub, "train", "train on Ray: join a cluster, or start a local one when none is named")
+    train = _command(sub, "train", "train on Ray (join a cluster, or start a local one), or under torchrun without Ray")
     _add_config_args(train)
     _add_resume_args(train)
     train.add_argument(
@@ -140,21 +140,17 @@ def _parser() -> argparse.ArgumentParser:
         "document; default: the shipped BPE)",
     )
     prep.add_argument("--address", default="", metavar="ADDRESS", help=ADDRESS_HELP)
+    prep.add_argument(
+        "--verbose", action="store_true", help="show Ray's own output on the terminal (default: a log file)"
+    )
     return parser
 
 
 def _prepare(args) -> int:
-    from raytrain_hybrid.data.prepare import prepare_data
-    from raytrain_hybrid.launch.session import join_address, join_ray
+    from raytrain_hybrid.launch.quiet_run import prepare_command
 
-    try:
-        join_ray(join_address(args.address))
-        stats = prepare_data(args.source, args.out_dir, text_column=args.text_column, tokenizer=args.tokenizer)
-    except (FileNotFoundError, ConfigError) as exc:
-        print(redact(f"error: {exc}"), file=sys.stderr)
-        return 2
-    print(f"wrote {stats['tokens']:,} tokens to {stats['out_dir']}")
-    return 0
+    kw = {"text_column": args.text_column, "tokenizer": args.tokenizer, "address": args.address}
+    return prepare_command(args.source, args.out_dir, verbose=args.verbose, **kw)
 
 
 def _say(args):
@@ -195,6 +191,10 @@ def _check(args, cfg, unverified: list[str] | None = None) -> int:
         print(report["hsdp_placement"])
     if is_elastic(asked.parallelism):  # parallelism.min_dp: the dp values a start may take
         print(describe(asked))
+    if cfg.train.fp8 != "off":  # the linears in float8, and those left in train.dtype
+        from raytrain_hybrid.distributed.fp8 import describe_fp8
+
+        print(describe_fp8(cfg))
     cp_col = f" {'cp':>3}" if par.cp > 1 else ""
     print(f"{'rank':>4} {'node':>8} {'pp':>3} {'dp':>3}{cp_col} {'tp':>3}")
     for r in ranks:
@@ -220,56 +220,9 @@ def _check(args, cfg, unverified: list[str] | None = None) -> int:
 
 
 def _train(cfg, resume: str | None = None, verbose: bool = False, allow_change: list[str] | None = None) -> int:
-    from raytrain_hybrid.launch.driver import sigterm_ends_the_run
-    from raytrain_hybrid.launch.session import ray_address
+    from raytrain_hybrid.launch.quiet_run import train_command  # under torchrun: without Ray
 
-    ray_address(cfg)  # an address that cannot be joined is refused before the run directory is made
-    with sigterm_ends_the_run():
-        return _train_in(cfg, resume, verbose, allow_change)
-
-
-def _train_in(cfg, resume, verbose: bool, allow_change) -> int:
-    import ray
-
-    from raytrain_hybrid.launch.driver import Terminated, run
-    from raytrain_hybrid.launch.progress import quiet_driver
-    from raytrain_hybrid.launch.rundir import RunDir, mirror_dir
-
-    connected_before = ray.is_initialized()  # e.g. a notebook's or a test's own session
-    log = mirror_dir(cfg.run.output_dir) / "driver.log"  # the run dir itself, unless it is a URI
-    summary, refused = None, []
-    try:
-        with quiet_driver(log, quiet=not verbose, keep=lambda: not refused) as (out, err, live_log):
-            try:
-                summary = run(cfg, resume=resume, stream=out, driver_log=live_log, allow_change=allow_change)
-            except (ConfigError, LayoutError) as exc:
-                refused.append(True)  # its log is not this directory's (it may be another run's)
-                # Said now, before Ray is torn down: whatever happens in that teardown (a driver
-                # killed on its way out, a shutdown that hangs), the refusal has reached the user.
-                print(redact(f"error: {exc}"), file=err, flush=True)
-                return 2
-            except Exception as exc:  # a worker failed: Ray's error carries its traceback
-                print(redact(f"error: training failed: {exc}"), file=err)  # (Ray's error quotes values)
-                if not verbose:
-                    print(f"Ray's output of this run: {log}", file=err)
-                return 1
-            except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (launch.driver.sigterm_ends_the_run)
-                how = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted (Ctrl-C)"
-                print(f"{how}: the run stopped; what it wrote is in {cfg.run.output_dir}", file=err, flush=True)
-                return 143 if isinstance(exc, Terminated) else 130
-            finally:
-                if ray.is_initialized() and not connected_before:
-                    ray.shutdown()  # inside: Ray's listener threads print until they stop
-    finally:
-        if log.exists() and not refused:  # the run started: its driver.log goes where its other files went
-            RunDir.open(cfg.run.output_dir).sync()
-    newest = f"; newest checkpoint {summary['checkpoints'][-1]['path']}" if summary["checkpoints"] else ""
-    print(
-        f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
-        f"{summary['mean_tokens_per_s']:,.0f} tokens/s -> {cfg.run.output_dir}{newest}"
-        + ("" if verbose else f" (Ray's output: {log.name})")
-    )
-    return 0
+    return train_command(cfg, resume, verbose, allow_change)
 
 
 def _plan(args, cfg) -> int:

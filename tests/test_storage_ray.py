@@ -135,7 +135,10 @@ def test_prepare_data_writes_its_shards_into_the_bucket(s3, prepared):
     tables = [pq.read_table(pa.BufferReader(data)) for data in objects.values()]
     tokens = sum(sum(t.column("num_tokens").to_pylist()) for t in tables)
     assert marker == {"rows": sum(t.num_rows for t in tables), "tokens": tokens, "files": sorted(objects)}
-    assert done.stdout.strip() == f"wrote {tokens:,} tokens to s3://bucket/prep"
+    said, log = done.stdout.strip().split(" (Ray's output: ")
+    assert said == f"wrote {tokens:,} tokens to s3://bucket/prep"
+    # As quiet as `train`: Ray's notices and Ray Data's progress in a log file, not on the terminal.
+    assert "Ray" not in done.stderr and "Dataset" in Path(log.rstrip(")")).read_text(), done.stderr[-2000:]
     assert tables[0].schema.field("input_ids").type == pa.list_(pa.int32())
     assert list(cwd.iterdir()) == [], "prepare-data wrote into the working directory"
 
