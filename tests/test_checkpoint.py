@@ -408,6 +408,36 @@ def test_allowed_changes_and_new_data_are_said_and_checked(saved_run, tmp_path):
         check_resume(cfg, str(out), ["checkpoint.interval"])
 
 
+def test_data_replaced_by_files_of_the_same_size_is_refused_and_unreadable_data_is_said(tmp_path):
+    """The data check looks at the files' content (sampled: their heads and Parquet footers), not
+    only their names and sizes; data it cannot read now is said as not verified."""
+    import dataclasses
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raytrain_hybrid.checkpoint.trajectory import check_trajectory, describe
+    from raytrain_hybrid.config import load_config
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for n in range(2):
+        pq.write_table(pa.table({"input_ids": [[n, 1, 2, 3]] * 8}), data / f"part-{n}.parquet")
+    cfg = load_config(None, ["data.path=memory"])
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(data)))
+    manifest = {"trajectory": describe(cfg)}
+    assert check_trajectory(cfg, manifest, "ckpt", []) == []
+    replaced = bytearray((data / "part-1.parquet").read_bytes())
+    replaced[len(replaced) // 3] ^= 0xFF  # other bytes, the same name and size
+    (data / "part-1.parquet").write_bytes(bytes(replaced))
+    with pytest.raises(ConfigError, match="data.path=.*the files under it differ.*--allow-change data.path"):
+        check_trajectory(cfg, manifest, "ckpt", [])
+    assert check_trajectory(cfg, manifest, "ckpt", ["data.path"]) == ["data.path"]
+    gone = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(tmp_path / "moved")))
+    unverified: list[str] = []
+    assert check_trajectory(gone, manifest, "ckpt", [], unverified) == [] and unverified == ["data.path"]
+
+
 def test_the_skipped_stream_stands_where_the_checkpoint_recorded(tmp_path):
     """After skipping a resumed run's steps, the stream's position is the one the run recorded at
     that step (what ReplicaFeed compares with the manifest); other data gives another one."""

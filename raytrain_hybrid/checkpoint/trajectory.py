@@ -8,8 +8,11 @@ horizon, and raising it stretches the cosine decay, so the learning rate would r
 resumed step instead of going on down (0.000300 -> 0.000355 in a 12 -> 24 step run).
 
 Data is compared by what it is, not where it is: a digest of the listing of data.path (file
-names relative to it, and sizes), and of the tokenizer file raw text goes through, so moving
-the same files to another bucket resumes, and replacing them does not, silently.
+names relative to it, and sizes), one of the files' content, sampled cheaply (each file's first
+4 KiB and last 64 KiB: a Parquet file's footer holds its schema, row count and every column
+chunk's statistics), and one of the tokenizer file raw text goes through, so moving the same files to
+another bucket resumes, and replacing them (a file of the same size too) does not, silently.
+What cannot be read now is said as not verified.
 """
 
 from __future__ import annotations
@@ -42,9 +45,12 @@ CONFIG_KEYS = (
 )
 # Recorded digests: the data files under data.path, and the tokenizer (None: could not be read).
 DATA_KEY, TOKENIZER_KEY = "data.path", "data.tokenizer"
+CONTENT_KEY = "data.content"  # the data files' sampled content: compared, and allowed, as data.path
+SAMPLE_BYTES = 64 << 10
 # The keys that say which data, in which order.
 DATA_KEYS = (
     DATA_KEY,
+    CONTENT_KEY,
     TOKENIZER_KEY,
     "data.shuffle_seed",
     "data.shuffle_buffer",
@@ -83,6 +89,34 @@ def data_digest(path: str) -> str | None:
     return _digest(sorted([i.path.removeprefix(root), i.size] for i in infos if i.type == pafs.FileType.File))
 
 
+def data_content_digest(path: str) -> str | None:
+    """The content of the files under data.path, sampled: each file's first 4 KiB and last
+    SAMPLE_BYTES (range reads, 16 files at a time on object storage), as a digest."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if path in ("memory", "builtin", ""):
+        return path
+    try:
+        store = as_store(path, DATA_KEY)
+        info = store.fs.get_file_info(store.path)
+        if info.type == pafs.FileType.File:
+            infos = [info]
+        else:
+            infos = store.fs.get_file_info(pafs.FileSelector(store.path, recursive=True))
+        files = sorted((i for i in infos if i.type == pafs.FileType.File), key=lambda i: i.path)
+
+        def sample(i) -> str:
+            with store.fs.open_input_file(i.path) as f:
+                head = f.read_at(min(4096, i.size), 0)
+                tail = f.read_at(min(SAMPLE_BYTES, i.size), max(0, i.size - SAMPLE_BYTES))
+            return hashlib.sha256(head + tail).hexdigest()
+
+        with ThreadPoolExecutor(16) as pool:
+            return _digest(list(pool.map(sample, files)))
+    except (OSError, ConfigError):
+        return None
+
+
 def tokenizer_digest(cfg) -> str | None:
     """The tokenizer.json raw text goes through (the shipped one by default), as a digest."""
     from raytrain_hybrid.data.tokenizer import DEFAULT_TOKENIZER, tokenizer_source
@@ -104,6 +138,7 @@ def describe(cfg) -> dict:
     return {
         **{key: _value(cfg, key) for key in CONFIG_KEYS},
         DATA_KEY: data_digest(cfg.data.path),
+        CONTENT_KEY: data_content_digest(cfg.data.path),
         TOKENIZER_KEY: tokenizer_digest(cfg),
     }
 
@@ -125,18 +160,23 @@ def check_allowed(allowed: list[str]) -> list[str]:
     return keys
 
 
-def check_trajectory(cfg, manifest: dict, path, allowed: list[str]) -> list[str]:
+def check_trajectory(cfg, manifest: dict, path, allowed: list[str], unverified: list[str] | None = None) -> list[str]:
     """Refuse a resume that would change the run's trajectory unless the key is allowed;
-    returns the changes that were allowed (said to the user, and the data ones restart the data)."""
+    returns the changes that were allowed (said to the user, and the data ones restart the data).
+    ``unverified``: where what the checkpoint recorded cannot be read now (its keys are noted)."""
     saved, now = recorded(manifest), describe(cfg)
     changed = []
     # train.steps last: a resume that changes another key as well is told about that one first
-    for key, before in sorted(saved.items(), key=lambda item: item[0] == "train.steps"):
-        after = now.get(key)
+    for recorded_key, before in sorted(saved.items(), key=lambda item: item[0] == "train.steps"):
+        after = now.get(recorded_key)
+        key = DATA_KEY if recorded_key == CONTENT_KEY else recorded_key  # the content is data.path's
+        if before is not None and after is None and unverified is not None and key not in unverified:
+            unverified.append(key)  # recorded then, cannot be read now: said, not claimed
         if before is None or after is None or before == after:  # a digest that could not be read: no claim
             continue
         if key in allowed:
-            changed.append(key)
+            if key not in changed:
+                changed.append(key)
             continue
         if key in CONFIG_KEYS:
             was = f"the checkpoint {path} was trained with {key}={before!r}"

@@ -78,7 +78,10 @@ def check_resume(
         size = sum(f["size"] for f in manifest["files"].values()) / 2**30
         say(f"resume: {path} holds {size:,.0f} GiB: its files' sizes and metadata are checked, not their SHA-256")
     check_compatible(cfg, manifest, path)
-    changed = check_trajectory(cfg, manifest, path, allowed)
+    unverified: list[str] = []
+    changed = check_trajectory(cfg, manifest, path, allowed, unverified)
+    for key in unverified:  # (data.path on a bucket this node cannot list, a tokenizer unreadable here)
+        say(f"resume: {key} not verified: what the checkpoint recorded of it cannot be read here")
     origin = manifest.get("data_origin", 0)
     for key in changed:
         say(f"resume: {key} differs from the checkpoint's (allowed by --allow-change)")
