@@ -631,3 +631,59 @@ def test_a_shard_that_links_outside_the_checkpoint_is_refused(tiny_checkpoint, t
     (step / shard).unlink()
     (step / shard).symlink_to(outside.rename(step / "beside.bin"))  # a link inside the checkpoint reads
     assert cli.main(["export", str(step), str(tmp_path / "hf")]) == 0, capsys.readouterr().err
+
+
+def _rewritten(tiny_checkpoint, tmp_path, change) -> Path:
+    """A copy of the tiny checkpoint changed by ``change(step)``, its manifest rewritten to match
+    (as someone who can write the checkpoint can): only what the files say can refuse it."""
+    import shutil
+
+    from raytrain_hybrid.checkpoint.manifest import file_digest
+
+    source, manifest = tiny_checkpoint
+    step = tmp_path / "run" / "checkpoints" / "step_2"
+    shutil.copytree(source, step)
+    change(step)
+    manifest = {
+        **manifest,
+        "files": {p.name: file_digest(p) for p in sorted(step.iterdir()) if p.name != "manifest.json"},
+    }
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    return step
+
+
+def _absurd_shape(step: Path) -> None:
+    import pickle
+
+    import torch
+
+    from raytrain_hybrid.checkpoint.reader import parse_metadata
+
+    md = parse_metadata((step / ".metadata").read_bytes())
+    entry = next(iter(md.state_dict_metadata.values()))
+    entry.size = torch.Size([1 << 40, 1 << 20])
+    (step / ".metadata").write_bytes(pickle.dumps(md))
+
+
+SHARD_MISFITS = {
+    "a shard cut to nothing": (lambda step: (step / "__0_0.distcp").write_bytes(b""), "which holds 0"),
+    "an absurd shape": (_absurd_shape, "more than its shards store"),
+}
+
+
+@pytest.mark.parametrize("case", list(SHARD_MISFITS))
+def test_shards_that_cannot_hold_what_the_metadata_says_are_refused_before_any_worker(
+    tiny_checkpoint, tmp_path, capsys, monkeypatch, case
+):
+    import ray
+
+    started: list = []
+    monkeypatch.setattr(ray, "init", lambda *a, **k: started.append("ray.init"))
+    change, said = SHARD_MISFITS[case]
+    step = _rewritten(tiny_checkpoint, tmp_path, change)
+    assert cli.main(["export", str(step), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert f"CHECKPOINT='{step}': is refused: its .metadata " in err and said in err, err
+    sets = [a for s in [*FUZZ_TINY, f"run.output_dir={tmp_path / 'out'}"] for a in ("--set", s)]
+    assert cli.main(["train", "--resume", str(step), *sets]) == 2
+    assert said in capsys.readouterr().err and started == []

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import posixpath
 import re
@@ -191,6 +192,43 @@ def _check_metadata(path: Store, files: dict, key: str) -> None:
     unlisted = sorted({info.relative_path for info in md.storage_data.values()} - set(files))
     if unlisted:
         raise ConfigError(key, str(path), f"has a {METADATA} naming shards its {MANIFEST} does not list: {unlisted}")
+    if problem := _metadata_misfits(md, files):
+        raise ConfigError(key, str(path), f"is refused: its {METADATA} {problem} (nothing was loaded)")
+
+
+def _metadata_misfits(md, files: dict) -> str | None:
+    """What in the metadata cannot be so, given the files' sizes the manifest lists: a byte range
+    past the end of its shard (a shard cut to nothing, its manifest rewritten to match), a tensor
+    whose shape holds more bytes than all of its stored ranges (an absurd shape), a chunk outside
+    its tensor. Checked here, on the driver, so that such a checkpoint never reaches a worker."""
+    stored: dict[str, int] = {}
+    for index, info in md.storage_data.items():
+        size = files[info.relative_path]["size"]
+        if info.offset + info.length > size:
+            return (
+                f"locates {index.fqn!r} at bytes {info.offset}..{info.offset + info.length} of "
+                f"{info.relative_path}, which holds {size}"
+            )
+        stored[index.fqn] = stored.get(index.fqn, 0) + info.length
+    for fqn, entry in md.state_dict_metadata.items():
+        shape = list(entry.size)
+        if any(type(d) is not int or d < 0 for d in shape):
+            return f"gives {fqn!r} the shape {shape}"
+        itemsize = torch_itemsize(entry.properties.dtype)
+        if math.prod(shape) * itemsize > stored.get(fqn, 0):
+            return f"gives {fqn!r} the shape {shape}: {math.prod(shape) * itemsize:,} bytes, more than its shards store"
+        for chunk in entry.chunks:
+            if len(chunk.offsets) != len(shape) or len(chunk.sizes) != len(shape):
+                return f"has a chunk of {fqn!r} with another number of dimensions than {shape}"
+            if any(o < 0 or s < 0 or o + s > d for o, s, d in zip(chunk.offsets, chunk.sizes, shape, strict=True)):
+                return f"has a chunk of {fqn!r} at {list(chunk.offsets)} of {list(chunk.sizes)}, outside {shape}"
+    return None
+
+
+def torch_itemsize(dtype) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def resolve(path: str | Path | Store, key: str = "--resume") -> tuple[Store, dict]:
