@@ -13,6 +13,7 @@ The names a script uses; everything else is internal and free to move::
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from raytrain_hybrid.config import Config, load_config
@@ -21,6 +22,13 @@ from raytrain_hybrid.errors import ConfigError, LayoutError
 
 __all__ = ["Config", "ConfigError", "LayoutError", "ParallelDims", "check", "export", "load_config", "plan", "train"]
 __version__ = "0.1.0"
+
+# transformers imports torchao (train.fp8) wherever it is installed, and torchao's import logs a
+# warning for every GPU kernel library it cannot load (all of them on a CPU) and torch one for each
+# enum torchao registers with it: lines on every run's stderr that say nothing of the run.
+for _name in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
+del _name
 
 
 def check(cfg: Config, topology: list[int] | None = None, hardware: str | None = None) -> dict:

@@ -125,6 +125,14 @@ class TrainConfig:
     grad_clip: float = 1.0
     # float32, or bfloat16 autocast with float32 master weights.
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # FP8 training (torchao's float8 linears): "rowwise" (a scale per row, TorchTitan's default) or
+    # "tensorwise" (one scale per tensor, faster, less exact) for the transformer blocks' linears; the
+    # output head and linears whose dimensions are not multiples of 16 stay in train.dtype (`check`
+    # lists them). Needs a GPU of compute capability >= 8.9 (H100, L4, B200) and tp=1.
+    fp8: Literal["off", "rowwise", "tensorwise"] = "off"
+    # With train.fp8: emulate the float8 casts with float32 matmuls, on any device (a CPU included).
+    # Slower than bf16: for checking a setup (which linears convert, that it trains), never for speed.
+    fp8_emulate: bool = False
     # Standard deviation of the normal initialisation of weight matrices and embeddings.
     init_std: float = 0.02
     # Classifiers: evaluate on data.val_path every this many steps and after the last step
@@ -146,6 +154,8 @@ class TrainConfig:
             raise ConfigError("train.grad_clip", self.grad_clip, "must be >= 0 (0 disables clipping)")
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError("train.dtype", self.dtype, "must be one of {float32, bfloat16}")
+        if self.fp8 not in ("off", "rowwise", "tensorwise"):
+            raise ConfigError("train.fp8", self.fp8, "must be one of {off, rowwise, tensorwise}")
         if self.init_std <= 0:
             raise ConfigError("train.init_std", self.init_std, "must be > 0")
         if self.eval_interval < 0:

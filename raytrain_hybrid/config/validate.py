@@ -7,6 +7,7 @@ import re
 
 from raytrain_hybrid.config.coerce import choices, divisors
 from raytrain_hybrid.config.elastic import check_elastic
+from raytrain_hybrid.config.fp8 import check_fp8
 from raytrain_hybrid.config.lora import check_lora
 from raytrain_hybrid.config.placeholders import refuse_placeholders
 from raytrain_hybrid.config.schedule_rules import min_microbatches, too_few_microbatches, uneven_microbatches
@@ -34,6 +35,7 @@ def validate(cfg: Config) -> None:
     check_elastic(cfg)  # parallelism.min_dp: the dp values below dp the layout allows
     _validate_task(cfg, spec)
     check_lora(cfg, spec)  # [lora]: a pretrained model, targets among its linears
+    check_fp8(cfg)  # train.fp8: tp=1, no LoRA, a GPU unless emulated
     _validate_run(cfg)
 
 

@@ -1,5 +1,6 @@
 """Turn one meta-device stage into its parallel form, in a fixed order (TorchTitan's):
-TP (+SP) -> CP -> activation checkpointing -> compile -> FSDP2 (then materialise; zero=1 wraps nothing)."""
+FP8 linears -> TP (+SP) -> CP -> activation checkpointing -> compile -> FSDP2 (then materialise;
+zero=1 wraps nothing)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from raytrain_hybrid.distributed.context_parallel import apply_cp
 from raytrain_hybrid.distributed.data_parallel import apply_fsdp
 from raytrain_hybrid.distributed.expert_parallel import apply_ep
+from raytrain_hybrid.distributed.fp8 import apply_fp8
 from raytrain_hybrid.distributed.parallel_dims import ParallelDims
 from raytrain_hybrid.distributed.tensor_parallel import apply_tp
 from raytrain_hybrid.models.spec import ArchSpec
@@ -82,7 +84,11 @@ def parallelize_stage(
     activation_checkpointing: bool | str,
     sequence_parallel: bool,
     compile: bool = False,
+    fp8: str = "off",
+    fp8_emulate: bool = False,
 ) -> None:
+    if fp8 != "off":  # the module swap first: TP, FSDP2 and compile then wrap Float8Linear
+        apply_fp8(stage, spec, fp8, fp8_emulate)
     if dims.tp > 1:
         apply_tp(stage, spec, mesh.tp, sequence_parallel=sequence_parallel)
     if dims.ep > 1:

@@ -20,6 +20,7 @@ from raytrain_hybrid.data.corpus import IGNORE_INDEX, Batch
 from raytrain_hybrid.distributed import pipeline
 from raytrain_hybrid.distributed.context_parallel import local_slice, use_cp_attention
 from raytrain_hybrid.distributed.data_parallel import build_optimizer
+from raytrain_hybrid.distributed.fp8 import require_fp8_device
 from raytrain_hybrid.distributed.lora import init_adapters, place_dropout, start_dropout_step
 from raytrain_hybrid.distributed.parallel_dims import ParallelDims
 from raytrain_hybrid.distributed.parallelize import parallelize_stage
@@ -65,6 +66,7 @@ class Trainer:
         auto = device.type == "cuda" and self.spec.moe is None
         self.compiled = par.compile if par.compile is not None else auto
         self.compile_clock = CompileClock() if self.compiled else None
+        require_fp8_device(cfg.train.fp8, cfg.train.fp8_emulate, device)  # train.fp8: float8 matmuls here
         self.has_first = 0 in ids
         self.has_last = num_stages - 1 in ids
         self.tied = TiedEmbedding.of(self.spec, self.hf_config, mesh, dims, par, num_stages)
@@ -155,6 +157,8 @@ class Trainer:
             # Only architectures with a sequence-parallel plan run it.
             sequence_parallel=self.cfg.parallelism.sequence_parallel and bool(self.spec.sp_plan),
             compile=self.compiled,
+            fp8=self.cfg.train.fp8,
+            fp8_emulate=self.cfg.train.fp8_emulate,
         )
         stage.to_empty(device=self.device)
         for mod, name, value in buffers:
