@@ -84,13 +84,37 @@ def open_parquet(key: str, path: str):
             "(`raytrain-hybrid prepare-data` makes one from text files)",
         )
     try:
-        dataset = pads.dataset(path, format="parquet")
+        if local is None:  # an object store, asked with bounded waits: one that does not answer is
+            # said in seconds (check: "not verified"), not after the SDK's minutes of retries
+            fs, root = _bounded_filesystem(path)
+            dataset = pads.dataset(root, format="parquet", filesystem=fs)
+        else:
+            dataset = pads.dataset(path, format="parquet")
         files = dataset.files
     except (OSError, pa.ArrowInvalid) as exc:
         raise ConfigError(key, path, f"cannot be read as Parquet: {exc}") from exc
     if not files:
         raise ConfigError(key, path, "holds no Parquet files")
     return dataset
+
+
+def _bounded_filesystem(uri: str):
+    """pyarrow's filesystem and path for ``uri``: S3 with a 5 s connect and 10 s request timeout (footers and listings are small) and
+    two tries, GCS retrying for 10 s at most (their defaults retry a silent endpoint for minutes)."""
+    import datetime
+
+    import pyarrow.fs as pafs
+
+    fs, root = pafs.FileSystem.from_uri(uri)
+    if isinstance(fs, (pafs.S3FileSystem, pafs.GcsFileSystem)):
+        rebuild, (options,) = fs.__reduce__()
+        if isinstance(fs, pafs.S3FileSystem):
+            options.update(connect_timeout=5, request_timeout=10)
+            options["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(max_attempts=2)
+        else:
+            options["retry_time_limit"] = datetime.timedelta(seconds=10)
+        fs = rebuild(options)
+    return fs, root
 
 
 def columns_fix(names: list[str], path: str) -> str:
