@@ -32,3 +32,6 @@ def test_gpu_benchmark_smoke(tmp_path):
     assert row["engine_compiled"]["recompiles_after_first_step"] == 0
     assert row["engine_compiled"]["compile_s"] > 0
     assert {"engine_eager_over_plain_eager_step", "selective_ac_over_no_ac_step"} <= set(row["ratios"])
+    # train.fp8, emulated here (torchao's casts, float32 matmuls): the cases a GPU of capability >= 8.9 runs.
+    assert row["engine_compiled_fp8"]["step_s"] > 0 and row["engine_compiled_fp8_tensorwise"]["step_s"] > 0
+    assert row["ratios"]["engine_compiled_fp8_final_loss_rel_diff"] < 2e-2, row["ratios"]
