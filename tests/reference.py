@@ -219,7 +219,8 @@ def _train(cfg, model: nn.Module, to_engine, loss_of, steps: int | None = None) 
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip if t.grad_clip > 0 else math.inf)
         grads = to_engine({n: p.grad for n, p in model.named_parameters()})
-        per_param = {n: g.double().norm().item() for n, g in grads.items()}
+        # (A parameter no token reached this step, an unrouted expert's, has no gradient: norm 0.)
+        per_param = {n: g.double().norm().item() if g is not None else 0.0 for n, g in grads.items()}
         opt.step()
         opt.zero_grad(set_to_none=True)
         out.append({"step": step, "loss": loss.item(), "grad_norm": norm.item(), "lr": lr, "grad_norms": per_param})
@@ -260,7 +261,9 @@ def reference_run(cfg, windows: list | None = None, keep_model: list | None = No
             return {**named, "lm_head.weight": named[embed]}
 
     out = _train(cfg, model, to_engine, loss_of, steps=min(cfg.train.steps, len(windows)))
-    out[0]["initial"] = start
+    # What the oracle compares is the parameters ("initial" may also hold a checkpoint's buffers).
+    names = set(to_engine(dict(model.named_parameters())))
+    out[0]["initial"] = {n: v for n, v in start.items() if n in names}
     if keep_model is not None:
         keep_model.append(model)
     return out

@@ -215,3 +215,17 @@ def test_export_writes_the_source_names_and_loads_as_the_same_class(checkpoints,
     with torch.no_grad():
         la, lb = a(input_ids=ids).logits, b(input_ids=ids).logits
     assert ((la - lb).norm() / la.norm()).item() <= 1e-5
+
+
+def test_the_planner_counts_what_transformers_builds(checkpoints):
+    """The planner's parameter count (models.params, from config.json alone) is transformers' own
+    count of the model it builds, within 5 % (tied embeddings counted once, as transformers does)."""
+    from transformers import AutoModelForCausalLM
+
+    from raytrain_hybrid.models.params import param_count
+
+    for mt, path in checkpoints.items():
+        cfg = load_config(None, _overrides(path, SINGLE))
+        want = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).num_parameters()
+        got = param_count(cfg.model)
+        assert abs(got - want) <= 0.05 * want, (mt, got, want)

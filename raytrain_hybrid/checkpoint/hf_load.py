@@ -91,6 +91,9 @@ def _add_part(targets: dict, key: str, stored: tuple, part: tuple, p: torch.Tens
     index, offset, shape = [], [], []
     for d, size in enumerate(p.shape):
         sel = part[d] if d < len(part) else slice(None)
+        if isinstance(sel, tuple):  # ("split", j, n): the j-th of n equal parts of this dimension
+            _, j, n = sel
+            sel = slice(j * size // n, (j + 1) * size // n)
         lo, hi = (sel, sel + 1) if isinstance(sel, int) else (sel.start or 0, size if sel.stop is None else sel.stop)
         a, b = max(lo, start[d]), min(hi, start[d] + view.shape[d])
         if isinstance(sel, int):
@@ -145,6 +148,25 @@ def load_hf_weights(stage: torch.nn.Module, spec, location: str, path: Path | St
         if offset:
             start = tuple(s + o for s, o in zip(start, offset, strict=True))
         targets.setdefault(key, []).append((start, view))
+    for name, buf in _persistent_buffers(stage):
+        # A buffer the checkpoint holds (a router's score correction): read whole; one it does not
+        # hold keeps the value the model computed at build.
+        key = next((k for k in spec.from_hf(name, conf)[0] if k in available), None) if spec.from_hf else None
+        if (
+            key is not None
+            and isinstance(spec.from_hf(name, conf), tuple)
+            and tuple(available[key].size) == tuple(buf.shape)
+        ):
+            targets.setdefault(key, []).append(((0,) * buf.dim(), buf))
     with torch.no_grad():
         dcp.load({}, storage_reader=reader, planner=_SlicePlanner(targets), no_dist=True)
     return reader
+
+
+def _persistent_buffers(stage: torch.nn.Module):
+    """(global name, tensor) of the buffers a state dict holds (not rotary tables and the like)."""
+    for mod_name, mod in stage.named_modules():
+        for name, buf in mod._buffers.items():
+            if buf is not None and name not in mod._non_persistent_buffers_set:
+                full = f"{mod_name}.{name}" if mod_name else name
+                yield full.replace("_checkpoint_wrapped_module.", ""), buf

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -62,7 +63,10 @@ def _transformers():
 
 @functools.lru_cache(maxsize=1)
 def verified() -> dict[str, dict]:
-    """{model_type: {"status": "passed" | "refused", "reason": ...}} from the model matrix."""
+    """{model_type: {"status": "passed" | "refused" | "hand-written", ...}} from the model matrix
+    (which sets RAYTRAIN_MODEL_MATRIX while it redoes the verdicts)."""
+    if os.environ.get("RAYTRAIN_MODEL_MATRIX"):
+        return {}
     try:
         return json.loads(_VERIFIED.read_text())["families"]
     except (OSError, ValueError, KeyError):
@@ -239,11 +243,18 @@ def build(model_type: str, hf_config):
 
 
 def from_hf(model_type: str, name: str, conf: dict):
-    """Engine names are transformers' names; a tied checkpoint has no head: it is the embedding."""
+    """Engine names are transformers' module names; the files' names are those run back through
+    the family's conversion mapping (models.generic_weights); a tied checkpoint has no head: it is
+    the embedding."""
+    from raytrain_hybrid.models import generic_weights
+
     prefix = _prefix(model_type)
     if name == "lm_head.weight":
         return ("lm_head.weight", f"{prefix}.embed_tokens.weight"), False, ()
-    return (name,), False, ()
+    pieces = generic_weights.stacked(model_type, name, conf)
+    if pieces is not None:
+        return pieces
+    return generic_weights.checkpoint_names(model_type, name), False, ()
 
 
 def to_hf(sd: dict) -> dict:
