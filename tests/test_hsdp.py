@@ -2,8 +2,9 @@
 shard group and replicated across the replica groups.
 
 The oracle in one gloo launch of 8 ranks: FSDP2 (zero=3) at replicate 2 x shard 2 under a
-pipeline, and ZeRO-1 at replicate 2 x shard 2 under tensor parallelism, each equal to the
-single-process run (losses, every parameter's gradient norm, final weights); each saves a
+pipeline, ZeRO-1 at replicate 2 x shard 2 under tensor parallelism, and both under context
+parallelism (shard groups of dp/replicate x cp), each equal to the single-process run (losses,
+every parameter's gradient norm, final weights); the first two each save a
 checkpoint at step 2, and the run resumes from it under another layout (the first into (2,2,2)
 ZeRO-1 without hybrid sharding, the second into zero=2 at replicate 2 x shard 2 under TP, FSDP2
 on a (replicate, shard, tp) mesh) with the uninterrupted run's steps 2 to 4.
@@ -30,7 +31,13 @@ def par(dp, tp, pp, zero, replicate=1):
     return [f"parallelism.{k}={v}" for k, v in keys.items()]
 
 
-HSDP = {"4x1x2-r2-zero3": par(4, 1, 2, 3, 2), "4x2x1-r2-zero1": par(4, 2, 1, 1, 2)}
+HSDP = {
+    "4x1x2-r2-zero3": par(4, 1, 2, 3, 2),
+    "4x2x1-r2-zero1": par(4, 2, 1, 1, 2),
+    # Context parallelism: the shard group is dp/replicate x cp (the cp ranks shard like dp ranks).
+    "4cp2-r2-zero1": [*par(4, 1, 1, 1, 2), "parallelism.cp=2"],
+    "4cp2-r2-zero3": [*par(4, 1, 1, 3, 2), "parallelism.cp=2"],
+}
 # Resumed into (2,2,2) ZeRO-1 without hybrid sharding, and into FSDP2's hybrid sharding under TP.
 RESUME = {"4x1x2-r2-zero3": par(2, 2, 2, 1), "4x2x1-r2-zero1": par(4, 2, 1, 2, 2)}
 
@@ -39,7 +46,11 @@ RESUME = {"4x1x2-r2-zero3": par(2, 2, 2, 1), "4x2x1-r2-zero1": par(4, 2, 1, 2, 2
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hsdp")
     jobs: dict = {
-        name: [*COMMON, *layout, "checkpoint.interval=2", f"run.output_dir={root / name}"]
+        name: [
+            *COMMON,
+            *layout,
+            *(["checkpoint.interval=2", f"run.output_dir={root / name}"] if name in RESUME else []),
+        ]
         for name, layout in HSDP.items()
     }
     for name, layout in RESUME.items():
@@ -58,13 +69,16 @@ def test_hybrid_sharding_matches_single_process(runs, name):
     assert_replicas_share_rows(results[name]["memory"], HSDP[name])
     # The state is sharded over a shard group of 2, held twice (once per replica group).
     memory = results[name]["memory"]
-    if "zero3" in name:  # parameters: every element on 2 of the 8 ranks (pp=2 stages, 4 dp ranks each)
+    cp = 2 if "cp2" in name else 1
+    if "zero3" in name:  # parameters: every element on 2 of the 8 ranks (one per replica group)
         whole = 4 * sum(v.size for v in results[name]["probe"]["initial"].values())
         assert sum(r["param_bytes"] for r in memory) == pytest.approx(2 * whole, rel=0.02)
-    else:  # ZeRO-1: AdamW's two fp32 moments of half a rank's parameters (a quarter without replicate)
-        assert all(r["optimizer_bytes"] == pytest.approx(r["param_bytes"], rel=0.05) for r in memory), memory
-    manifest = checkpoint.verify(root / name / "checkpoints" / "step_2")
-    assert manifest["step"] == 2 and manifest["world_size"] == 8
+    else:  # ZeRO-1: AdamW's two fp32 moments of 1/(2 cp) of a rank's parameters (1/(4 cp) without replicate)
+        want = [pytest.approx(r["param_bytes"] / cp, rel=0.05) for r in memory]
+        assert [r["optimizer_bytes"] for r in memory] == want, memory
+    if name in RESUME:
+        manifest = checkpoint.verify(root / name / "checkpoints" / "step_2")
+        assert manifest["step"] == 2 and manifest["world_size"] == 8
 
 
 @pytest.mark.parametrize("name", sorted(RESUME))
