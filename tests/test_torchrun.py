@@ -105,3 +105,36 @@ def test_torchrun_refuses_a_layout_of_another_size(tmp_path):
     assert "makes 2 ranks, but torchrun started 1: run torchrun --nproc-per-node 2" in done.stderr
     assert "(exitcode: 2)" in done.stderr
     assert not (tmp_path / "run").exists()
+
+
+def documented() -> list[tuple[str, list[str]]]:
+    """Every torchrun command README.md and docs/ show: (where, its words)."""
+    import shlex
+
+    root = Path(__file__).resolve().parents[1]
+    found = []
+    for page in [root / "README.md", *sorted((root / "docs").rglob("*.md"))]:
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            if "torchrun " in line and "-m raytrain_hybrid.cli" in line and not line.lstrip().startswith("`"):
+                found.append((f"{page.relative_to(root)}:{number}", shlex.split(line.lstrip("$ "))))
+    return found
+
+
+def test_the_documented_torchrun_commands_start_as_many_ranks_as_their_layout_needs():
+    from raytrain_hybrid.cli import _parser
+    from raytrain_hybrid.config import load_config
+
+    shown = documented()
+    assert len(shown) >= 3, shown
+    for where, words in shown:
+        words = words[words.index("srun") + 1 :] if "srun" in words else words
+        assert Path(words[0]).name == "torchrun" and "--standalone" in words, where
+        nproc = int(words[words.index("--nproc-per-node") + 1])
+        args = _parser().parse_args(words[words.index("raytrain_hybrid.cli") + 1 :])
+        assert args.command == "train", where
+        # The model and data are the reader's: their layout is what is checked here.
+        sets = [o for o in args.overrides if not o.startswith(("model.pretrained=", "data.path="))]
+        par = load_config(
+            args.config, [*sets, "model.pretrained=", "data.path=memory", "data.format=text"], unverified=[]
+        ).parallelism
+        assert par.layout == "fixed" and par.world_size == nproc, where
