@@ -22,7 +22,6 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -67,12 +66,14 @@ def main() -> None:
                 print(variant, got, flush=True)
                 runs[variant].append(got)
     result = {
-        "command": f"{Path(sys.executable).name} benchmarks/bench_torchrun_startup.py --rounds {args.rounds} "
-        f"--steps {args.steps}",
+        "command": "cd <repo> && .venv/bin/python benchmarks/bench_torchrun_startup.py --rounds "
+        + str(args.rounds)
+        + ("" if args.steps == 3 else f" --steps {args.steps}"),
         "what": "the quick start (default config: dp=2 tp=2 pp=2, shipped corpus) to its first step, "
         "under torchrun (no Ray) and on a private local Ray; first_step_s from the command's start to its "
         "'step 1/N' line",
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, no GPU; load average at the end "
         f"{os.getloadavg()[0]:.1f} (a machine shared with other work)",
         "median_first_step_s": {v: statistics.median(x["first_step_s"] for x in rs) for v, rs in runs.items()},
