@@ -99,8 +99,9 @@ def open_parquet(key: str, path: str):
 
 
 def _bounded_filesystem(uri: str):
-    """pyarrow's filesystem and path for ``uri``: S3 with a 5 s connect and 10 s request timeout (footers and listings are small) and
-    two tries, GCS retrying for 10 s at most (their defaults retry a silent endpoint for minutes)."""
+    """pyarrow's filesystem and path for ``uri``: S3 with a 5 s connect and 10 s request timeout
+    (footers and listings are small) and two tries, GCS retrying for 10 s at most (their defaults
+    retry a silent endpoint for minutes)."""
     import datetime
 
     import pyarrow.fs as pafs
