@@ -104,7 +104,7 @@ def test_raw_text_parquet_trains_at_2x1x1_as_the_single_process_reference_and_th
         assert [ln.split()[1] for ln in lines if ln.startswith("step ")] == ["1/3", "2/3", "3/3"]
         assert lines[-1].startswith("done: 3 steps"), lines
         assert lines[0].startswith("start: dp=2 tp=1 pp=1, 2 workers (1 CPU each)"), lines  # the start plan
-        assert all(ln.startswith(("start: ", "step ", "checkpoint: ", "done: ")) for ln in lines), lines
+        assert all(ln.startswith(("start: ", "waiting ", "step ", "checkpoint: ", "done: ")) for ln in lines), lines
         assert stderr.strip() == "", stderr[-2000:]
         assert (tmp_path / name / "driver.log").is_file()
         runs[name] = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]

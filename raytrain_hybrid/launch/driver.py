@@ -36,6 +36,7 @@ from raytrain_hybrid.launch.session import use_train_v2
 from raytrain_hybrid.launch.start import ResumePoint, StartPlan, check_before_ray, plan_start, prepare_run_dir
 from raytrain_hybrid.launch.summary import startup_breakdown, startup_cpu, summarize
 from raytrain_hybrid.launch.tracking import TrackedRun, check_tracking
+from raytrain_hybrid.launch.waiting import Waiting
 from raytrain_hybrid.storage import open_store
 from raytrain_hybrid.storage.nofollow import write_new
 
@@ -233,7 +234,8 @@ def make_trainer(plan: StartPlan, *, sink, tracking=None):
 def watch(trainer, sink, run_log: RunLog, watchdog: StartupWatchdog, marks: dict) -> None:
     """Run ``trainer.fit()`` in a thread and hand the workers' events to ``run_log`` until it
     ends; its error is raised here, on the driver's main thread. Until the first step,
-    ``watchdog`` reads the autoscaler every POLL_S and may end the run (see launch/autoscale.py)."""
+    ``watchdog`` reads the autoscaler every POLL_S and may end the run (see launch/autoscale.py),
+    and a line every few seconds says what the run waits for (launch/waiting.py)."""
     from ray.util.queue import Empty
 
     outcome: dict[str, Any] = {}
@@ -248,6 +250,7 @@ def watch(trainer, sink, run_log: RunLog, watchdog: StartupWatchdog, marks: dict
     marks["fit_called"] = time.time()
     watchdog.start(marks["fit_called"])
     probe, next_look = ScalerProbe(since=marks["fit_called"]), 0.0
+    waiting = Waiting(since=marks.get("launched", marks["fit_called"]))
     thread.start()
     while thread.is_alive() or not sink.empty():
         if not run_log.live_steps and time.time() >= next_look:
@@ -258,6 +261,8 @@ def watch(trainer, sink, run_log: RunLog, watchdog: StartupWatchdog, marks: dict
             watchdog.news.clear()
             if ran_out:
                 raise StartupTimeout(f"{ran_out}. {waiting_for()}")
+            if waiting.due():  # every few seconds until the first step: what the run waits for
+                run_log._say(waiting.what(run_log.starts))
             next_look = time.time() + POLL_S
         try:
             kind, payload = sink.get(timeout=0.5)
