@@ -52,24 +52,36 @@ def make_checkpoint(root: Path, model_type: str) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(sum(map(ord, model_type)))
-    config = AutoConfig.for_model(
-        model_type,
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=128,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        initializer_range=0.1,
-    )
-    if getattr(config, "sliding_window", None):
-        config.sliding_window = 8  # shorter than the rows: the window decides what attends
-    model = AutoModelForCausalLM.from_config(config)
+    sizes = {
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 128,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "initializer_range": 0.1,
+    }
+    # A family whose own defaults disagree with these sizes (latent attention: as many key/value
+    # heads as heads; per-layer head widths) gets the first variant transformers itself can run.
+    variants = [{}, {"head_dim": None}, {"num_key_value_heads": 4}, {"head_dim": None, "num_key_value_heads": 4}]
+    for i, change in enumerate(variants):
+        kwargs = {k: v for k, v in {**sizes, **change}.items() if v is not None}
+        try:
+            config = AutoConfig.for_model(model_type, **kwargs)
+            if getattr(config, "sliding_window", None):
+                config.sliding_window = 8  # shorter than the rows: the window decides what attends
+            model = AutoModelForCausalLM.from_config(config)
+            with torch.no_grad():
+                model(input_ids=torch.randint(3, VOCAB, (1, 16)))
+            break
+        except Exception:
+            if i == len(variants) - 1:
+                raise
     out = root / model_type
     model.save_pretrained(out)
     return out
@@ -107,11 +119,19 @@ def single_runs(checkpoints):
     return run_gloo_jobs(1, {mt: _overrides(path, SINGLE) for mt, path in checkpoints.items()})
 
 
+# LoRA (peft's adapters on transformers' own linears) on two generic families, one of them tied with
+# per-head norms and sliding layers, at dp=2 x tp=2 x pp=2 in the same launch.
+LORA_FAMILIES = ("qwen3", "gemma3_text")
+LORA = ("lora.rank=4", "lora.alpha=8", "lora.targets=all-linear", "train.lr=1e-2")
+
+
 @pytest.fixture(scope="module")
 def three_d_runs(checkpoints):
     from gloo_harness import run_gloo_jobs
 
-    return run_gloo_jobs(8, {mt: _overrides(path, THREE_D) for mt, path in checkpoints.items()})
+    jobs = {mt: _overrides(path, THREE_D) for mt, path in checkpoints.items()}
+    jobs |= {f"{mt}-lora": [*_overrides(checkpoints[mt], THREE_D), *LORA] for mt in LORA_FAMILIES}
+    return run_gloo_jobs(8, jobs)
 
 
 def test_the_architecture_comes_from_the_checkpoint(checkpoints):
@@ -229,3 +249,29 @@ def test_the_planner_counts_what_transformers_builds(checkpoints):
         want = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).num_parameters()
         got = param_count(cfg.model)
         assert abs(got - want) <= 0.05 * want, (mt, got, want)
+
+
+@pytest.mark.parametrize("model_type", LORA_FAMILIES)
+def test_lora_on_a_generic_family_matches_peft(model_type, checkpoints, three_d_runs):
+    """peft's single-process LoRA training of transformers' own model (tests/reference_lora.py) is
+    what dp=2 x tp=2 x pp=2 trains: losses, adapters' gradient norms, final adapters, a frozen base."""
+    import numpy as np
+    from reference_lora import lora_reference_run
+    from test_lora import lora_mismatches
+
+    run = three_d_runs[f"{model_type}-lora"]
+    path = checkpoints[model_type]
+    probe = run["probe"]
+    if "lm_head.weight" in probe["initial"] and json.loads((path / "config.json").read_text())["tie_word_embeddings"]:
+        # A tied model's head is its embedding (peft's model names it once): the engine's copy of it
+        # is frozen and equal to the embedding, at the start and at the end.
+        embed = "model.embed_tokens.weight"
+        for state in (probe["initial"], probe["final"]):
+            assert np.array_equal(state.pop("lm_head.weight"), state[embed])
+        for norms in probe["grad_norms"]:
+            assert norms.pop("lm_head.weight", 0.0) == 0.0
+    cfg = load_config(None, [*_overrides(path, SINGLE), *LORA])
+    reference = lora_reference_run(cfg, str(path), probe["initial"])
+    assert all(reference[-1]["params"][n].abs().max() > 0 for n in reference[0]["grad_norms"])  # trained
+    bad = lora_mismatches(run, reference)
+    assert not bad, f"{len(bad)} mismatches:\n" + "\n".join(bad[:20])

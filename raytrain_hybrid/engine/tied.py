@@ -26,7 +26,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 class TiedEmbedding:
     def __init__(self, spec, mesh, dims, par, num_stages: int) -> None:
-        self.embed_path, self.head_path = spec.first_stage[0], "lm_head"
+        self.embed_path, self.head_path = spec.first_stage[0], spec.last_stage[-1]
         self.embed_name, self.head_name = f"{self.embed_path}.weight", f"{self.head_path}.weight"
         self.pp = dims.pp
         self.peer = None  # the global rank holding the other end, when not this one

@@ -93,6 +93,10 @@ def refusal(model_type: str, *, tp: int = 1, recorded: bool = True) -> str | Non
         return "has no pipeline plan in transformers (base_model_pp_plan), so its stages are not known"
     if not getattr(config_cls, "base_model_tp_plan", None):
         return "has no tensor-parallel plan in transformers (base_model_tp_plan)"
+    try:
+        pp_names(model_type)
+    except (KeyError, StopIteration):
+        return "has a pipeline plan that names no embedding, block list and final norm"
     known = verified().get(model_type) if recorded else None
     if known and known.get("status") == "refused":
         return known["reason"]
@@ -117,6 +121,26 @@ def _tp_plan_raw(model_type: str) -> dict[str, str]:
 
 def _prefix(model_type: str) -> str:
     return classes(model_type)[1].base_model_prefix or "model"
+
+
+@functools.cache
+def pp_names(model_type: str) -> tuple[str, str, str]:
+    """(embedding, block list, final norm) of the base model, read off its pipeline plan: the module
+    that takes input_ids, the one that takes the attention mask, and the last. Modules between them
+    (an embedding dropout, at 0 here) are not run."""
+    plan = dict(classes(model_type)[0].base_model_pp_plan)
+    embed = next(k for k, (inputs, _) in plan.items() if "input_ids" in inputs)
+    layers = "layers" if "layers" in plan else next(k for k, (inputs, _) in plan.items() if "attention_mask" in inputs)
+    norm = list(plan)[-1]
+    if norm in (embed, layers):
+        raise KeyError(f"{model_type}'s pipeline plan names no final norm: {list(plan)}")
+    return embed, layers, norm
+
+
+def head_name(model_type: str) -> str:
+    """The causal LM's output head (``lm_head``; GPT-NeoX's ``embed_out``), from its pipeline plan."""
+    plan = getattr(classes(model_type)[1], "_pp_plan", None) or {}
+    return next(iter(plan), "lm_head")
 
 
 # ----------------------------------------------------------------- config
@@ -184,10 +208,18 @@ def sizes_from_hf(model_type: str, conf: dict) -> dict:
         "hidden_size": int(c.hidden_size),
         "num_heads": int(heads),
         "num_kv_heads": int(getattr(c, "num_key_value_heads", None) or heads),
-        "head_dim": int(getattr(c, "head_dim", None) or c.hidden_size // heads),
+        "head_dim": int(_attr(c, "head_dim") or c.hidden_size // heads),
         "ffn_hidden_size": int(getattr(c, "intermediate_size", None) or 4 * c.hidden_size),
         "vocab_size": int(c.vocab_size),
     }
+
+
+def _attr(config, name: str):
+    """A config attribute, or None where it is missing or set per layer (Gemma 4's head widths)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - transformers' per-layer attribute error
+        return None
 
 
 def max_seq_len(conf: dict) -> int:
@@ -249,8 +281,9 @@ def from_hf(model_type: str, name: str, conf: dict):
     from raytrain_hybrid.models import generic_weights
 
     prefix = _prefix(model_type)
-    if name == "lm_head.weight":
-        return ("lm_head.weight", f"{prefix}.embed_tokens.weight"), False, ()
+    head = f"{head_name(model_type)}.weight"
+    if name == head:
+        return (head, f"{prefix}.{pp_names(model_type)[0]}.weight"), False, ()
     pieces = generic_weights.stacked(model_type, name, conf)
     if pieces is not None:
         return pieces
@@ -289,10 +322,11 @@ def _counts(model_type: str, sizes: tuple) -> tuple[int, int, int, int, int]:
     def count(mod) -> int:
         return sum(p.numel() for p in mod.parameters()) if mod is not None else 0
 
-    layers = inner.layers
+    embed_name, layers_name, _ = pp_names(model_type)
+    layers = getattr(inner, layers_name)
     per_block = sum(count(b) for b in layers) // max(1, len(layers))
-    embed = count(inner.embed_tokens)
-    head = count(model.lm_head)
+    embed = count(getattr(inner, embed_name))
+    head = count(getattr(model, head_name(model_type)))
     rest = count(model) - count(layers) - embed - head  # the final norm and anything else
     return per_block, embed, rest + head, head, int(tied)
 
@@ -335,10 +369,12 @@ def spec(model_type: str) -> ArchSpec:
     if why:
         raise ConfigError("model.arch", model_type, why)
     prefix = _prefix(model_type)
+    embed, layers, norm = pp_names(model_type)
+    head = head_name(model_type)
     raw = _tp_plan_raw(model_type)
     tp_plan = {}
     for pattern, style in raw.items():
-        module = pattern.removeprefix("layers.*.")
+        module = pattern.removeprefix(f"{layers}.*.")
         if module == pattern:  # a pattern outside the blocks (an embedding's)
             continue
         tp_plan[module] = _STYLES.get(style, style)
@@ -354,17 +390,17 @@ def spec(model_type: str) -> ArchSpec:
         default_ffn=lambda hidden: 32 * ((8 * hidden // 3 + 31) // 32),
         param_parts=functools.partial(param_parts, model_type),
         matmul_params=functools.partial(matmul_params, model_type),
-        layers=f"{prefix}.layers",
-        first_stage=(f"{prefix}.embed_tokens",),
-        last_stage=(f"{prefix}.norm", "lm_head"),
+        layers=f"{prefix}.{layers}",
+        first_stage=(f"{prefix}.{embed}",),
+        last_stage=(f"{prefix}.{norm}", head),
         tp_plan=tp_plan,
         # Vocab-parallel embedding and head: a tied pair is sharded alike (engine.tied sums them).
-        tp_plan_outer={f"{prefix}.embed_tokens": "embedding", "lm_head": "head"},
+        tp_plan_outer={f"{prefix}.{embed}": "embedding", head: "head"},
         stage_forward=stage_forward,
         check=functools.partial(check, model_type),
         attention=None,  # context parallelism: not yet held to the oracle for these families
         tied=is_tied,
-        on_stage=functools.partial(on_stage, prefix),
+        on_stage=functools.partial(on_stage, prefix, (embed, layers, norm, head)),
     )
 
 

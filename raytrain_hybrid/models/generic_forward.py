@@ -80,10 +80,12 @@ def stage_forward(stage, x: torch.Tensor, position_ids: torch.Tensor | None = No
     import torch
 
     inner, config = getattr(stage, stage._generic_prefix), stage.hf_config
-    first = inner.embed_tokens is not None
+    embed_name, layers_name, norm_name, head_name = stage._generic_names
+    embed, layers, norm = (getattr(inner, n) for n in (embed_name, layers_name, norm_name))
+    first = embed is not None
     h = x
     if first:
-        h = inner.embed_tokens(x)
+        h = embed(x)
         for name in _EMBEDDING_MULTIPLIERS:
             scale = getattr(inner, name, None)
             if isinstance(scale, (int, float)) and scale != 1:
@@ -95,20 +97,20 @@ def stage_forward(stage, x: torch.Tensor, position_ids: torch.Tensor | None = No
         seq = h.shape[1]
         start = seq * getattr(stage, "seq_chunk", 0)  # context parallelism: this rank's slice
         positions = torch.arange(start, start + seq, device=h.device).unsqueeze(0)
-    ids = [int(i) for i in inner.layers.keys()]
+    ids = [int(i) for i in layers.keys()]
     kinds = {layer_type(config, i) for i in ids}
     masks = {k: _mask(k, config, positions, packed, h.dtype) for k in kinds}
     tables = _rotary(inner, h, positions, kinds)
-    for i, block in zip(ids, inner.layers.values(), strict=True):
+    for i, block in zip(ids, layers.values(), strict=True):
         kind = layer_type(config, i)
         kwargs: dict[str, Any] = {"attention_mask": masks[kind], "position_ids": positions}
         if tables[kind] is not None:
             kwargs["position_embeddings"] = tables[kind]
         out = block(h, **kwargs)
         h = out[0] if isinstance(out, tuple) else out
-    if inner.norm is not None:
-        h = inner.norm(h)
-    if stage.lm_head is not None:
+    if norm is not None:
+        h = norm(h)
+    if getattr(stage, head_name) is not None:
         lm = stage._generic_lm[0]
         lm.model.value = h
         try:
@@ -118,11 +120,12 @@ def stage_forward(stage, x: torch.Tensor, position_ids: torch.Tensor | None = No
     return h if position_ids is None else (h, position_ids)
 
 
-def on_stage(prefix: str, stage, model) -> None:
+def on_stage(prefix: str, names: tuple[str, str, str, str], stage, model) -> None:
     """After build_stage re-parents ``model``'s children into ``stage``: keep the causal LM (its
     head's forward runs on the last stage) unregistered, its base model replaced by ``_Hidden``
     (its modules are the stage's own, so nothing is held twice)."""
     model._modules.pop(prefix, None)
     object.__setattr__(model, prefix, _Hidden())
     stage._generic_prefix = prefix
+    stage._generic_names = names  # (embedding, block list, final norm) of the base model, the head
     stage._generic_lm = [model]
