@@ -61,6 +61,12 @@ class ParallelismConfig:
     # FSDP/ZeRO, as TorchTitan does); "auto" (the default): on when the workers have GPUs, off on CPU and for
     # mixtures of experts (their routing gives each step new shapes).
     compile: bool | None = None
+    # Compile warm starts: keep torch.compile's caches (inductor's generated and compiled kernels,
+    # AOTAutograd's graphs) in the run directory, one archive a rank under compile_cache/, written
+    # after the first step, and load them when the run restarts or resumes there: that first step
+    # then skips code generation and compilation. The archive is compiled code the workers load and
+    # run: enable it only for a run directory you trust as much as the code.
+    compile_cache: bool = False
     # With tp > 1: shard norms and the residual stream along the sequence across the TP
     # group (all-gather / reduce-scatter at the TP regions) so those activations shrink by
     # tp too. No effect at tp = 1.
@@ -81,6 +87,10 @@ class ParallelismConfig:
         for key, allowed in (("activation_checkpointing", AC_MODES), ("compile", (None, True, False))):
             if getattr(self, key) not in allowed:  # (--set and TOML values are checked on the way in)
                 raise ConfigError(f"parallelism.{key}", getattr(self, key), f"must be one of {choices(allowed)}")
+        if self.compile_cache and self.compile is False:
+            raise ConfigError(
+                "parallelism.compile_cache", True, "keeps compiled kernels, and parallelism.compile=false compiles none"
+            )
         if self.schedule not in SCHEDULES:
             raise ConfigError("parallelism.schedule", self.schedule, f"must be one of {choices(SCHEDULES)}")
         if self.zero not in ZERO_STAGES:

@@ -27,6 +27,7 @@ from raytrain_hybrid.data.corpus import Batch, TokenWindows, tokenize_corpus
 from raytrain_hybrid.data.rows import BUILTIN_TRAIN, RowBatches, read_parquet_rows
 from raytrain_hybrid.data.stream import StreamPosition
 from raytrain_hybrid.distributed.parallel_dims import ParallelDims, arrange_ranks
+from raytrain_hybrid.engine.compile_cache import CompileCache
 from raytrain_hybrid.engine.evaluation import ValidationSet, evaluate
 from raytrain_hybrid.engine.feed import ReplicaFeed
 from raytrain_hybrid.engine.profile import StepProfiler
@@ -119,6 +120,9 @@ def run_worker(
     if resume:
         load_checkpoint(trainer, cfg, resume)
         mark(marks, "checkpoint_loaded")
+    compile_cache = CompileCache.open(cfg, trainer)  # a compiled run's kernels, kept in its run directory
+    if compile_cache is not None:
+        marks["compile_cache_loaded"] = compile_cache.load()
     # The data in memory knows where its passes (data.epochs) end; Ray Data's streams tell the driver.
     next_batch, data_end = in_memory_batches(cfg, trainer) if feed is None else ((lambda step: feed.next()), None)
     end = min(end or cfg.train.steps, data_end or cfg.train.steps)
@@ -139,6 +143,7 @@ def run_worker(
         on_notice=on_notice,
         end=end,
         profiler=StepProfiler.open(cfg, trainer, start, predicted_memory),
+        compile_cache=compile_cache,
     )
     loop.run(start)
     if feed is not None:
@@ -212,6 +217,7 @@ class StepLoop:
     last_started: int = -1  # the step of the newest save started
     end: int = 0  # the steps the run trains, when known (data.epochs may end it before train.steps)
     profiler: StepProfiler | None = None  # run.profile_steps
+    compile_cache: CompileCache | None = None  # parallelism.compile: written after the first step
 
     def run(self, start: int) -> None:
         for step in range(start, self.cfg.train.steps):
@@ -234,6 +240,8 @@ class StepLoop:
             mark(self.marks, "first_step_done")
             if "compile_s" in metrics:  # torch.compile compiles at the first step: its share of it
                 self.marks.setdefault("first_step_compile_s", metrics["compile_s"])
+            if self.compile_cache is not None:
+                self.compile_cache.after_step(metrics)
             metrics["data_wait_s"] = wait
             if step > start:  # the first batch waits for the pipeline to start: not steady state
                 self.waited, self.busy = self.waited + wait, self.busy + wait + metrics["step_time_s"]
