@@ -275,3 +275,60 @@ def test_lora_on_a_generic_family_matches_peft(model_type, checkpoints, three_d_
     assert all(reference[-1]["params"][n].abs().max() > 0 for n in reference[0]["grad_norms"])  # trained
     bad = lora_mismatches(run, reference)
     assert not bad, f"{len(bad)} mismatches:\n" + "\n".join(bad[:20])
+
+
+def _stage_of(path: Path):
+    """The engine's one-stage model of a checkpoint (every block), with transformers' weights."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from raytrain_hybrid.models import get_arch
+    from raytrain_hybrid.models.common import build_stage
+
+    cfg = load_config(None, _overrides(path, SINGLE))
+    spec = get_arch(cfg.model.arch)
+    stage = build_stage(spec, spec.hf_config(cfg), list(range(cfg.model.num_layers)), True, True)
+    buffers = [
+        (m, n, b.clone()) for m in stage.modules() for n, b in m._buffers.items() if b is not None and not b.is_meta
+    ]
+    stage.to_empty(device="cpu")
+    for m, n, v in buffers:
+        m._buffers[n] = v
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    state = reference.state_dict()
+    names = [n for n, _ in stage.named_parameters()]
+    set_model_state_dict(stage, {n: state[n] for n in names}, options=StateDictOptions(full_state_dict=True))
+    return stage, reference
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma2", "phi3"])
+def test_a_packed_row_is_each_example_alone(model_type, checkpoints):
+    """data.packing on a generic family: a row holding three examples (position ids restarting at
+    each) gives every example the logits it has alone in transformers' model, sliding windows
+    included (Gemma 2, Phi-3), and the loss's gradient is the examples' alone; without the position
+    ids the later examples' logits differ (the comparison sees it)."""
+    stage, reference = _stage_of(checkpoints[model_type])
+    lengths = (7, 15, 10)
+    ids = torch.randint(3, VOCAB, (1, sum(lengths)), generator=torch.Generator().manual_seed(3))
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    logits = stage(ids, positions)
+    starts = [0, 7, 22, 32]
+    loss_alone = 0.0
+    for a, b in zip(starts, starts[1:], strict=False):
+        alone = reference(input_ids=ids[:, a:b]).logits
+        torch.testing.assert_close(logits[:, a:b], alone, rtol=1e-5, atol=1e-5)
+        loss_alone = loss_alone + torch.nn.functional.cross_entropy(alone[0, :-1], ids[0, a + 1 : b], reduction="sum")
+    assert (stage(ids)[:, 22:] - logits[:, 22:]).abs().max() > 1e-3  # one causal row is another model
+    loss = sum(
+        torch.nn.functional.cross_entropy(logits[0, a : b - 1], ids[0, a + 1 : b], reduction="sum")
+        for a, b in zip(starts, starts[1:], strict=False)
+    )
+    loss.backward()
+    loss_alone.backward()
+    ref = dict(reference.named_parameters())
+    mine = {n: p.grad for n, p in stage.named_parameters()}
+    if "lm_head.weight" not in ref:  # tied: one matrix, whose gradient is the engine's two summed (engine.tied)
+        mine["model.embed_tokens.weight"] = mine["model.embed_tokens.weight"] + mine.pop("lm_head.weight")
+    for name, grad in mine.items():
+        want = ref[name].grad
+        assert ((grad - want).norm() / want.norm()).item() <= 1e-4, name  # the oracle's 1e-4 of the norm
