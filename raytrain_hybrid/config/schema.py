@@ -324,6 +324,10 @@ class RunConfig:
     # a step) into run.output_dir; on GPUs also a memory snapshot of those steps (memory_rank<R>.pickle, for
     # pytorch.org/memory_viz) with the planner's prediction beside it (memory_rank<R>.json). Empty: off.
     profile_steps: list[int] = field(default_factory=list)
+    # Hang diagnostics: a step running longer than this many seconds makes every rank write its
+    # flight record of collectives to hang/ in run.output_dir, and rank 0 hang/report.json: the
+    # collective some ranks wait in and the ranks that did not arrive. 0: off.
+    hang_timeout_s: float = 0.0
 
     def __post_init__(self) -> None:
         steps = self.profile_steps
@@ -333,6 +337,8 @@ class RunConfig:
                 steps,
                 "must be [first, last] with 1 <= first <= last (steps counted from 1), e.g. [10, 12]; [] for off",
             )
+        if self.hang_timeout_s < 0:
+            raise ConfigError("run.hang_timeout_s", self.hang_timeout_s, "must be >= 0 (0: off), e.g. 600")
         if self.startup_timeout_s < 0:
             raise ConfigError("run.startup_timeout_s", self.startup_timeout_s, "must be >= 0 (0: no limit)")
         if self.max_failures < 0:

@@ -30,6 +30,8 @@ from raytrain_hybrid.distributed.parallel_dims import ParallelDims, arrange_rank
 from raytrain_hybrid.engine.compile_cache import CompileCache
 from raytrain_hybrid.engine.evaluation import ValidationSet, evaluate
 from raytrain_hybrid.engine.feed import ReplicaFeed
+from raytrain_hybrid.engine.hang import HangWatch
+from raytrain_hybrid.engine.hang import start as watch_hangs
 from raytrain_hybrid.engine.profile import StepProfiler
 from raytrain_hybrid.engine.trainer import Trainer
 from raytrain_hybrid.storage import Store
@@ -104,6 +106,7 @@ def run_worker(
     # An elastic run (parallelism.min_dp) starts at the dp its workers make: the same steps,
     # each replica accumulating more or fewer micro-batches (config.elastic).
     cfg = at_world(cfg, dist.get_world_size())
+    hang = watch_hangs(cfg)  # run.hang_timeout_s: on before any collective of ours
     dims, mesh, device = join_mesh(cfg, node_id, use_gpu, device, marks)
     manifest = read_manifest(resume) if resume else {}
     start = manifest.get("step", 0)
@@ -144,8 +147,11 @@ def run_worker(
         end=end,
         profiler=StepProfiler.open(cfg, trainer, start, predicted_memory),
         compile_cache=compile_cache,
+        hang=hang,
     )
     loop.run(start)
+    if hang is not None:
+        hang.close()
     if feed is not None:
         feed.close()
     coords, per_rank = gather_reports(trainer, node_id, loop.inputs_report())
@@ -218,6 +224,7 @@ class StepLoop:
     end: int = 0  # the steps the run trains, when known (data.epochs may end it before train.steps)
     profiler: StepProfiler | None = None  # run.profile_steps
     compile_cache: CompileCache | None = None  # parallelism.compile: written after the first step
+    hang: HangWatch | None = None  # run.hang_timeout_s
 
     def run(self, start: int) -> None:
         for step in range(start, self.cfg.train.steps):
@@ -234,7 +241,11 @@ class StepLoop:
             heard = self.notice is not None and self.noticed_at is None and self.notice()
             if self.profiler is not None:
                 self.profiler.before(step)
+            if self.hang is not None:
+                self.hang.begin(step)
             metrics = self.trainer.train_step(step, batch, flag=heard)
+            if self.hang is not None:
+                self.hang.end()
             if self.profiler is not None:
                 self.profiler.after(step)
             mark(self.marks, "first_step_done")
