@@ -1,14 +1,15 @@
 """Hang diagnostics: which ranks did not arrive at the collective the others wait in.
 
-torch's flight recorder (``TORCH_FR_BUFFER_SIZE``, or NCCL's ``TORCH_NCCL_TRACE_BUFFER_SIZE``; set
-before the process group is made) keeps each rank's last collectives: per process group, a sequence
-number, the op, its sizes, whether it completed. A :class:`HangWatch` thread on every rank notices
-a step that has run longer than its timeout and writes the rank's record to
-``hang/fr_rank<R>.json`` in the run directory (through the storage layer: every node's ranks into
-one place); rank 0 then reads those it finds and writes ``hang/report.json`` with, per process
-group, the newest collective some rank entered and the ranks whose records stop before it: the
-ones that did not arrive (a rank stuck elsewhere, or one whose record is missing: its process is
-gone or frozen). No collective is used to find out: the group may be the one that hangs."""
+torch's flight recorder (on for gloo and NCCL in torch 2.13, 2000 entries; ``TORCH_FR_BUFFER_SIZE``
+or ``TORCH_NCCL_TRACE_BUFFER_SIZE`` sets how many, 0 turns it off) keeps each rank's last
+collectives: per process group, a sequence number, the op, its sizes, whether it completed. A
+:class:`HangWatch` thread on every rank notices a step that has run longer than its timeout and
+writes the rank's record to ``hang/fr_rank<R>.json`` in the run directory (through the storage
+layer: every node's ranks into one place); rank 0 then reads those it finds and writes
+``hang/report.json`` with, per process group, the newest collective some rank entered and the
+ranks whose records stop before it: the ones that did not arrive (a rank stuck elsewhere, or one
+whose record is missing: its process is gone or frozen). No collective is used to find out: the
+group may be the one that hangs."""
 
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ log = logging.getLogger(__name__)
 
 
 def start(cfg) -> HangWatch | None:
-    """run.hang_timeout_s: the flight recorder on (torch reads its size at the first collective it
-    records) and this rank's watch thread; None when off."""
+    """run.hang_timeout_s: the flight recorder on (torch's default, unless the environment turned
+    it off) and this rank's watch thread; None when off."""
     import os
 
     import torch.distributed as dist
