@@ -1,6 +1,6 @@
 """`torchrun --nproc-per-node N -m raytrain_hybrid.cli train`: a run without Ray (launch.torchrun).
 
-Two ranks at pp=2 on a Parquet file of token ids, read in the leaders' processes
+Two ranks at pp=2 on Parquet files of token ids, read in the leaders' processes
 (data.local_rows): the run directory's files as under Ray, the losses of the single-process
 reference on the same rows, and a resume from its first checkpoint that continues the run
 exactly. One torchrun process of ~5 s of CPU per rank and launch.
@@ -34,11 +34,15 @@ LAYOUT = (
 
 @pytest.fixture(scope="module")
 def tokens(tmp_path_factory) -> Path:
-    """60 documents of 20-200 token ids, in one Parquet file: about two epochs of the run."""
+    """60 documents of 20-200 token ids, about two epochs of the run, in three Parquet files
+    written out of their names' order (the rows are read in path order, as Ray Data reads them)."""
     rng = np.random.default_rng(3)
     docs = [rng.integers(0, 1000, int(n)).tolist() for n in rng.integers(20, 200, 60)]
-    path = tmp_path_factory.mktemp("torchrun") / "tokens.parquet"
-    pq.write_table(pa.table({"input_ids": pa.array(docs, type=pa.list_(pa.int32()))}), path)
+    path = tmp_path_factory.mktemp("torchrun") / "tokens"
+    path.mkdir()
+    for i, name in ((2, "c"), (0, "a"), (1, "b")):
+        part = pa.array(docs[i * 20 : (i + 1) * 20], type=pa.list_(pa.int32()))
+        pq.write_table(pa.table({"input_ids": part}), path / f"{name}.parquet")
     return path
 
 
@@ -60,7 +64,7 @@ def reference(overrides: tuple[str, ...], parquet: Path, monkeypatch) -> list[di
 
     from raytrain_hybrid.config import load_config
 
-    table = pq.read_table(parquet)
+    table = pa.concat_tables(pq.read_table(p) for p in sorted(parquet.glob("*.parquet")))
     monkeypatch.setattr(ref, "_ray_documents", lambda cfg, size, fmt: table.to_batches(max_chunksize=size))
     torch.manual_seed(0)
     cfg = load_config(None, list(overrides))

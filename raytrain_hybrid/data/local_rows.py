@@ -2,8 +2,8 @@
 
 ``LocalRows`` has the one method the streams call on a Ray Data iterator
 (``iter_batches(batch_size=, batch_format=)``) and yields the same rows in the same order as
-data.ray_data's datasets with ``preserve_order``: the Parquet files in the order of the
-dataset's listing, each file's rows in order, mapped by the same functions (tokenized text,
+data.ray_data's datasets with ``preserve_order``: the Parquet files in path order, each file's
+rows in order, mapped by the same functions (tokenized text,
 a classifier's encoded rows, chat examples). Only the replica leaders read, as under Ray.
 """
 
@@ -34,11 +34,12 @@ class LocalRows:
 
 
 def _files(path: str, columns: list[str]) -> Iterator[pa.Table]:
-    """Each file's rows of ``columns`` with its path, file by file in the dataset's order."""
+    """Each file's rows of ``columns`` with its path, file by file in path order (Ray Data's
+    read_parquet sorts the files it lists by path too)."""
     import pyarrow.dataset as pads
 
     dataset = pads.dataset(path, format="parquet")
-    for fragment in dataset.get_fragments():
+    for fragment in sorted(dataset.get_fragments(), key=lambda f: f.path):
         table = fragment.to_table(columns=columns)
         yield table.append_column("path", pa.array([fragment.path] * table.num_rows, type=pa.string()))
 

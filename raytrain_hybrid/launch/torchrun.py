@@ -164,11 +164,11 @@ def _prepare(cfg: Config, resume, allow_change, use_gpu: bool, marks: dict):
 
 def _train(cfg: Config, rank: int, use_gpu: bool, shared: dict, prepared: dict | None, marks: dict) -> int:
     """Every rank: the worker loop; rank 0 also records the run as the Ray driver does."""
+    marks["worker_entered"], marks["cpu_worker_entered"] = time.time(), time.process_time()  # (as launch.entry)
     from raytrain_hybrid.engine.worker import mark, run_worker
     from raytrain_hybrid.launch.driver import how_ended, write_results
     from raytrain_hybrid.models import get_arch
 
-    mark(marks, "worker_entered")
     cfg = Config.from_dict(shared["config"])
     import torch
 
