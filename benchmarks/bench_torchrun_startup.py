@@ -6,7 +6,8 @@ Both run the quick start's layout as a user types it (the default config: dp=2 t
 shipped corpus), alternating so that the shared machine's noise falls on both:
 
 - ray: `raytrain-hybrid train` (a private local Ray, Ray Train's workers, Ray Data);
-- torchrun: `torchrun --standalone --nproc-per-node 8 -m raytrain_hybrid.cli train`.
+- torchrun: `torchrun --standalone --nproc-per-node 8 -m raytrain_hybrid.cli train`;
+- torchrun-1-rank: the same model at dp=tp=pp=1 on one rank, the floor of one rank's start.
 
 first_step_s is measured from outside, the same for both: from the command's start until its
 "step 1/N" progress line is read on its stdout; wall_s is the whole command, exit included. The
@@ -29,9 +30,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results" / "torchrun_startup.json"
 BIN = ROOT / ".venv" / "bin"
+TORCHRUN = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node"]
+ONE_RANK = ["--set", "parallelism.dp=1", "--set", "parallelism.tp=1", "--set", "parallelism.pp=1"]
 COMMANDS = {
     "ray": [str(BIN / "raytrain-hybrid"), "train"],
-    "torchrun": [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "8", "-m", "raytrain_hybrid.cli", "train"],
+    "torchrun": [*TORCHRUN, "8", "-m", "raytrain_hybrid.cli", "train"],
+    # The floor of one rank's start: the same model at (1,1,1), one process, no core shared between ranks.
+    "torchrun-1-rank": [*TORCHRUN, "1", "-m", "raytrain_hybrid.cli", "train", *ONE_RANK],
 }
 
 
@@ -61,7 +66,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {v: [] for v in COMMANDS}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            for variant in COMMANDS if r % 2 == 0 else reversed(COMMANDS):
+            for variant in list(COMMANDS) if r % 2 == 0 else reversed(COMMANDS):
                 got = run_once(variant, Path(tmp), args.steps)
                 print(variant, got, flush=True)
                 runs[variant].append(got)
