@@ -19,8 +19,20 @@ from pathlib import Path
 from raytrain_hybrid.config import Config, load_config
 from raytrain_hybrid.distributed.parallel_dims import ParallelDims
 from raytrain_hybrid.errors import ConfigError, LayoutError
+from raytrain_hybrid.models.custom import register_model
 
-__all__ = ["Config", "ConfigError", "LayoutError", "ParallelDims", "check", "export", "load_config", "plan", "train"]
+__all__ = [
+    "Config",
+    "ConfigError",
+    "LayoutError",
+    "ParallelDims",
+    "check",
+    "export",
+    "load_config",
+    "plan",
+    "register_model",
+    "train",
+]
 __version__ = "0.1.0"
 
 # transformers imports torchao (train.fp8) wherever it is installed, and torchao's import logs a

@@ -16,6 +16,7 @@ Export writes the source's key names and config.json, and transformers loads it 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -89,8 +90,26 @@ def make_checkpoint(root: Path, model_type: str) -> Path:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
+    """The families' checkpoints, and a model of our own (tests/custom_model.py) registered with
+    register_model, under "custom"."""
+    from custom_model import TinyDecoderConfig, TinyDecoderForCausalLM
+
+    import raytrain_hybrid as rh
+
     root = tmp_path_factory.mktemp("families")
-    return {mt: make_checkpoint(root, mt) for mt in FAMILIES}
+    out = {mt: make_checkpoint(root, mt) for mt in FAMILIES}
+    assert rh.register_model(TinyDecoderConfig, TinyDecoderForCausalLM) == "rh_tiny_decoder"
+    out["custom"] = make_checkpoint(root, "rh_tiny_decoder")
+    return out
+
+
+def _jobs(checkpoints: dict, layout) -> dict:
+    """Every checkpoint's run at ``layout``; the custom model's registered again in each rank."""
+    from raytrain_hybrid.models.custom import registered
+
+    jobs: dict = {mt: _overrides(path, layout) for mt, path in checkpoints.items()}
+    jobs["custom"] = {"overrides": jobs["custom"], "register": registered()}
+    return jobs
 
 
 def _overrides(path: Path, layout) -> list[str]:
@@ -116,7 +135,7 @@ def references(checkpoints):
 def single_runs(checkpoints):
     from gloo_harness import run_gloo_jobs
 
-    return run_gloo_jobs(1, {mt: _overrides(path, SINGLE) for mt, path in checkpoints.items()})
+    return run_gloo_jobs(1, _jobs(checkpoints, SINGLE))
 
 
 # LoRA (peft's adapters on transformers' own linears) on two generic families, one of them tied with
@@ -129,7 +148,7 @@ LORA = ("lora.rank=4", "lora.alpha=8", "lora.targets=all-linear", "train.lr=1e-2
 def three_d_runs(checkpoints):
     from gloo_harness import run_gloo_jobs
 
-    jobs = {mt: _overrides(path, THREE_D) for mt, path in checkpoints.items()}
+    jobs = _jobs(checkpoints, THREE_D)
     jobs |= {f"{mt}-lora": [*_overrides(checkpoints[mt], THREE_D), *LORA] for mt in LORA_FAMILIES}
     return run_gloo_jobs(8, jobs)
 
@@ -137,7 +156,25 @@ def three_d_runs(checkpoints):
 def test_the_architecture_comes_from_the_checkpoint(checkpoints):
     for mt, path in checkpoints.items():
         cfg = load_config(None, [f"model.pretrained={path}"])
-        assert cfg.model.arch == mt
+        assert cfg.model.arch == (mt if mt != "custom" else "rh_tiny_decoder")
+
+
+@pytest.mark.parametrize("layout", ["single", "3d"])
+def test_a_model_of_our_own_trains_as_transformers_trains_it(layout, single_runs, three_d_runs, references):
+    """register_model: the custom class, with its own TP plan, at (1,1,1) and dp=2 x tp=2 x pp=2."""
+    _assert_oracle((single_runs if layout == "single" else three_d_runs)["custom"], references["custom"])
+
+
+def test_register_model_refuses_what_workers_cannot_import():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import raytrain_hybrid as rh
+
+    class Local(LlamaConfig):
+        model_type = "rh_local"
+
+    with pytest.raises(ConfigError, match="importable module"):
+        rh.register_model(Local, LlamaForCausalLM)
 
 
 def _assert_oracle(result: dict, reference: list[dict]) -> None:
@@ -332,3 +369,31 @@ def test_a_packed_row_is_each_example_alone(model_type, checkpoints):
     for name, grad in mine.items():
         want = ref[name].grad
         assert ((grad - want).norm() / want.norm()).item() <= 1e-4, name  # the oracle's 1e-4 of the norm
+
+
+def test_a_fresh_process_registers_the_model_again_from_what_the_driver_recorded(checkpoints, tmp_path):
+    """What a Ray Train worker does first (launch.entry): restore() the driver's registrations, by
+    import path, in a process that never saw them; then the run's config, naming the model_type, loads."""
+    from raytrain_hybrid.models.custom import registered
+
+    entries = registered()
+    assert ("custom_model", "TinyDecoderConfig", "custom_model", "TinyDecoderForCausalLM") in entries
+    script = (
+        "import json, sys\n"
+        "from raytrain_hybrid.config import load_config\n"
+        "from raytrain_hybrid.errors import ConfigError\n"
+        "try:\n"
+        "    load_config(None, ['model.arch=rh_tiny_decoder'])\n"
+        "    sys.exit('loaded before any registration')\n"
+        "except ConfigError:\n"
+        "    pass\n"
+        "from raytrain_hybrid.models.custom import restore\n"
+        "restore(json.loads(sys.argv[1]))\n"
+        "layout = ['parallelism.dp=1', 'parallelism.tp=2', 'parallelism.pp=2']\n"
+        "cfg = load_config(None, ['model.arch=rh_tiny_decoder', *layout])\n"
+        "print(cfg.model.arch)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    done = subprocess.run([sys.executable, "-c", script, json.dumps(entries)], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "rh_tiny_decoder"

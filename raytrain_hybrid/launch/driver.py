@@ -37,6 +37,7 @@ from raytrain_hybrid.launch.start import ResumePoint, StartPlan, check_before_ra
 from raytrain_hybrid.launch.summary import startup_breakdown, startup_cpu, summarize
 from raytrain_hybrid.launch.tracking import TrackedRun, check_tracking
 from raytrain_hybrid.launch.waiting import Waiting
+from raytrain_hybrid.models.custom import registered
 from raytrain_hybrid.storage import open_store
 from raytrain_hybrid.storage.nofollow import write_new
 
@@ -208,6 +209,8 @@ def make_trainer(plan: StartPlan, *, sink, tracking=None):
             "tracking": tracking,  # rank 0's tracker run (launch.tracking.TrackerRun), or None
             # An elastic run with layout=auto: the profile each start's pick is priced on.
             "layout_hardware": dataclasses.asdict(layout_hw) if layout_hw and is_elastic(cfg.parallelism) else None,
+            # Models registered from Python (models.custom): each worker registers them again.
+            "registered_models": registered(),
         },
         torch_config=TorchConfig(backend=backend),
         **build_datasets(cfg, data_env),

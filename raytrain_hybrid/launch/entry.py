@@ -22,6 +22,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     import ray.train
     import torch
 
+    from raytrain_hybrid.models.custom import restore
+
+    restore(loop_config.get("registered_models"))  # before the config names their model_type
     cfg = Config.from_dict(loop_config["config"])
     os.environ.update(loop_config.get("data_env", {}))  # before this worker's Ray Data executor starts
     torch.set_num_threads(max(1, int(cfg.cluster.cpus_per_worker)))

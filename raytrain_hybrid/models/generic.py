@@ -75,17 +75,23 @@ def verified() -> dict[str, dict]:
 
 @functools.cache
 def classes(model_type: str) -> tuple[type, type]:
-    """(config class, causal-LM class) of a model_type; KeyError where transformers has none."""
-    transformers, config_mapping, lm_names = _transformers()
-    return config_mapping[model_type], getattr(transformers, lm_names[model_type])
+    """(config class, causal-LM class) of a model_type, transformers' own or one registered with its
+    Auto classes (models.custom.register_model); KeyError where there is none."""
+    from transformers import AutoModelForCausalLM
+
+    _, config_mapping, _ = _transformers()
+    config_cls = config_mapping[model_type]
+    return config_cls, AutoModelForCausalLM._model_mapping[config_cls]
 
 
 def refusal(model_type: str, *, tp: int = 1, recorded: bool = True) -> str | None:
     """Why ``model_type`` cannot be trained here (None: it can), in words for a message;
     ``recorded``: with the model matrix's verdicts (scripts/model_matrix.py), not only the plans'."""
-    transformers, config_mapping, lm_names = _transformers()
-    if model_type not in lm_names or model_type not in config_mapping:
-        return f"is not a causal language model of transformers {transformers.__version__}"
+    transformers, _, _ = _transformers()
+    try:
+        classes(model_type)
+    except (KeyError, ValueError):
+        return f"is not a causal language model of transformers {transformers.__version__} nor one registered"
     if any(word in model_type for word in _NOT_DECODERS):
         return "is not a transformer decoder (state-space, linear-attention or encoder-decoder layers)"
     config_cls, _ = classes(model_type)
