@@ -17,12 +17,14 @@ def check_fp8(cfg) -> None:
         raise ConfigError(
             "train.fp8", train.fp8, 'needs torchao: pip install "raytrain-hybrid[fp8]" (or torchao>=0.18)'
         )
-    if cfg.parallelism.tp > 1:  # torchao's float8 TP styles are not under the oracle yet
+    # Rowwise scales are per row of each shard: the plain TP styles serve (TorchTitan's way).
+    # Tensorwise wants torchao's float8 TP styles (scales across the shards, float8 all-gathers).
+    if cfg.parallelism.tp > 1 and train.fp8 == "tensorwise":
         raise ConfigError(
             "train.fp8",
             train.fp8,
-            f"is not supported with tensor parallelism yet (parallelism.tp={cfg.parallelism.tp}); use tp=1 "
-            '(dp, pp, cp, FSDP2 and ZeRO-1 compose with it) or train.fp8="off"',
+            f"is not supported with tensor parallelism yet (parallelism.tp={cfg.parallelism.tp}); use "
+            'train.fp8="rowwise" with tp > 1, or tp=1',
         )
     if cfg.lora.rank:
         raise ConfigError(

@@ -128,7 +128,7 @@ class TrainConfig:
     # FP8 training (torchao's float8 linears): "rowwise" (a scale per row, TorchTitan's default) or
     # "tensorwise" (one scale per tensor, faster, less exact) for the transformer blocks' linears; the
     # output head and linears whose dimensions are not multiples of 16 stay in train.dtype (`check`
-    # lists them). Needs a GPU of compute capability >= 8.9 (H100, L4, B200) and tp=1.
+    # lists them). Needs a GPU of compute capability >= 8.9 (H100, L4, B200); tensorwise needs tp=1.
     fp8: Literal["off", "rowwise", "tensorwise"] = "off"
     # With train.fp8: emulate the float8 casts with float32 matmuls, on any device (a CPU included).
     # Slower than bf16: for checking a setup (which linears convert, that it trains), never for speed.
