@@ -29,6 +29,7 @@ from raytrain_hybrid.launch.reach import Reach
 from raytrain_hybrid.launch.session import join_ray, live_workers_per_node, local_cpus, ray_address, use_train_v2
 from raytrain_hybrid.launch.start import ResumePoint, StartPlan, check_before_ray, derive_plan, prepare_run_dir
 from raytrain_hybrid.launch.tracking import check_tracking
+from raytrain_hybrid.models.hub import Unreadable
 from raytrain_hybrid.storage import Store, is_uri, open_store
 
 _CONNECT_S, _REQUEST_S = 5.0, 20.0  # an object store out of reach answers nothing: give up soon
@@ -115,7 +116,10 @@ def _inputs(cfg: Config, say, unverified: list[str]) -> Config:
     except (OSError, ConfigError) as exc:
         where = str(exc.value) if isinstance(exc, ConfigError) else ""
         remote = is_uri(where) and not where.startswith("file://")
-        if isinstance(exc, ConfigError) and not (isinstance(exc.__cause__, OSError) and remote):
+        # A model's files out of reach here (models.hub.Unreadable) may well exist: said, not refused.
+        if isinstance(exc, ConfigError) and not (
+            isinstance(exc.__cause__, OSError) and remote or isinstance(exc, Unreadable)
+        ):
             raise
         unverified.append(f"{exc} (the input's checks could not be made here)")
         return cfg
