@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from raytrain_hybrid.errors import ConfigError
+from raytrain_hybrid.models import generic_counts
 from raytrain_hybrid.models.generic_forward import on_stage, stage_forward
 from raytrain_hybrid.models.spec import ArchSpec
 
@@ -300,67 +301,6 @@ def to_hf(sd: dict) -> dict:
     return dict(sd)
 
 
-@functools.lru_cache(maxsize=64)
-def _counts(model_type: str, sizes: tuple) -> tuple[int, int, int, int, int]:
-    """(per block, embedding, final norm + head, head, tied) parameters of a model built on meta."""
-    import torch
-
-    m = dict(sizes)
-    config_cls, lm_cls = classes(model_type)
-    if m.get("pretrained"):
-        from raytrain_hybrid.models.hf_checkpoint import read_config_json
-
-        conf = {
-            k: v
-            for k, v in read_config_json(m["pretrained"], m.get("pretrained_revision", "")).items()
-            if k not in ("architectures", "auto_map", "torch_dtype", "dtype")
-        }
-    else:
-        conf = tiny_kwargs(_Sizes(**m))
-    config = config_cls(**conf)
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    config.tie_word_embeddings = False
-    with torch.device("meta"):
-        model = lm_cls(config)
-    prefix = lm_cls.base_model_prefix or "model"
-    inner = getattr(model, prefix)
-
-    def count(mod) -> int:
-        return sum(p.numel() for p in mod.parameters()) if mod is not None else 0
-
-    embed_name, layers_name, _ = pp_names(model_type)
-    layers = getattr(inner, layers_name)
-    per_block = sum(count(b) for b in layers) // max(1, len(layers))
-    embed = count(getattr(inner, embed_name))
-    head = count(getattr(model, head_name(model_type)))
-    rest = count(model) - count(layers) - embed - head  # the final norm and anything else
-    return per_block, embed, rest + head, head, int(tied)
-
-
-class _Sizes:
-    def __init__(self, **kw) -> None:
-        self.__dict__.update(kw)
-
-
-def _size_key(m) -> tuple:
-    keys = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
-    keys += ("seq_len", "pretrained", "pretrained_revision")
-    return tuple((k, getattr(m, k)) for k in keys)
-
-
-def param_parts(model_type: str, m) -> tuple[int, int, int]:
-    """(per block, first stage extra, last stage extra). A tied head is counted once, as
-    transformers counts it (the engine's copy of it on the last stage is the planner's to add)."""
-    per_block, embed, last, head, tied = _counts(model_type, _size_key(m))
-    return per_block, embed, last - head * tied
-
-
-def matmul_params(model_type: str, m) -> int:
-    per_block, embed, last, head, tied = _counts(model_type, _size_key(m))
-    # Norm weights and biases are a rounding error here; the embedding lookup is no matmul, the head is.
-    return m.num_layers * per_block + head
-
-
 def check(model_type: str, cfg) -> None:
     """Refusals before workers start: a family the engine cannot run at this layout."""
     why = refusal(model_type, tp=cfg.parallelism.tp)
@@ -394,8 +334,8 @@ def spec(model_type: str) -> ArchSpec:
         max_seq_len=max_seq_len,
         from_hf=functools.partial(from_hf, model_type),
         default_ffn=lambda hidden: 32 * ((8 * hidden // 3 + 31) // 32),
-        param_parts=functools.partial(param_parts, model_type),
-        matmul_params=functools.partial(matmul_params, model_type),
+        param_parts=functools.partial(generic_counts.param_parts, model_type),
+        matmul_params=functools.partial(generic_counts.matmul_params, model_type),
         layers=f"{prefix}.{layers}",
         first_stage=(f"{prefix}.{embed}",),
         last_stage=(f"{prefix}.{norm}", head),

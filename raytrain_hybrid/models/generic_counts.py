@@ -1,0 +1,70 @@
+"""Parameter and FLOP counts of a generic family (models.generic), for the planner and MFU: the
+model built on the meta device from its config (the checkpoint's config.json, or model.* sizes)
+and counted as transformers builds it."""
+
+from __future__ import annotations
+
+import functools
+
+from raytrain_hybrid.models import generic  # (generic imports this module: names read at call time)
+
+
+@functools.lru_cache(maxsize=64)
+def _counts(model_type: str, sizes: tuple) -> tuple[int, int, int, int, int]:
+    """(per block, embedding, final norm + head, head, tied) parameters of a model built on meta."""
+    import torch
+
+    m = dict(sizes)
+    config_cls, lm_cls = generic.classes(model_type)
+    if m.get("pretrained"):
+        from raytrain_hybrid.models.hf_checkpoint import read_config_json
+
+        conf = {
+            k: v
+            for k, v in read_config_json(m["pretrained"], m.get("pretrained_revision", "")).items()
+            if k not in ("architectures", "auto_map", "torch_dtype", "dtype")
+        }
+    else:
+        conf = generic.tiny_kwargs(_Sizes(**m))
+    config = config_cls(**conf)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    config.tie_word_embeddings = False
+    with torch.device("meta"):
+        model = lm_cls(config)
+    prefix = lm_cls.base_model_prefix or "model"
+    inner = getattr(model, prefix)
+
+    def count(mod) -> int:
+        return sum(p.numel() for p in mod.parameters()) if mod is not None else 0
+
+    embed_name, layers_name, _ = generic.pp_names(model_type)
+    layers = getattr(inner, layers_name)
+    per_block = sum(count(b) for b in layers) // max(1, len(layers))
+    embed = count(getattr(inner, embed_name))
+    head = count(getattr(model, generic.head_name(model_type)))
+    rest = count(model) - count(layers) - embed - head  # the final norm and anything else
+    return per_block, embed, rest + head, head, int(tied)
+
+
+class _Sizes:
+    def __init__(self, **kw) -> None:
+        self.__dict__.update(kw)
+
+
+def _size_key(m) -> tuple:
+    keys = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
+    keys += ("seq_len", "pretrained", "pretrained_revision")
+    return tuple((k, getattr(m, k)) for k in keys)
+
+
+def param_parts(model_type: str, m) -> tuple[int, int, int]:
+    """(per block, first stage extra, last stage extra). A tied head is counted once, as
+    transformers counts it (the engine's copy of it on the last stage is the planner's to add)."""
+    per_block, embed, last, head, tied = _counts(model_type, _size_key(m))
+    return per_block, embed, last - head * tied
+
+
+def matmul_params(model_type: str, m) -> int:
+    per_block, embed, last, head, tied = _counts(model_type, _size_key(m))
+    # Norm weights and biases are a rounding error here; the embedding lookup is no matmul, the head is.
+    return m.num_layers * per_block + head
