@@ -212,10 +212,14 @@ def _check(args, cfg, unverified: list[str] | None = None) -> int:
         hw = load_hardware(args.hardware)
         if cfg.cluster.gpus_per_node:
             hw = dataclasses.replace(hw, gpus_per_node=cfg.cluster.gpus_per_node)
-        if unverified:  # the model's sizes are the checkpoint's: a prediction without them would mislead
+        # The model's sizes are the checkpoint's: without them, those the config file gives (which the
+        # checkpoint's config.json must agree with), else no prediction rather than one that misleads.
+        unread = any(n.startswith("model.pretrained=") for n in unverified or ())
+        given = any(getattr(cfg.model, k) != getattr(type(cfg.model)(), k) for k in ("num_layers", "hidden_size"))
+        if unread and not given:
             print("planner: not run: it needs the model sizes in the checkpoint's config.json, unread here")
         else:
-            print(f"planner: {describe(cfg, hw)}")
+            print(f"planner: {describe(cfg, hw)}" + (" (the model sizes the config file gives)" if unread else ""))
     return 0
 
 

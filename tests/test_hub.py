@@ -186,6 +186,8 @@ def test_the_finetune_jobs_check_works_without_network_or_credentials(tmp_path):
     lines = check.stdout.splitlines()
     assert lines[0].startswith("not verified: model.pretrained='s3://") and "could not be read here" in lines[0]
     assert "layout ok: dp=8 tp=1 pp=1" in check.stdout
-    assert lines[-1] == "planner: not run: it needs the model sizes in the checkpoint's config.json, unread here"
+    # The planner's prediction on the sizes the job file gives (Meta-Llama-3-8B's), said as theirs.
+    assert lines[-1].startswith("planner: H100-80GB SXM, 8 ranks") and "(fits)" in lines[-1], lines[-1]
+    assert lines[-1].endswith("(the model sizes the config file gives)"), lines[-1]
     train = run([CLI, "train", job, *sets])
     assert train.returncode == 2 and "error: model.pretrained='s3://" in train.stderr, train.stderr
