@@ -230,9 +230,11 @@ def test_a_preemption_notice_heard_by_one_rank_is_saved_by_all_at_the_same_step(
 def test_an_elastic_auto_run_picks_each_starts_layout_and_trains_the_oracle_model(resized):
     """parallelism.layout=auto with min_dp: each start (as a Ray worker group's, launch.entry)
     picks the planner's best layout of all its workers on their nodes, not the configured
-    tp=2: 6 workers on three nodes -> dp=3 tp=1 pp=2, resumed on 2 workers of one node ->
-    dp=2 tp=1 pp=1 from the first's checkpoint (resharded across dp and pp). Both halves are
-    the single-process oracle's steps."""
+    tp=2: 6 workers on three nodes of 2 -> dp=6 under ZeRO-1 with hybrid sharding (replicate=3 x
+    shard=2, a shard group a node: a reduce-scatter inside the node and a 3-way all-reduce across
+    nodes cost this latency-bound step less than a flat 6-way one, or dp=3 pp=2's bubble),
+    resumed on 2 workers of one node -> dp=2 tp=1 pp=1 from the first's checkpoint (its ZeRO-1
+    slices resharded). Both halves are the single-process oracle's steps."""
     root, saved, resumed = resized
     reference = reference_history(REFERENCE)
     assert_oracle(saved["auto"], reference)
@@ -241,9 +243,9 @@ def test_an_elastic_auto_run_picks_each_starts_layout_and_trains_the_oracle_mode
     for run, step in ((root / "auto", 2), (root / "auto-dp2", 4)):
         layout = read_manifest(run / "checkpoints" / f"step_{step}")["layout"]
         shapes.append((layout["dp"], layout["tp"], layout["pp"]))
-    assert shapes == [(3, 1, 2), (2, 1, 1)], shapes
+    assert shapes == [(6, 1, 1), (2, 1, 1)], shapes
     first, again = saved["auto"]["said"], resumed["auto"]["said"]
-    assert first[0].startswith("layout auto: dp=3 tp=1 pp=2 "), first
+    assert first[0].startswith("layout auto: dp=6 tp=1 pp=1 ") and " zero=1 replicate=3 " in first[0], first
     assert "for the 6 workers started on nodes holding [2, 2, 2] (H100-80GB SXM)" in first[0], first
     assert again[0].startswith("layout auto: dp=2 tp=1 pp=1 ") and "nodes holding [2] " in again[0], again
     assert first[1].startswith("layout auto: runner-up "), first
