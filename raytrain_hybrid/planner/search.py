@@ -25,11 +25,12 @@ def _microbatch_counts(per_replica: int) -> list[int]:
 
 def _replicates(dp: int, zero: int, inner: int, gpus_per_node: int) -> list[int]:
     """Hybrid sharding's candidates: 1 (shard over all of dp), and, where dp's groups leave a node
-    (``inner`` = cp x tp workers a dp rank), the replicate that keeps each shard group inside one."""
+    (``inner`` = cp x tp workers a dp rank), the replicate that keeps each shard group inside one
+    (none where a node holds one dp rank only: a shard group of one is zero=0's replication)."""
     if zero == 0 or dp * inner <= gpus_per_node:
         return [1]
     shard = max((d for d in range(1, dp + 1) if dp % d == 0 and d * inner <= gpus_per_node), default=1)
-    return [1, dp // shard]
+    return [1] if shard == 1 else [1, dp // shard]
 
 
 def _candidates(world: int, cfg: Config, gpus_per_node: int, fixed: dict):
