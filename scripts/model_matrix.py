@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -183,6 +184,7 @@ def main() -> None:
                 raise
             row["reason"] = f"could not be built or trained here: {_short(exc)}"
             row["trace"] = traceback.format_exc(limit=3)[-600:]
+        shutil.rmtree(tmp / mt, ignore_errors=True)  # some families' default sizes make GB-sized checkpoints
         row["seconds"] = round(time.perf_counter() - t0, 1)
         rows[mt] = row
         print(f"{mt:24s} {row['status']:8s} {row.get('reason', '')[:110]}", flush=True)
