@@ -528,6 +528,14 @@ def _edited(manifest: dict, key: str, value) -> str:
     return json.dumps(out)
 
 
+def _nested(manifest: dict, depth: int) -> str:
+    """The manifest with a last key holding arrays nested ``depth`` deep (the text edited at its end:
+    a config value may end in "0}" too)."""
+    text = _edited(manifest, "extra", 0)
+    assert text.endswith(', "extra": 0}'), text[-40:]
+    return text[: -len("0}")] + "[" * depth + "]" * depth + "}"
+
+
 MALFORMED = {
     "step Infinity": lambda m: _edited(m, "step", 0).replace('"step": 0', '"step": Infinity'),
     "size 1e400": lambda m: json.dumps(m).replace('"size": ', '"size": 1e400, "was": ', 1),
@@ -535,8 +543,8 @@ MALFORMED = {
     "step -3": lambda m: _edited(m, "step", -3),
     "step 2.5": lambda m: _edited(m, "step", 2.5),
     "no config": lambda m: _edited(m, "config", ...),
-    "nested 200,000 deep": lambda m: _edited(m, "extra", 0).replace("0}", "[" * 200_000 + "]" * 200_000 + "}"),
-    "nested 40 deep": lambda m: _edited(m, "extra", 0).replace("0}", "[" * 40 + "]" * 40 + "}"),
+    "nested 200,000 deep": lambda m: _nested(m, 200_000),
+    "nested 40 deep": lambda m: _nested(m, 40),
 }
 
 
