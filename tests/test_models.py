@@ -397,3 +397,17 @@ def test_a_fresh_process_registers_the_model_again_from_what_the_driver_recorded
     done = subprocess.run([sys.executable, "-c", script, json.dumps(entries)], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "rh_tiny_decoder"
+
+
+def test_the_planner_predicts_the_state_each_family_holds(checkpoints, single_runs):
+    """The planner's parameter, gradient and optimizer bytes for (1,1,1) are what the engine holds
+    (a tied family's head copy included), within 1 %."""
+    from raytrain_hybrid.planner.cost import predict
+    from raytrain_hybrid.planner.hardware import load_hardware
+
+    for mt, path in checkpoints.items():
+        mem = single_runs[mt]["memory"][0]
+        held = mem["param_bytes"] + mem["grad_bytes"] + mem["optimizer_bytes"]
+        predicted = predict(load_config(None, _overrides(path, SINGLE)), load_hardware("h100"))["memory_bytes"]
+        want = sum(v for k, v in predicted.items() if k not in ("activations", "total"))
+        assert abs(held - want) <= 0.01 * held, (mt, held, want)

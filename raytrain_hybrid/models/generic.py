@@ -336,6 +336,7 @@ def spec(model_type: str) -> ArchSpec:
         default_ffn=lambda hidden: 32 * ((8 * hidden // 3 + 31) // 32),
         param_parts=functools.partial(generic_counts.param_parts, model_type),
         matmul_params=functools.partial(generic_counts.matmul_params, model_type),
+        held_copies=functools.partial(generic_counts.held_copies, model_type),
         layers=f"{prefix}.{layers}",
         first_stage=(f"{prefix}.{embed}",),
         last_stage=(f"{prefix}.{norm}", head),

@@ -68,3 +68,9 @@ def matmul_params(model_type: str, m) -> int:
     per_block, embed, last, head, tied = _counts(model_type, _size_key(m))
     # Norm weights and biases are a rounding error here; the embedding lookup is no matmul, the head is.
     return m.num_layers * per_block + head
+
+
+def held_copies(model_type: str, m) -> int:
+    """A tied head's parameters: the engine's copy of the embedding on the last stage."""
+    per_block, embed, last, head, tied = _counts(model_type, _size_key(m))
+    return head * tied

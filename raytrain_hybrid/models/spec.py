@@ -125,6 +125,9 @@ class ArchSpec:
     # Whether the model ties its head to its token embedding (hf_config -> bool): the engine then
     # holds both, the head starting from the embedding's value, their gradients summed each step.
     tied: Callable[[Any], bool] = lambda hf_config: False
+    # Parameters the engine holds beyond the model's own count, on the last stage (ModelConfig -> int):
+    # a tied head's copy (engine.tied), which transformers counts once but every layout holds twice.
+    held_copies: Callable[[Any], int] = lambda model_cfg: 0
     # Called by build_stage with (stage, the model it was cut from) after re-parenting its children.
     on_stage: Callable[[Any, Any], None] | None = None
 

@@ -42,9 +42,11 @@ def max_rank_params(cfg: Config) -> float:
     from raytrain_hybrid.distributed.pipeline import split_layers, stage_ids
 
     par = cfg.parallelism
+    copies = get_arch(cfg.model.arch).held_copies(cfg.model)  # a tied head's copy, on the last stage
     if par.pp == 1:
-        return float(param_count(cfg.model))
+        return float(param_count(cfg.model) + copies)
     per_layer, first, last = param_parts(cfg.model)
+    last += copies
     split = split_layers(num_blocks(cfg.model), par.num_stages)
     anchored = anchored_params(cfg.model)  # e.g. a second encoder's embeddings, with its first block
     best = 0.0
