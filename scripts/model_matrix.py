@@ -56,34 +56,15 @@ def _short(exc: BaseException) -> str:
 
 
 def forward_gap(path: Path, model_type: str) -> float:
-    """Largest logit difference of the engine's stage (one stage, all blocks) vs transformers."""
+    """Relative logit difference of the engine's stage (one stage, all blocks) vs transformers'."""
     import torch
-    from test_models import SINGLE
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from transformers import AutoModelForCausalLM
+    from test_models import _stage_of
 
-    from raytrain_hybrid.config import load_config
-    from raytrain_hybrid.models import get_arch
-    from raytrain_hybrid.models.common import build_stage
-
-    cfg = load_config(None, [f"model.pretrained={path}", "data.path=memory", "model.seq_len=32", *SINGLE])
-    spec = get_arch(cfg.model.arch)
-    conf = spec.hf_config(cfg)
-    stage = build_stage(spec, conf, list(range(cfg.model.num_layers)), True, True)
-    buffers = [
-        (m, n, b.clone()) for m in stage.modules() for n, b in m._buffers.items() if b is not None and not b.is_meta
-    ]
-    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-    state = ref.state_dict()
-    stage.to_empty(device="cpu")
-    for m, n, v in buffers:
-        m._buffers[n] = v
-    want = {n for n, _ in stage.named_parameters()}
-    set_model_state_dict(
-        stage, {n: state[n] for n in want}, options=StateDictOptions(full_state_dict=True, strict=True)
-    )
+    stage, ref = _stage_of(path)
     stage.eval()
-    ids = torch.randint(3, cfg.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    ref.eval()
+    vocab = ref.config.vocab_size
+    ids = torch.randint(3, vocab, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         got, exp = stage(ids), ref(input_ids=ids).logits
     return float((got - exp).norm() / exp.norm())

@@ -86,7 +86,12 @@ def open_parquet(key: str, path: str):
     try:
         if local is None:  # an object store, asked with bounded waits: one that does not answer is
             # said in seconds (check: "not verified"), not after the SDK's minutes of retries
-            fs, root = _bounded_filesystem(path)
+            import pyarrow.fs as pafs
+
+            from raytrain_hybrid.models.hf_checkpoint import bounded_waits
+
+            fs, root = pafs.FileSystem.from_uri(path)
+            fs = bounded_waits(fs, request_s=10)  # footers and listings are small
             dataset = pads.dataset(root, format="parquet", filesystem=fs)
         else:
             dataset = pads.dataset(path, format="parquet")
@@ -96,26 +101,6 @@ def open_parquet(key: str, path: str):
     if not files:
         raise ConfigError(key, path, "holds no Parquet files")
     return dataset
-
-
-def _bounded_filesystem(uri: str):
-    """pyarrow's filesystem and path for ``uri``: S3 with a 5 s connect and 10 s request timeout
-    (footers and listings are small) and two tries, GCS retrying for 10 s at most (their defaults
-    retry a silent endpoint for minutes)."""
-    import datetime
-
-    import pyarrow.fs as pafs
-
-    fs, root = pafs.FileSystem.from_uri(uri)
-    if isinstance(fs, (pafs.S3FileSystem, pafs.GcsFileSystem)):
-        rebuild, (options,) = fs.__reduce__()
-        if isinstance(fs, pafs.S3FileSystem):
-            options.update(connect_timeout=5, request_timeout=10)
-            options["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(max_attempts=2)
-        else:
-            options["retry_time_limit"] = datetime.timedelta(seconds=10)
-        fs = rebuild(options)
-    return fs, root
 
 
 def columns_fix(names: list[str], path: str) -> str:

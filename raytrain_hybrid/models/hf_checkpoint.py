@@ -62,15 +62,23 @@ def _filesystem(location: str):
         raise ConfigError(
             KEY, location, f"is not a location pyarrow can open ({_short(exc)}); use a local path, s3:// or gs://"
         ) from None
-    if isinstance(fs, (pafs.S3FileSystem, pafs.GcsFileSystem)):  # the same options, bounded waits
-        rebuild, (options,) = fs.__reduce__()
-        if isinstance(fs, pafs.S3FileSystem):
-            options.update(connect_timeout=5, request_timeout=30)
-            options["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(max_attempts=2)
-        else:
-            options["retry_time_limit"] = datetime.timedelta(seconds=10)
-        fs = rebuild(options)
-    return fs, path.rstrip("/")
+    return bounded_waits(fs), path.rstrip("/")
+
+
+def bounded_waits(fs, request_s: float = 30):
+    """``fs`` with its options kept and bounded waits: an S3 filesystem with a 5 s connect timeout,
+    ``request_s`` a request and two tries; a GCS one retrying for 10 s; any other as it is."""
+    import pyarrow.fs as pafs
+
+    if not isinstance(fs, (pafs.S3FileSystem, pafs.GcsFileSystem)):
+        return fs
+    rebuild, (options,) = fs.__reduce__()
+    if isinstance(fs, pafs.S3FileSystem):
+        options.update(connect_timeout=5, request_timeout=request_s)
+        options["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(max_attempts=2)
+    else:
+        options["retry_time_limit"] = datetime.timedelta(seconds=10)
+    return rebuild(options)
 
 
 def _short(exc: Exception) -> str:
