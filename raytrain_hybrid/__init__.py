@@ -44,12 +44,20 @@ del _name
 
 
 def check(cfg: Config, topology: list[int] | None = None, hardware: str | None = None) -> dict:
-    """Place ``cfg``'s layout on nodes holding ``topology`` workers each (default: one node).
+    """Place ``cfg``'s layout on nodes, as ``raytrain-hybrid check --topology`` does.
 
-    Returns ``{"ranks": [{rank, node, pp, dp, tp}], "groups": {axis: [[ranks]]}}`` and, with a
-    ``hardware`` profile name or JSON file, ``"planner"``: the cost model's memory and
-    throughput line. Raises :class:`LayoutError` when a TP group would cross a node. (The
-    config itself was checked by :func:`load_config`.)
+    Args:
+        cfg: a config from :func:`load_config` (which has checked the config itself).
+        topology: workers per node, e.g. ``[4, 4]``; default one node holding every rank.
+        hardware: a hardware profile name ("h100", "a100-80", ...) or a calibrated JSON file:
+            adds the cost model's memory and throughput line.
+
+    Returns:
+        ``{"ranks": [{rank, node, pp, dp, tp}], "groups": {axis: [[ranks]]}}``, and
+        ``"planner"`` (a line of text) with ``hardware``.
+
+    Raises:
+        LayoutError: a TP group would cross a node.
     """
     from raytrain_hybrid.distributed.parallel_dims import placement_report
 
@@ -63,18 +71,46 @@ def check(cfg: Config, topology: list[int] | None = None, hardware: str | None =
     return report
 
 
-def train(cfg: Config, resume: str | None = None) -> dict:
-    """Train ``cfg`` on Ray Train (joins ``cluster.address`` / ``$RAY_ADDRESS``, else starts a
-    local cluster); writes metrics.jsonl, summary.json and checkpoints to ``run.output_dir``
-    and returns the summary. ``resume``: a run directory or checkpoint to continue."""
+def train(cfg: Config, resume: str | None = None, allow_change: list[str] | None = None) -> dict:
+    """Train ``cfg`` on Ray Train, as ``raytrain-hybrid train`` does.
+
+    Joins ``cluster.address`` / ``$RAY_ADDRESS``, else starts a local cluster; writes
+    metrics.jsonl, summary.json and checkpoints to ``run.output_dir``.
+
+    Args:
+        cfg: a config from :func:`load_config`.
+        resume: a run directory (its newest checkpoint) or a ``checkpoints/step_<N>`` directory
+            to continue from; any layout, the same model (the CLI's ``--resume``).
+        allow_change: with ``resume``, the keys that may differ from the checkpoint's on purpose,
+            e.g. ``["train.lr", "data.path"]`` (the CLI's ``--allow-change``); a data or batch-size
+            change starts the data from its beginning.
+
+    Returns:
+        The run's summary (what summary.json holds): steps, final loss, tokens/s, per-rank
+        memory, checkpoints, start-up phases.
+
+    Raises:
+        ConfigError: an input, a resume or an output directory refused before the first step.
+    """
     from raytrain_hybrid.launch.driver import run
 
-    return run(cfg, resume=resume)
+    return run(cfg, resume=resume, allow_change=allow_change)
 
 
 def plan(cfg: Config, world_size: int, hardware: str = "h100", gpus_per_node: int = 8) -> list[dict]:
     """Every layout of ``world_size`` ranks for ``cfg``'s model and batch, priced by the cost
-    model on a hardware profile (a name such as "h100", or a calibrated JSON file), best first."""
+    model, as ``raytrain-hybrid plan`` does.
+
+    Args:
+        cfg: a config from :func:`load_config` (its model and batch; its layout is ignored).
+        world_size: the number of ranks (GPUs) to lay out.
+        hardware: a profile name ("h100", "h100-96", "a100-80", "a100-40") or a calibrated JSON file.
+        gpus_per_node: GPUs per node (TP groups stay inside one).
+
+    Returns:
+        One dict per layout, best first: its degrees, schedule, micro-batches and ZeRO stage,
+        ``feasible`` and ``reason``, ``memory_bytes``, ``predicted_tokens_per_s``, ``predicted_mfu``.
+    """
     import dataclasses
 
     from raytrain_hybrid.planner.hardware import load_hardware
@@ -84,8 +120,22 @@ def plan(cfg: Config, world_size: int, hardware: str = "h100", gpus_per_node: in
     return search(cfg, world_size, hw)
 
 
-def export(checkpoint: str | Path, out_dir: str | Path) -> Path:
-    """A checkpoint (or a run directory: its newest) as a Hugging Face model directory."""
+def export(checkpoint: str | Path, out_dir: str | Path, merge: bool = False) -> str:
+    """A checkpoint as a Hugging Face model directory, as ``raytrain-hybrid export`` does.
+
+    Args:
+        checkpoint: a ``checkpoints/step_<N>`` directory, or a run directory (its newest).
+        out_dir: a new directory (a local path or a storage URI).
+        merge: of a LoRA run (``lora.rank > 0``): the pretrained model with the adapters merged
+            into its weights, which transformers loads alone (the CLI's ``--merge``); without it, a
+            PEFT adapter directory for ``peft.PeftModel.from_pretrained`` on the base model.
+
+    Returns:
+        Where it was written (``out_dir``, as a string).
+
+    Raises:
+        ConfigError: an unreadable checkpoint, or ``merge`` of a run without LoRA.
+    """
     from raytrain_hybrid.checkpoint.export import export_hf
 
-    return export_hf(checkpoint, out_dir)
+    return export_hf(checkpoint, out_dir, merge=merge)

@@ -125,7 +125,13 @@ def has_credentials(text: str) -> bool:
 class ConfigError(ValueError):
     """A configuration value that cannot work, with the key, the value and what would.
 
-    The message never shows a URI's credentials (see :func:`redact`)."""
+    The message never shows a URI's credentials (see :func:`redact`).
+
+    Args:
+        key: the config key (``parallelism.tp``) or the command-line argument.
+        value: the value given.
+        fix: what is wrong with it and what would work.
+    """
 
     def __init__(self, key: str, value: object, fix: str) -> None:
         self.key, self.value, self.fix = key, value, fix
@@ -133,4 +139,8 @@ class ConfigError(ValueError):
 
 
 class LayoutError(ValueError):
-    """A layout that cannot be placed on the cluster's nodes."""
+    """A layout that cannot be placed on the cluster's nodes.
+
+    Args:
+        message: which group would cross which nodes, and the layouts that would fit.
+    """

@@ -485,3 +485,22 @@ def test_a_checkpoint_from_before_a_new_model_key_still_resumes(saved_run, tmp_p
     (old / "manifest.json").write_text(json.dumps(manifest))
     cfg = load_config(None, [*COMMON, "train.steps=6", f"run.output_dir={tmp_path / 'r'}"])
     assert check_resume(cfg, str(old), ["train.steps"]).step == 4
+
+
+def test_rh_train_allow_change_is_the_clis(saved_run, tmp_path, capsys):
+    """rh.train(..., allow_change=) is `train --allow-change`: without it the change is refused
+    naming the key; with it the resume is accepted and said, and the run goes on to its input
+    check (here a data set that does not exist: refused before Ray starts)."""
+    import raytrain_hybrid as rh
+
+    out, _ = saved_run
+    missing = tmp_path / "nope.parquet"
+    cfg = rh.load_config(
+        None, [*COMMON, "train.steps=6", "train.lr=0.01", f"data.path={missing}", f"run.output_dir={tmp_path / 'r'}"]
+    )
+    with pytest.raises(ConfigError, match="--allow-change train.lr"):
+        rh.train(cfg, resume=str(out), allow_change=["train.steps", "data.path"])
+    with pytest.raises(ConfigError, match="data.path=.*does not exist"):
+        rh.train(cfg, resume=str(out), allow_change=["train.lr", "train.steps", "data.path"])
+    said = capsys.readouterr().out
+    assert "resume: train.lr differs from the checkpoint's (allowed by --allow-change)" in said, said

@@ -302,6 +302,11 @@ def test_resume_export_and_merge(runs, llama, tmp_path, capsys):
     adapter, merged = tmp_path / "adapter", tmp_path / "merged"
     assert cli(["export", str(full), str(adapter)]) == 0
     assert cli(["export", "--merge", str(full), str(merged)]) == 0
+    import raytrain_hybrid as rh  # the public API's export is the CLI's, merge included
+
+    assert rh.export(full, tmp_path / "merged-api", merge=True) == str(tmp_path / "merged-api")
+    for name in ("config.json", "model.safetensors"):
+        assert (tmp_path / "merged-api" / name).read_bytes() == (merged / name).read_bytes(), name
     assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {p.name for p in adapter.iterdir()}
 
     cfg = load_config(None, run)

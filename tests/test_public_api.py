@@ -8,9 +8,38 @@ import raytrain_hybrid as rh
 
 
 def test_public_names_are_documented():
+    """Every public name says what it takes (an ``Args:`` entry per parameter) and, a function,
+    what it gives back (``Returns:``)."""
+    import inspect
+
     for name in rh.__all__:
         obj = getattr(rh, name)
-        assert (obj.__doc__ or "").strip(), f"raytrain_hybrid.{name} has no docstring"
+        doc = inspect.getdoc(obj) or ""
+        assert doc and not doc.startswith(f"{name}("), f"raytrain_hybrid.{name} has no docstring of its own"
+        assert "\nArgs:\n" in doc, f"raytrain_hybrid.{name}: no Args: section"
+        if inspect.isfunction(obj):
+            assert "\nReturns:\n" in doc, f"raytrain_hybrid.{name}: no Returns: section"
+            params = inspect.signature(obj).parameters
+        else:
+            params = {f.name: f for f in getattr(obj, "__dataclass_fields__", {}).values()}
+        args = doc.split("\nArgs:\n", 1)[1]
+        for param in params:
+            assert f"\n    {param}: " in "\n" + args, f"raytrain_hybrid.{name}: Args: does not say {param}"
+
+
+def test_train_and_export_take_what_the_cli_takes():
+    """Each option of `train` and `export` that is not about the terminal or the config file is a
+    parameter of rh.train / rh.export, under the same name."""
+    import argparse
+    import inspect
+
+    from raytrain_hybrid.cli import _parser
+
+    commands = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    cli_only = {"help", "config", "overrides", "address", "verbose"}  # the config is rh.load_config's
+    for command, fn in (("train", rh.train), ("export", rh.export)):
+        options = {a.dest for a in commands[command]._actions} - cli_only
+        assert options and options <= set(inspect.signature(fn).parameters), (command, options)
 
 
 def test_check_places_ranks_and_prices_the_layout():
@@ -41,9 +70,24 @@ def test_plan_ranks_layouts_of_the_world_size():
 
 def test_train_and_export_reach_the_launcher_and_the_exporter(monkeypatch, tmp_path):
     seen = {}
-    monkeypatch.setattr("raytrain_hybrid.launch.driver.run", lambda cfg, resume=None: seen.update(run=resume) or {})
-    monkeypatch.setattr("raytrain_hybrid.checkpoint.export.export_hf", lambda src, out: seen.update(export=src) or out)
+    monkeypatch.setattr(
+        "raytrain_hybrid.launch.driver.run",
+        lambda cfg, resume=None, allow_change=None: seen.update(run=(resume, allow_change)) or {},
+    )
+    monkeypatch.setattr(
+        "raytrain_hybrid.checkpoint.export.export_hf",
+        lambda src, out, merge=False: seen.update(export=(src, merge)) or str(out),
+    )
     cfg = rh.load_config(None, [f"run.output_dir={tmp_path}"])
-    assert rh.train(cfg, resume="runs/x") == {}
-    assert rh.export("runs/x", tmp_path / "hf") == tmp_path / "hf"
-    assert seen == {"run": "runs/x", "export": "runs/x"}
+    assert rh.train(cfg, resume="runs/x", allow_change=["train.lr"]) == {}
+    assert rh.export("runs/x", tmp_path / "hf", merge=True) == str(tmp_path / "hf")
+    assert seen == {"run": ("runs/x", ["train.lr"]), "export": ("runs/x", True)}
+
+
+def test_train_checks_allow_change_before_anything_starts(tmp_path):
+    """allow_change reaches the resume check of `train --allow-change` (before Ray starts, before a
+    checkpoint is read): a key that a resume does not compare is refused as the CLI refuses it."""
+    cfg = rh.load_config(None, [f"run.output_dir={tmp_path / 'run'}", "data.path=memory"])
+    with pytest.raises(rh.ConfigError, match="--allow-change='checkpoint.interval': is not a key a resume compares"):
+        rh.train(cfg, resume=str(tmp_path / "elsewhere"), allow_change=["checkpoint.interval"])
+    assert not (tmp_path / "run").exists()  # a refused run leaves no directory

@@ -56,9 +56,21 @@ def load_config(
     path: str | Path | None = None, overrides: list[str] | None = None, *, unverified: list[str] | None = None
 ) -> Config:
     """Read a TOML file (or the defaults), apply ``--set`` overrides, resolve the defaults that
-    depend on other keys, validate everything. ``unverified`` (a list, for ``check``): what
-    could not be read here (a checkpoint's config.json without a network or credentials) is
-    noted there, and the rest validated, instead of refused."""
+    depend on other keys, validate everything.
+
+    Args:
+        path: a TOML config file; None for the built-in defaults (the tiny 3D-parallel example).
+        overrides: ``KEY=VALUE`` strings, as the CLI's ``--set`` takes them.
+        unverified: a list (for ``check``): what could not be read here (a checkpoint's
+            config.json without a network or credentials) is noted there, and the rest
+            validated, instead of refused.
+
+    Returns:
+        The validated :class:`Config`.
+
+    Raises:
+        ConfigError: every mistake of the file and the overrides at once, each where it was given.
+    """
     data: dict[str, Any] = {}
     text = ""
     if path is not None:

@@ -351,6 +351,22 @@ class RunConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class Config:
+    """A whole run's configuration, one section per table of the TOML file (frozen: what was asked).
+
+    Build one with :func:`raytrain_hybrid.load_config`, which also resolves and validates it; a
+    changed copy with ``dataclasses.replace``. docs/reference/config.md lists every key.
+
+    Args:
+        parallelism: the layout (dp, tp, pp, cp, ep, schedule, micro-batches, ZeRO stage).
+        model: the architecture and its sizes, or a pretrained checkpoint.
+        train: steps, batch, learning rate and its schedule, precision.
+        data: the corpus (Parquet, the shipped one, or in memory), tokenizer, sequence packing.
+        cluster: where the workers run (Ray address, CPUs and GPUs per worker).
+        checkpoint: how often to save, where, how many to keep.
+        run: the output directory, progress, tracking, time limits.
+        lora: low-rank adapters (rank 0: off).
+    """
+
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -43,6 +43,23 @@ class Meshes:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelDims:
+    """The parallel degrees of a layout, checked at construction; one is passed explicitly.
+
+    ``ParallelDims.from_config(cfg.parallelism)`` reads them off a config.
+
+    Args:
+        dp: data-parallel replicas.
+        tp: tensor-parallel ranks (inside one node).
+        pp: pipeline stages.
+        zero: 0 DDP, 1 optimizer state sharded, 2 and 3 FSDP2 (gradients, then parameters sharded).
+        cp: ranks that split one sequence (context parallelism).
+        ep: dp ranks the experts of a mixture of experts are sharded over.
+        replicate: hybrid sharding, dp = replicate x shard.
+
+    Raises:
+        ValueError: a degree below 1, or a ``replicate`` that does not divide dp or comes with zero=0.
+    """
+
     dp: int
     tp: int
     pp: int
