@@ -262,6 +262,17 @@ def test_the_readme_is_short_and_keeps_the_setup_contract():
     assert (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1] == SETUP_TEST
 
 
+def test_the_readme_names_the_schedules_there_are():
+    """The README's features say how many pipeline schedules there are and name each as
+    parallelism.schedule takes it."""
+    from raytrain_hybrid.config.parallelism import SCHEDULES
+
+    line = " ".join(re.search(r"\w+ pipeline schedules \(([^)]*)\)", (ROOT / "README.md").read_text()).group(0).split())
+    count = "two three four five six seven eight nine ten".split().index(line.split()[0]) + 2
+    named = re.search(r"\(([^)]*)\)", line).group(1).split(", ")
+    assert (count, sorted(named)) == (len(SCHEDULES), sorted(SCHEDULES)), line
+
+
 def test_the_status_box_says_what_ran_on_a_gpu():
     """The README says no GPU result is committed exactly while benchmarks/results/ holds none."""
     status = "\n".join(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith(">"))
