@@ -4,6 +4,7 @@ it is named, from the ranks' flight records, by the watch thread of every rank (
 from __future__ import annotations
 
 import json
+import os
 
 from gloo_harness import launch_ranks
 
@@ -70,3 +71,69 @@ def test_run_hang_timeout_s_reports_the_rank_a_step_waits_for(tmp_path):
     assert written["step"] == 2 and written["collectives"], written
     assert all(c["not_arrived"] == [1] and c["arrived"] == [0] for c in written["collectives"]), written
     assert written["said"].startswith("step 2 hangs in gloo:"), written
+
+
+def test_nccl_runs_get_the_flight_recorder_and_ray_trains_hang_detector(tmp_path, monkeypatch):
+    """On NCCL, run.hang_timeout_s sets torch's flight-recorder variables on every worker before the
+    process group is made (by the backend Ray Train calls) and Ray Train's NCCL hang detector on the
+    driver, at the names this Ray reads; gloo runs and runs without the key are left as they were."""
+    from ray.train.torch import TorchConfig
+    from ray.train.torch.config import _TorchBackend
+    from ray.train.v2._internal import constants as ray_train
+    from ray.train.v2._internal.callbacks.nccl_ras import NCCLRASCallback
+
+    from raytrain_hybrid.config import load_config
+    from raytrain_hybrid.engine import hang
+    from raytrain_hybrid.launch.backend import RunTorchConfig, torch_config
+
+    detector_keys = (ray_train.ENABLE_NCCL_HANG_DETECTOR_ENV_VAR, ray_train.NCCL_RAS_CONFIRM_DURATION_S_ENV_VAR)
+    # The driver's environment, as a copy this test may change
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in detector_keys})
+    off = load_config(None, [f"run.output_dir={tmp_path}"])
+    on = load_config(None, ["run.hang_timeout_s=300", f"run.output_dir={tmp_path}"])
+    assert type(torch_config(off, "nccl")) is TorchConfig and type(torch_config(on, "gloo")) is TorchConfig
+    assert not set(detector_keys) & set(os.environ)
+
+    made = torch_config(on, "cpu:gloo,cuda:nccl")
+    assert isinstance(made, RunTorchConfig) and made.backend == "cpu:gloo,cuda:nccl"
+    prefix = hang.nccl_dump_prefix(str(tmp_path))
+    assert made.worker_env == {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_FR_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": prefix,
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
+    }
+    detector = NCCLRASCallback()  # as the trainer makes it from the driver's environment
+    assert detector._confirm_duration_s == 300.0 and detector._action == ray_train.NCCL_RAS_ACTION_OBSERVE
+
+    calls = []
+
+    class Workers:  # Ray Train's worker group, as the backend sees it
+        def execute(self, fn, *args):
+            calls.append(("execute", fn, args))
+
+    monkeypatch.setattr(_TorchBackend, "on_start", lambda self, wg, bc: calls.append(("process group", bc.backend)))
+    made.backend_cls().on_start(Workers(), made)
+    assert [c[0] for c in calls] == ["execute", "process group"], calls
+    assert calls[0][1] is hang.set_env and calls[0][2] == (made.worker_env,)
+
+
+def test_nccl_dumps_on_a_node_are_gathered_into_the_run_directory(tmp_path, monkeypatch):
+    """torch's NCCL dump of a timed-out rank (a file at the prefix the variables name) is copied to
+    hang/nccl/ in the run directory and removed from the node; a variable the user set is kept."""
+    from raytrain_hybrid.engine import hang
+    from raytrain_hybrid.storage import open_store
+
+    local = tmp_path / "node" / "trace_"
+    environ = {k: v for k, v in os.environ.items() if k not in hang.DUMP_PREFIX_VARS}
+    monkeypatch.setattr(os, "environ", {**environ, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(local)})
+    hang.set_env({k: str(tmp_path / "ours" / "x_") for k in hang.DUMP_PREFIX_VARS})
+    assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(local) and local.parent.is_dir()
+    del os.environ["TORCH_FR_DUMP_TEMP_FILE"]
+    for rank in (0, 3):
+        (local.parent / f"trace_{rank}").write_bytes(b"pickled record %d" % rank)
+    store = open_store(str(tmp_path / "run")).child("hang")
+    assert hang.gather_nccl_dumps(store) == ["trace_0", "trace_3"]
+    assert (tmp_path / "run" / "hang" / "nccl" / "trace_3").read_bytes() == b"pickled record 3"
+    assert list(local.parent.iterdir()) == [] and hang.gather_nccl_dumps(store) == []

@@ -326,7 +326,9 @@ class RunConfig:
     profile_steps: list[int] = field(default_factory=list)
     # Hang diagnostics: a step running longer than this many seconds makes every rank write its
     # flight record of collectives to hang/ in run.output_dir, and rank 0 hang/report.json: the
-    # collective some ranks wait in and the ranks that did not arrive. 0: off.
+    # collective some ranks wait in and the ranks that did not arrive. On NCCL also torch's dump
+    # of each rank's record when a collective times out (copied to hang/nccl/) and Ray Train's NCCL
+    # hang detector (stacks under checkpoints/hang_detector/). 0: off.
     hang_timeout_s: float = 0.0
 
     def __post_init__(self) -> None:

@@ -9,41 +9,119 @@ layer: every node's ranks into one place); rank 0 then reads those it finds and 
 ``hang/report.json`` with, per process group, the newest collective some rank entered and the
 ranks whose records stop before it: the ones that did not arrive (a rank stuck elsewhere, or one
 whose record is missing: its process is gone or frozen). No collective is used to find out: the
-group may be the one that hangs."""
+group may be the one that hangs.
+
+On NCCL, torch's process groups also dump their own record when a collective times out
+(``TORCH_NCCL_DUMP_ON_TIMEOUT``, written by the watchdog before it ends the process): those files
+go to a directory on the node's local disk (:func:`nccl_env`, set before the process group is
+made) and are copied to ``hang/nccl/`` in the run directory by the watch thread, or by the next
+start of a worker on that node when the process was gone first (:func:`gather_nccl_dumps`)."""
 
 from __future__ import annotations
 
+import glob
+import hashlib
 import json
 import logging
+import os
+import tempfile
 import threading
 import time
 
 from raytrain_hybrid.storage import Store, open_store
 
 HANG_DIR = "hang"
+NCCL_DUMPS = "nccl"  # hang/nccl/: torch's own NCCL flight-recorder dumps, one file a rank
+FR_ENTRIES = "2000"  # entries of the flight recorder a rank keeps (torch's default)
+# Where torch writes a dump: this prefix followed by the rank (the first name is torch 2.13's, the
+# second the older one it still reads).
+DUMP_PREFIX_VARS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
 log = logging.getLogger(__name__)
+
+
+def nccl_dump_prefix(output_dir: str) -> str:
+    """The local path prefix of this run's NCCL dumps on a node (one directory a run)."""
+    run = hashlib.sha1(output_dir.encode()).hexdigest()[:12]
+    return os.path.join(tempfile.gettempdir(), "raytrain_hybrid_nccl", run, "nccl_trace_rank_")
+
+
+def nccl_env(cfg) -> dict[str, str]:
+    """With run.hang_timeout_s: what a rank's NCCL process groups need, before they are made, to keep
+    a flight record and dump it when a collective times out (to :func:`nccl_dump_prefix`)."""
+    if not cfg.run.hang_timeout_s:
+        return {}
+    prefix = nccl_dump_prefix(cfg.run.output_dir)
+    return {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": FR_ENTRIES,
+        "TORCH_FR_BUFFER_SIZE": FR_ENTRIES,
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        **dict.fromkeys(DUMP_PREFIX_VARS, prefix),
+    }
+
+
+def set_env(env: dict[str, str]) -> None:
+    """Set ``env`` in this process, keeping what the user set; the dump directory made."""
+    for key, value in env.items():
+        os.environ.setdefault(key, value)
+    for key in DUMP_PREFIX_VARS:
+        if key in env:
+            os.makedirs(os.path.dirname(os.environ[key]), exist_ok=True)
+
+
+def ray_hang_detector_env(cfg, backend: str) -> dict[str, str]:
+    """With run.hang_timeout_s on an NCCL run: Ray Train's NCCL hang detector (it polls NCCL's RAS
+    monitor and, on a communicator stalled for the timeout, saves every rank's stack and the RAS
+    report under checkpoints/hang_detector/ of the run directory; it observes, never ends the run)."""
+    if not cfg.run.hang_timeout_s or "nccl" not in backend:
+        return {}
+    return {
+        "RAY_TRAIN_ENABLE_NCCL_HANG_DETECTOR": "1",
+        "RAY_TRAIN_NCCL_RAS_CONFIRM_DURATION_S": str(float(cfg.run.hang_timeout_s)),
+    }
+
+
+def gather_nccl_dumps(store: Store) -> list[str]:
+    """Copy the NCCL dumps on this node (where this process's variables say torch writes them) to
+    ``store``/nccl/, deleting the local copies; the names copied."""
+    prefix = next((os.environ[k] for k in DUMP_PREFIX_VARS if os.environ.get(k)), "")
+    copied = []
+    for path in sorted(glob.glob(glob.escape(prefix) + "*")) if prefix else []:
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+            store.child(NCCL_DUMPS, os.path.basename(path)).write_bytes(data)
+            os.unlink(path)
+            copied.append(os.path.basename(path))
+        except OSError as exc:  # a dump still being written, or gone: the next look takes it
+            log.warning("could not copy the NCCL dump %s: %s", path, exc)
+    return copied
 
 
 def start(cfg) -> HangWatch | None:
     """run.hang_timeout_s: the flight recorder on (torch's default, unless the environment turned
     it off) and this rank's watch thread; None when off."""
-    import os
-
     import torch.distributed as dist
 
     if not cfg.run.hang_timeout_s:
         return None
-    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", FR_ENTRIES)
     rank, world = dist.get_rank(), dist.get_world_size()
     store = open_store(cfg.run.output_dir).child(HANG_DIR)
+    gather_nccl_dumps(store)  # left on this node by a process that timed out before a restart
     return HangWatch(store, rank, world, cfg.run.hang_timeout_s)
 
 
 def flight_record() -> dict:
-    """This rank's flight-recorder entries (empty when the recorder is off)."""
-    from torch._C._distributed_c10d import _dump_fr_trace_json
+    """This rank's flight-recorder entries (empty when the recorder is off): gloo's, and on a CUDA
+    build NCCL's, which torch keeps in a recorder of its own."""
+    import torch._C._distributed_c10d as c10d
 
-    return json.loads(_dump_fr_trace_json(True, True))
+    record = json.loads(c10d._dump_fr_trace_json(True, True))
+    if hasattr(c10d, "_dump_nccl_trace_json"):
+        nccl = json.loads(c10d._dump_nccl_trace_json(True, True))
+        record.setdefault("entries", []).extend(nccl.get("entries", []))
+        record.setdefault("pg_config", {}).update(nccl.get("pg_config", {}))
+    return record
 
 
 def not_arrived(records: dict[int, dict], world: int) -> list[dict]:
@@ -123,6 +201,8 @@ class HangWatch:
 
     def _watch(self) -> None:
         while not self._stop.wait(min(1.0, self.timeout_s / 4)):
+            if self.reported:  # after a hang: NCCL's own dump, should its timeout come too
+                gather_nccl_dumps(self.store)
             step = self.step
             if step is None or step in self.reported or time.monotonic() - self.started < self.timeout_s:
                 continue

@@ -187,7 +187,8 @@ def make_trainer(plan: StartPlan, *, sink, tracking=None):
     """The run's TorchTrainer, with its Ray Datasets (unless data.path is "memory"), as planned."""
     use_train_v2()  # before the driver first imports ray.train (below, and data.ray_data in build_datasets)
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig
+
+    from raytrain_hybrid.launch.backend import torch_config  # imports ray.train: after use_train_v2
 
     cfg, use_gpu, point, layout_hw = plan.cfg, plan.use_gpu, plan.point, plan.layout_hw
     data_env = reader_env(cfg)
@@ -212,7 +213,7 @@ def make_trainer(plan: StartPlan, *, sink, tracking=None):
             # Models registered from Python (models.custom): each worker registers them again.
             "registered_models": registered(),
         },
-        torch_config=TorchConfig(backend=backend),
+        torch_config=torch_config(cfg, backend),  # with run.hang_timeout_s, NCCL's flight recorder
         **build_datasets(cfg, data_env),
         scaling_config=ScalingConfig(
             **scaling_workers(cfg),  # a range of whole replicas for an elastic run (launch.elastic)

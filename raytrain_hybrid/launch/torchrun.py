@@ -23,6 +23,7 @@ import uuid
 from raytrain_hybrid.checkpoint.manifest import MANIFEST, read_manifest, step_dirs
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.config.elastic import is_elastic
+from raytrain_hybrid.engine.hang import nccl_env, set_env
 from raytrain_hybrid.errors import ConfigError, LayoutError, redact
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
@@ -71,6 +72,8 @@ def _join(cfg: Config) -> bool:
     backend = cfg.cluster.backend if cfg.cluster.backend != "auto" else ("nccl" if use_gpu else "gloo")
     if use_gpu:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+    if "nccl" in backend:
+        set_env(nccl_env(cfg))  # run.hang_timeout_s: NCCL's flight recorder, before the group is made
     dist.init_process_group(backend)
     return use_gpu
 
