@@ -65,6 +65,7 @@ def _rank(rank: int, world: int, port: int, overrides: list[str], env: dict, que
     import torch.distributed as dist
 
     from raytrain_hybrid.config import load_config
+    from raytrain_hybrid.engine.plan import WorkerIO, WorkerPlan
     from raytrain_hybrid.engine.worker import run_worker
 
     os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -72,9 +73,8 @@ def _rank(rank: int, world: int, port: int, overrides: list[str], env: dict, que
     dist.init_process_group("gloo", rank=rank, world_size=world)
     ends: list[float] = []  # rank 0: wall clock at the end of each step
     cfg = load_config(None, overrides)
-    result = run_worker(
-        cfg, "node0", on_step=lambda m: ends.append(time.perf_counter()), launch_id=os.path.basename(cfg.run.output_dir)
-    )
+    plan = WorkerPlan(cfg, launch_id=os.path.basename(cfg.run.output_dir))
+    result = run_worker(plan, "node0", WorkerIO(on_step=lambda m: ends.append(time.perf_counter())))
     if rank == 0:
         queue.put({"history": result["history"], "ends": ends, "returned": time.perf_counter()})
     dist.barrier()

@@ -100,6 +100,7 @@ def _median_after(times: list[float], warmup: int) -> float:
 
 def engine_case(args, shape: str, variant: str, world: int, device: torch.device) -> dict:
     from raytrain_hybrid.config import load_config
+    from raytrain_hybrid.engine.plan import WorkerIO, WorkerPlan
     from raytrain_hybrid.engine.worker import run_worker
 
     cfg = load_config(None, [*overrides(shape, world, args.steps, args.dtype), *variants(device)[variant]])
@@ -107,7 +108,7 @@ def engine_case(args, shape: str, variant: str, world: int, device: torch.device
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    result = run_worker(cfg, "node0", use_gpu=device.type == "cuda", device=device)
+    result = run_worker(WorkerPlan(cfg, use_gpu=device.type == "cuda"), "node0", WorkerIO(device=device))
     history, memory = result["history"], result["memory"]
     step_s = _median_after([h["step_time_s"] for h in history], args.warmup)
     states = max(m["param_bytes"] + m["grad_bytes"] + m["optimizer_bytes"] for m in memory)

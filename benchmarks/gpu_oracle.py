@@ -83,6 +83,7 @@ def engine_run(overrides: list[str], device: torch.device) -> dict:
     from gloo_harness import Probe
 
     from raytrain_hybrid.config import load_config
+    from raytrain_hybrid.engine.plan import WorkerIO, WorkerPlan
     from raytrain_hybrid.engine.trainer import Trainer
     from raytrain_hybrid.engine.worker import run_worker
 
@@ -90,7 +91,8 @@ def engine_run(overrides: list[str], device: torch.device) -> dict:
     probe = Probe()
     probe.install()
     try:
-        result = run_worker(load_config(None, overrides), "node0", use_gpu=device.type == "cuda", device=device)
+        plan = WorkerPlan(load_config(None, overrides), use_gpu=device.type == "cuda")
+        result = run_worker(plan, "node0", WorkerIO(device=device))
         result["probe"] = probe.report()
     finally:
         Trainer.__init__ = init

@@ -178,9 +178,9 @@ def _check(args, cfg, unverified: list[str] | None = None) -> int:
         for line in said:
             _say(args)(line)
         start = {"line": plan.lines()[0], **plan.facts()}
-        print(
-            json.dumps({"ranks": ranks, "groups": groups, "dp_values": usable_dps(asked.parallelism), "start": start})
-        )
+        dps = usable_dps(asked.parallelism)
+        # "plan": the whole RunPlan train would run (launch.start.RunPlan.to_json)
+        print(json.dumps({"ranks": ranks, "groups": groups, "dp_values": dps, "start": start, "plan": plan.to_json()}))
         return 0
     cp = f" cp={par.cp}" if par.cp > 1 else ""
     cp += f" ep={par.ep}" if par.ep > 1 else ""  # expert parallelism: experts over ep of the dp replicas
@@ -205,6 +205,7 @@ def _check(args, cfg, unverified: list[str] | None = None) -> int:
     if par.ep > 1:  # each dp group's ep consecutive replicas share out the experts
         print(f"ep groups: {[g[i : i + par.ep] for g in groups['dp'] for i in range(0, len(g), par.ep)]}")
     print(redact("\n".join([*said, *plan.lines(), f"lease: {plan.lease}"])))  # as the driver says them
+    print(redact("\n".join(plan.detail_lines())))  # the rest of the plan train runs
     if args.hardware:
         from raytrain_hybrid.planner.hardware import load_hardware
         from raytrain_hybrid.planner.search import describe

@@ -222,6 +222,7 @@ def _rank(rank: int, world: int, port: int, job: dict, queue) -> None:
         dist.init_process_group("gloo", rank=rank, world_size=world, store=store)
         install(job.get("fault"), job["trial"], rank)
         from raytrain_hybrid.config import load_config
+        from raytrain_hybrid.engine.plan import WorkerIO, WorkerPlan
         from raytrain_hybrid.engine.worker import run_worker
 
         saves: list[dict] = []
@@ -230,9 +231,9 @@ def _rank(rank: int, world: int, port: int, job: dict, queue) -> None:
             saves.append({"step": step, **{k: metrics[k] for k in ("write_s", "save_s", "blocked_s")}})
 
         point = job["point"]
-        result = run_worker(load_config(None, job["overrides"]), node_id="node0", resume=point["path"],
-                            launch_id=job["launch_id"], on_checkpoint=saved, data_origin=point["data_origin"],
-                            trajectory=point["trajectory"])  # fmt: skip
+        plan = WorkerPlan(load_config(None, job["overrides"]), resume=point["path"], launch_id=job["launch_id"],
+                          data_origin=point["data_origin"], trajectory=point["trajectory"])  # fmt: skip
+        result = run_worker(plan, "node0", WorkerIO(on_checkpoint=saved))
         status = ("ok", rank, {"history": [[h["step"], h["loss"]] for h in result["history"]], "saves": saves})
         dist.barrier()
         dist.destroy_process_group()

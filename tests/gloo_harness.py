@@ -225,12 +225,13 @@ def _run_job(rank: int, world: int, job: dict) -> dict:
         _build_only(cfg)
         result = {}
     else:
+        from raytrain_hybrid.engine.plan import WorkerPlan
         from raytrain_hybrid.engine.worker import run_worker
 
         # Fake node ids: with nodes > 1, ranks alternate between nodes (an order Ray never
         # hands out), so the mesh must be rearranged to keep TP groups on one node.
         nodes = job.get("nodes", 1)
-        result = run_worker(cfg, node_id=f"node{rank % nodes}", resume=job.get("resume"))
+        result = run_worker(WorkerPlan(cfg, resume=job.get("resume")), f"node{rank % nodes}")
     result["probe"] = probe.report(final=not job.get("init_only"))
     return result
 
@@ -327,6 +328,7 @@ def _run_jobs(rank: int, world: int, jobs: dict) -> dict:
     one launch of ``world`` processes instead of one per job (their start-up, the group's, and
     the first import of the data path's modules are most of a small run's time)."""
     from raytrain_hybrid.config import load_config
+    from raytrain_hybrid.engine.plan import WorkerIO, WorkerPlan
     from raytrain_hybrid.engine.trainer import Trainer
     from raytrain_hybrid.engine.worker import run_worker
 
@@ -353,7 +355,7 @@ def _run_jobs(rank: int, world: int, jobs: dict) -> dict:
                 from raytrain_hybrid.planner.hardware import Hardware
 
                 cfg, said = group_layout(cfg, node_id, Hardware(**job["auto_hardware"]))
-            result = run_worker(cfg, node_id=node_id, resume=job.get("resume"), notice=notice)
+            result = run_worker(WorkerPlan(cfg, resume=job.get("resume")), node_id, WorkerIO(notice=notice))
         finally:
             Trainer.__init__ = init  # the next job's probe, not this one's too
         out[name] = {**result, "probe": probe.report(), "said": said}

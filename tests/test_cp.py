@@ -161,12 +161,12 @@ def test_start_line_says_where_cp_groups_run():
     from types import SimpleNamespace
 
     from raytrain_hybrid.config import load_config
-    from raytrain_hybrid.launch.start import StartPlan
+    from raytrain_hybrid.launch.start import RunPlan
 
     cfg = load_config(None, ["parallelism.dp=1", "parallelism.cp=2", "parallelism.tp=2", "model.seq_len=32"])
     lines = {}
     for nodes in ([4, 4], [2, 2, 2, 2]):
-        plan = StartPlan(
+        plan = RunPlan(
             cfg=cfg,
             point=SimpleNamespace(path=None, step=0),
             reach=None,

@@ -47,6 +47,7 @@ def _stuck_run(rank: int, world: int, out: str) -> dict | None:
     import time
 
     from raytrain_hybrid.config import load_config
+    from raytrain_hybrid.engine.plan import WorkerPlan
     from raytrain_hybrid.engine.trainer import Trainer
     from raytrain_hybrid.engine.worker import run_worker
 
@@ -60,7 +61,7 @@ def _stuck_run(rank: int, world: int, out: str) -> dict | None:
     Trainer.train_step = slow
     sets = ["train.steps=2", "model.num_layers=2", "train.global_batch_size=4", "model.seq_len=32"]
     layout = ["parallelism.dp=2", "parallelism.tp=1", "parallelism.pp=1", "parallelism.microbatches=1"]
-    run_worker(load_config(None, [*sets, *layout, "run.hang_timeout_s=1", f"run.output_dir={out}"]), node_id="n")
+    run_worker(WorkerPlan(load_config(None, [*sets, *layout, "run.hang_timeout_s=1", f"run.output_dir={out}"])), "n")
     return None
 
 

@@ -191,11 +191,11 @@ def test_start_line_and_summary_name_ep():
     """The start line and summary.json's layout name ep, as check's layout line does."""
     from types import SimpleNamespace
 
-    from raytrain_hybrid.launch.start import StartPlan
+    from raytrain_hybrid.launch.start import RunPlan
     from raytrain_hybrid.launch.summary import summarize
 
     cfg = load_config("examples/moe_cpu.toml")
-    plan = StartPlan(
+    plan = RunPlan(
         cfg=cfg,
         point=SimpleNamespace(path=None, step=0),
         reach=None,

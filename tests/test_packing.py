@@ -248,6 +248,7 @@ def _run_jobs(rank: int, world: int, jobs: dict) -> dict:
     from gloo_harness import Probe
 
     from raytrain_hybrid.data.examples import TableIterator
+    from raytrain_hybrid.engine.plan import WorkerIO, WorkerPlan
     from raytrain_hybrid.engine.trainer import Trainer
     from raytrain_hybrid.engine.worker import run_worker
 
@@ -257,7 +258,8 @@ def _run_jobs(rank: int, world: int, jobs: dict) -> dict:
         probe.install()
         try:
             cfg = load_config(None, overrides)
-            result = run_worker(cfg, node_id="node0", dataset_fn=functools.partial(TableIterator, cfg) if fed else None)
+            feed = WorkerIO(dataset_fn=functools.partial(TableIterator, cfg) if fed else None)
+            result = run_worker(WorkerPlan(cfg), "node0", feed)
         finally:
             Trainer.__init__ = init
         out[name] = {**result, "probe": probe.report()}

@@ -1,4 +1,4 @@
-"""`check` prints the start plan `train`'s driver makes (launch.start.derive_plan), without starting
+"""`check` prints the run plan `train`'s driver makes (launch.start.derive_plan), without starting
 anything: the same start line, the output directory's lease as it stands (read, never taken),
 and with --resume the driver's own resume check, refusing what `train --resume` refuses. No Ray:
 the nodes come from --topology, and the driver's plan is made for the same nodes.
@@ -70,14 +70,48 @@ def test_check_prints_the_drivers_start_line(sets, topology, line, tmp_path, cap
     assert "lease: free" in text.splitlines() and not out.exists()
     if "parallelism.min_dp=1" in sets:  # the driver's elastic line, as it says it
         assert any(s.startswith("elastic: dp between 1 and 4, at one of [1, 2, 3, 4]") for s in text.splitlines())
+    checked = json.loads(_check(capsys, out, sets, "--topology", topology, "--json")[1])["plan"]
     # The driver's plan for nodes holding those workers: Ray's totals of each node, a GPU a worker.
     nodes = [{"CPU": float(n), "GPU": float(n)} for n in map(int, topology.split(","))]
-    cfg, point = start.prepare_run_dir(load_config(None, [*sets, f"run.output_dir={out}"]), None)
+    asked = load_config(None, [*sets, f"run.output_dir={out}"])
+    cfg, point = start.prepare_run_dir(asked, None)
     monkeypatch.setattr(start, "open_session", lambda cfg, marks, say: (cfg, Reach(nodes), None))
     said: list[str] = []
-    plan = start.plan_start(cfg, point, {}, said.append)
+    plan = start.plan_start(cfg, point, {}, said.append, asked=asked)
     assert plan.lines() == [shown] and out.is_dir()  # the driver's start made the output directory
     assert all(line in text.splitlines() for line in said)  # and check printed what else it said
+    # check --json's plan is the one train runs, but for what only a run has: its lease, taken, and the
+    # trajectory its checkpoints record (check reads no data to digest it).
+    ran = json.loads(json.dumps(plan.to_json()))
+    assert (checked.pop("lease"), ran.pop("lease")) == ("free", "held by this run")
+    assert checked["worker_plan"].pop("trajectory") == {} and ran["worker_plan"].pop("trajectory")
+    assert checked == ran
+    assert ran["worker_plan"]["cfg"] == cfg.to_dict() and asked.run.output_dir == str(out)
+
+
+def test_train_hands_every_worker_the_plan_read_only(tmp_path, monkeypatch):
+    """The TorchTrainer's train_loop_config is the plan as workers get it (frozen), the driver's
+    event queue and tracker run beside it: no other key."""
+    import dataclasses
+
+    from raytrain_hybrid.launch import driver, start
+
+    asked = load_config(None, [*ONE_NODE, "checkpoint.interval=2", f"run.output_dir={tmp_path / 'run'}"])
+    cfg, point = start.prepare_run_dir(asked, None)
+    monkeypatch.setattr(start, "open_session", lambda cfg, marks, say: (cfg, Reach([{"CPU": 8.0}]), None))
+    plan = start.plan_start(cfg, point, {}, lambda line: None, asked=asked)
+    got = {}
+    monkeypatch.setattr(driver, "make_torch_trainer", lambda cfg, **kw: got.update(kw))
+    driver.make_trainer(plan, sink="queue")
+    loop = got["train_loop_config"]
+    assert set(loop) == {"plan", "sink", "tracking"} and loop["sink"] == "queue" and loop["tracking"] is None
+    given = loop["plan"]
+    assert given == plan.for_workers() and given.cfg is plan.cfg and given.launch_id == plan.launch_id
+    assert (given.use_gpu, given.end, given.resume, given.data_origin) == (False, 20, None, 0)
+    assert given.trajectory == point.trajectory and given.cfg.run.output_dir == str(tmp_path / "run")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        given.resume = "elsewhere"
+    assert got["scaling_config"].num_workers == 8 and got["scaling_config"].resources_per_worker == plan.resources
 
 
 def test_check_json_keeps_its_keys_and_adds_the_start(tmp_path, capsys):
@@ -85,7 +119,7 @@ def test_check_json_keeps_its_keys_and_adds_the_start(tmp_path, capsys):
     code, text, err = _check(capsys, out, ELASTIC, "--topology", "8", "--json")
     assert code == 0, err
     got = json.loads(text)
-    assert set(got) == {"ranks", "groups", "dp_values", "start"} and got["dp_values"] == [1, 2, 3, 4]
+    assert set(got) == {"ranks", "groups", "dp_values", "start", "plan"} and got["dp_values"] == [1, 2, 3, 4]
     assert len(got["ranks"]) == 8 and got["groups"]["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     start = got["start"]
     assert start["line"] == _start_line(_check(capsys, out, ELASTIC, "--topology", "8")[1])  # the text's line
@@ -93,6 +127,12 @@ def test_check_json_keeps_its_keys_and_adds_the_start(tmp_path, capsys):
     assert start["resources"] == {"CPU": 1.0, "GPU": 1} and start["placement"] == [8] and start["steps"] == 20
     assert (start["output"], start["output_store"], start["lease"]) == (str(out), "this node's disk", "free")
     assert start["resume"] is None and start["live_nodes"] == 1 and not out.exists()
+    plan = got["plan"]  # the whole RunPlan: the start's facts, and what each worker is given
+    assert {k: plan[k] for k in start if k != "line"} == {k: v for k, v in start.items() if k != "line"}
+    assert plan["unverified"] == [] and plan["resolved"] == {}  # run.output_dir given absolute, data in memory
+    worker = plan["worker_plan"]
+    assert worker["cfg"]["parallelism"]["min_dp"] == 1 and worker["cfg"]["run"]["output_dir"] == str(out)
+    assert (worker["end"], worker["resume"], worker["use_gpu"], worker["layout_hardware"]) == (20, None, True, None)
     # On two nodes, a directory on this node's disk is what train refuses: said, not refused.
     code, text, err = _check(capsys, out, (*FIXED, "run.shared_fs=false"), "--topology", "4,4")
     assert code == 0 and "(this node's disk); from step 0" in _start_line(text)

@@ -32,6 +32,7 @@ from raytrain_hybrid.engine.evaluation import ValidationSet, evaluate
 from raytrain_hybrid.engine.feed import ReplicaFeed
 from raytrain_hybrid.engine.hang import HangWatch
 from raytrain_hybrid.engine.hang import start as watch_hangs
+from raytrain_hybrid.engine.plan import WorkerIO, WorkerPlan
 from raytrain_hybrid.engine.profile import StepProfiler
 from raytrain_hybrid.engine.trainer import Trainer
 from raytrain_hybrid.storage import Store
@@ -55,68 +56,26 @@ def pick_device(use_gpu: bool) -> torch.device:
     return torch.device("cpu")
 
 
-def run_worker(
-    cfg: Config,
-    node_id: str,
-    *,
-    use_gpu: bool = False,
-    on_step: Callable[[dict], None] | None = None,
-    device: torch.device | None = None,
-    dataset_fn: Callable[[], object] | None = None,
-    val_fn: Callable[[], object] | None = None,
-    resume: str | None = None,
-    launch_id: str = "",
-    on_checkpoint: Callable[[int, Store, dict], None] | None = None,
-    marks: dict | None = None,
-    notice: Callable[[], bool] | None = None,
-    on_notice: Callable[[int, bool | None], None] | None = None,
-    end: int | None = None,
-    data_origin: int | None = None,
-    trajectory: dict | None = None,
-    predicted_memory: dict | None = None,
-) -> dict:
-    """Train up to ``cfg.train.steps`` steps; returns per-step metrics and this rank's memory stats.
-
-    ``dataset_fn`` returns this rank's Ray Data iterator (called by replica leaders only);
-    without it the input is the shipped corpus, windowed in memory (engine tests without Ray),
-    or for classifiers the shipped rows. ``val_fn``, likewise, the validation rows' iterator
-    (classifiers evaluate every ``train.eval_interval`` steps and after the last: step ``end``
-    when the driver knows that data.epochs end the data there, before ``train.steps``
-    (launch.inputs.steps_to_train), or the data in memory does).
-    ``resume`` is a verified checkpoint directory to continue from (model, optimizer, LR
-    schedule, RNG, data position); with ``checkpoint.interval`` the run saves its own, and
-    ``on_checkpoint(steps_done, directory, metrics)`` runs on every rank, at the same step
-    boundary, once a save is complete (a background save: a step or more after it started;
-    ``metrics`` are those of the step it saved, with the save's timings).
-    ``data_origin``: the step at which this run's data began (0; a resume that starts a new
-    data set from its beginning: the step it resumed at), so the stream skips the steps since
-    then; None: the resumed checkpoint's own. ``trajectory``: what the driver recorded of the
-    run's trajectory (checkpoint.trajectory), written into every manifest.
-    ``predicted_memory``: the planner's bytes for the fullest rank, written beside the memory
-    snapshots of run.profile_steps (engine.profile) on CUDA.
-    ``marks`` collects the wall-clock times and process CPU of the start-up phases (:func:`mark`;
-    rank 0's are reported).
-    ``notice()``: whether this rank has heard that a node of the group is about to go (a
-    preemption); read before every step. At the first step any rank heard of one, every rank
-    calls ``on_notice(steps_done, None)``, saves a checkpoint at the step's end and waits for
-    it (the last chance), calls ``on_notice(steps_done, saved)`` and trains on until the group
-    is stopped.
-    """
-    marks = marks if marks is not None else {}
+def run_worker(plan: WorkerPlan, node_id: str, io: WorkerIO | None = None) -> dict:
+    """Train ``plan``'s run up to ``train.steps`` steps (or ``plan.end``) on this rank of the
+    process group; returns per-step metrics and this rank's memory stats. ``io``: where the input
+    comes from and whom the worker tells (:class:`WorkerIO`)."""
+    io = io or WorkerIO()
+    cfg, use_gpu, resume, marks = plan.cfg, plan.use_gpu, plan.resume, io.marks
     # An elastic run (parallelism.min_dp) starts at the dp its workers make: the same steps,
     # each replica accumulating more or fewer micro-batches (config.elastic).
     cfg = at_world(cfg, dist.get_world_size())
     hang = watch_hangs(cfg)  # run.hang_timeout_s: on before any collective of ours
-    dims, mesh, device = join_mesh(cfg, node_id, use_gpu, device, marks)
+    dims, mesh, device = join_mesh(cfg, node_id, use_gpu, io.device, marks)
     manifest = read_manifest(resume) if resume else {}
     start = manifest.get("step", 0)
-    origin = manifest.get("data_origin", 0) if data_origin is None else data_origin
+    origin = manifest.get("data_origin", 0) if plan.data_origin is None else plan.data_origin
     # Where the skipped stream must stand: the checkpoint's own position, if its data goes on.
     expect = manifest.get("data_position") if origin == manifest.get("data_origin", 0) else None
     feed = None
-    if dataset_fn is not None:  # before the model: the reader starts while the model builds
+    if io.dataset_fn is not None:  # before the model: the reader starts while the model builds
         dp_rank = mesh.dp.get_local_rank()
-        feed = ReplicaFeed(cfg, mesh, dims, dp_rank, dataset_fn, skip_steps=start - origin, expect=expect)
+        feed = ReplicaFeed(cfg, mesh, dims, dp_rank, io.dataset_fn, skip_steps=start - origin, expect=expect)
     mark(marks, "mesh_built")
     trainer = Trainer(cfg, dims, mesh, device)
     mark(marks, "model_built")
@@ -128,24 +87,24 @@ def run_worker(
         marks["compile_cache_loaded"] = compile_cache.load()
     # The data in memory knows where its passes (data.epochs) end; Ray Data's streams tell the driver.
     next_batch, data_end = in_memory_batches(cfg, trainer) if feed is None else ((lambda step: feed.next()), None)
-    end = min(end or cfg.train.steps, data_end or cfg.train.steps)
+    end = min(plan.end or cfg.train.steps, data_end or cfg.train.steps)
     validation = None
     if trainer.spec.task != "lm":
-        validation = ValidationSet.open(cfg, mesh, val_fn=val_fn, in_memory=feed is None)
+        validation = ValidationSet.open(cfg, mesh, val_fn=io.val_fn, in_memory=feed is None)
     loop = StepLoop(
         cfg,
         trainer,
         next_batch,
         position=(lambda: feed.position) if feed is not None else (lambda: None),
         validation=validation,
-        on_step=on_step if dist.get_rank() == 0 else None,
-        on_checkpoint=on_checkpoint,
-        writer=CheckpointWriter(cfg, launch_id, trajectory, origin) if cfg.checkpoint.interval else None,
+        on_step=io.on_step if dist.get_rank() == 0 else None,
+        on_checkpoint=io.on_checkpoint,
+        writer=CheckpointWriter(cfg, plan.launch_id, plan.trajectory, origin) if cfg.checkpoint.interval else None,
         marks=marks,
-        notice=notice,
-        on_notice=on_notice,
+        notice=io.notice,
+        on_notice=io.on_notice,
         end=end,
-        profiler=StepProfiler.open(cfg, trainer, start, predicted_memory),
+        profiler=StepProfiler.open(cfg, trainer, start, io.predicted_memory),
         compile_cache=compile_cache,
         hang=hang,
     )

@@ -8,7 +8,6 @@ can draw a progress bar and write ``metrics.jsonl`` while the run goes on.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import json
 import os
@@ -16,7 +15,6 @@ import signal
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -27,17 +25,16 @@ from raytrain_hybrid.errors import redact
 from raytrain_hybrid.launch.autoscale import POLL_S, ScalerProbe, StartupTimeout, StartupWatchdog
 from raytrain_hybrid.launch.elastic import make_torch_trainer, scaling_workers
 from raytrain_hybrid.launch.entry import train_loop_per_worker
-from raytrain_hybrid.launch.inputs import build_datasets, reader_env
+from raytrain_hybrid.launch.inputs import build_datasets
 from raytrain_hybrid.launch.lease import LeaseLost, acquire
 from raytrain_hybrid.launch.preflight import waiting_for
 from raytrain_hybrid.launch.progress import RunLog
 from raytrain_hybrid.launch.rundir import RunDir
 from raytrain_hybrid.launch.session import use_train_v2
-from raytrain_hybrid.launch.start import ResumePoint, StartPlan, check_before_ray, plan_start, prepare_run_dir
+from raytrain_hybrid.launch.start import ResumePoint, RunPlan, check_before_ray, plan_start, prepare_run_dir
 from raytrain_hybrid.launch.summary import startup_breakdown, startup_cpu, summarize
 from raytrain_hybrid.launch.tracking import TrackedRun, check_tracking
 from raytrain_hybrid.launch.waiting import Waiting
-from raytrain_hybrid.models.custom import registered
 from raytrain_hybrid.storage import open_store
 from raytrain_hybrid.storage.nofollow import write_new
 
@@ -58,6 +55,7 @@ def run(
     ``allow_change``: trajectory keys a resume may change on purpose (checkpoint.trajectory).
     """
     marks = {"launched": time.time()}
+    asked = cfg  # as loaded: the plan resolves the rest (launch.start.RunPlan)
     check_tracking(cfg)  # run.tracking's package, before Ray starts
     use_train_v2()  # refused before Ray starts when a user turned Ray Train V2 off
     said: list[str] = []  # what is printed before the run (RunLog does not repeat it)
@@ -78,7 +76,8 @@ def run(
         lease.start_renewing()
         # What can be refused without Ray is refused before its start (seconds), as `check` refuses it.
         cfg, input_whole = check_before_ray(cfg, say)
-        return _run_leased(cfg, point, marks, say, said, stream, driver_log, input_whole, lease.held)
+        plan = functools.partial(plan_start, cfg, point, marks, say, input_whole=input_whole, asked=asked)
+        return _run_leased(plan, point, marks, say, said, stream, driver_log, lease.held)
     finally:
         lease.release()
         if fresh and out.local:  # a run refused after the lease leaves no empty directory behind
@@ -87,22 +86,15 @@ def run(
 
 
 def _run_leased(
-    cfg: Config,
-    point: ResumePoint,
-    marks: dict,
-    say,
-    said: list[str],
-    stream,
-    driver_log,
-    input_whole: bool,
-    held=lambda: True,
+    make_plan, point: ResumePoint, marks: dict, say, said: list[str], stream, driver_log, held=lambda: True
 ) -> dict:
     """The run, once its checks passed and it holds run.output_dir's lease (``held``: whether it
-    still does; a run that lost it to another run writes nothing more there)."""
+    still does; a run that lost it to another run writes nothing more there). ``make_plan()``:
+    joins Ray and makes the run's plan (launch.start.plan_start)."""
     import ray
     from ray.util.queue import Queue
 
-    plan = plan_start(cfg, point, marks, say, input_whole=input_whole)
+    plan = make_plan()
     cfg = plan.cfg
     for line in plan.lines():
         say(line)
@@ -183,38 +175,23 @@ def sink_options() -> dict:
     return {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=False)}
 
 
-def make_trainer(plan: StartPlan, *, sink, tracking=None):
+def make_trainer(plan: RunPlan, *, sink, tracking=None):
     """The run's TorchTrainer, with its Ray Datasets (unless data.path is "memory"), as planned."""
     use_train_v2()  # before the driver first imports ray.train (below, and data.ray_data in build_datasets)
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 
     from raytrain_hybrid.launch.backend import torch_config  # imports ray.train: after use_train_v2
 
-    cfg, use_gpu, point, layout_hw = plan.cfg, plan.use_gpu, plan.point, plan.layout_hw
-    data_env = reader_env(cfg)
+    cfg, use_gpu = plan.cfg, plan.use_gpu
     backend = cfg.cluster.backend if cfg.cluster.backend != "auto" else ("nccl" if use_gpu else "gloo")
     return make_torch_trainer(
         cfg,
         train_loop_per_worker=train_loop_per_worker,
-        train_loop_config={
-            "config": cfg.to_dict(),
-            "sink": sink,
-            "use_gpu": use_gpu,
-            "resume": point.path,
-            "launch_id": uuid.uuid4().hex,
-            "end": plan.end,  # the steps the run trains (launch.inputs.steps_to_train)
-            # The trajectory every manifest records, and the step this run's data began at.
-            "trajectory": point.trajectory,
-            "data_origin": point.data_origin,
-            "data_env": data_env,
-            "tracking": tracking,  # rank 0's tracker run (launch.tracking.TrackerRun), or None
-            # An elastic run with layout=auto: the profile each start's pick is priced on.
-            "layout_hardware": dataclasses.asdict(layout_hw) if layout_hw and is_elastic(cfg.parallelism) else None,
-            # Models registered from Python (models.custom): each worker registers them again.
-            "registered_models": registered(),
-        },
+        # The plan as every worker gets it (engine.plan.WorkerPlan, read-only), and the run's two
+        # live handles: the driver's event queue and rank 0's tracker run (launch.tracking.TrackerRun).
+        train_loop_config={"plan": plan.for_workers(), "sink": sink, "tracking": tracking},
         torch_config=torch_config(cfg, backend),  # with run.hang_timeout_s, NCCL's flight recorder
-        **build_datasets(cfg, data_env),
+        **build_datasets(cfg, plan.data_env),
         scaling_config=ScalingConfig(
             **scaling_workers(cfg),  # a range of whole replicas for an elastic run (launch.elastic)
             use_gpu=use_gpu,

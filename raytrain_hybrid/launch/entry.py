@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import posixpath
 import time
@@ -16,7 +17,9 @@ from raytrain_hybrid.storage import open_store
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
-    """Runs on every Ray Train worker (the process group is already initialised)."""
+    """Runs on every Ray Train worker (the process group is already initialised). ``loop_config``:
+    ``plan``, the run's WorkerPlan (engine.plan), read-only; ``sink``, the driver's event queue;
+    ``tracking``, rank 0's tracker run (launch.tracking.TrackerRun) or None."""
     entered, entered_cpu = time.time(), time.process_time()  # CPU so far: Ray's (process, imports, group)
     import ray
     import ray.train
@@ -24,10 +27,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
     from raytrain_hybrid.models.custom import restore
 
-    restore(loop_config.get("registered_models"))  # before the config names their model_type
-    cfg = Config.from_dict(loop_config["config"])
-    os.environ.update(loop_config.get("data_env", {}))  # before this worker's Ray Data executor starts
+    plan = loop_config["plan"]
+    restore(plan.registered_models)  # before the config's model_type is looked up
+    cfg = plan.cfg
+    os.environ.update(plan.data_env)  # before this worker's Ray Data executor starts
     torch.set_num_threads(max(1, int(cfg.cluster.cpus_per_worker)))
+    from raytrain_hybrid.engine.plan import WorkerIO
     from raytrain_hybrid.engine.worker import mark, run_worker
     from raytrain_hybrid.models import get_arch
 
@@ -61,38 +66,31 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         if rank == 0 and sink is not None:
             sink.put(("preemption", notice_event(steps_done, saved)))
 
-    resume, unheard = _restart_point(cfg, loop_config)
+    resume, unheard = _restart_point(plan)
     start = read_manifest(resume)["step"] if resume else 0
     if unheard:  # every rank alike: Ray Train learns of it (retention; the restart after this one)
         _register(resume if rank == 0 else None, {"step": start})
-    cfg, said = _start_layout(cfg, node_id, loop_config.get("layout_hardware"))
+    cfg, said = _start_layout(cfg, node_id, plan.layout_hardware)
     if rank == 0 and sink is not None:  # every start of a worker group: the driver counts restarts
         if said:
             sink.put(("layout", {"lines": said}))
         par = cfg.parallelism
         layout = {"dp": par.dp, "tp": par.tp, "pp": par.pp, "microbatches": par.microbatches}
         sink.put(("start", {"step": start, **layout}))
+    feeds = cfg.data.path != "memory"
+    io = WorkerIO(
+        on_step=on_step,
+        dataset_fn=(lambda: ray.train.get_dataset_shard("train")) if feeds else None,
+        val_fn=(lambda: ray.train.get_dataset_shard("val")) if feeds and cfg.data.val_path else None,
+        on_checkpoint=on_checkpoint,
+        marks=marks,
+        notice=preemption_notice(),
+        on_notice=on_notice,
+        predicted_memory=predicted_memory(cfg) if plan.use_gpu else None,
+    )
     with tracker:  # rank 0's tracking ends with the loop, also when it raises
-        result = run_worker(
-            cfg,
-            node_id,
-            use_gpu=loop_config["use_gpu"],
-            on_step=on_step,
-            dataset_fn=None if cfg.data.path == "memory" else (lambda: ray.train.get_dataset_shard("train")),
-            val_fn=(lambda: ray.train.get_dataset_shard("val"))
-            if cfg.data.val_path and cfg.data.path != "memory"
-            else None,
-            resume=resume,
-            launch_id=loop_config["launch_id"],
-            on_checkpoint=on_checkpoint,
-            marks=marks,
-            notice=preemption_notice(),
-            on_notice=on_notice,
-            end=loop_config.get("end"),
-            data_origin=loop_config.get("data_origin"),
-            trajectory=loop_config.get("trajectory"),
-            predicted_memory=predicted_memory(cfg) if loop_config["use_gpu"] else None,
-        )
+        # This start's layout and checkpoint: a restart's, or an elastic run's at the workers Ray started.
+        result = run_worker(dataclasses.replace(plan, cfg=cfg, resume=resume), node_id, io)
     if rank == 0 and sink is not None:
         sink.put(("done", {"memory": result["memory"], "marks": result["marks"]}))
     # A group restarted from the last step's checkpoint (a node lost, or a preemption's deadline,
@@ -154,10 +152,10 @@ def notice_event(done: int, saved: bool | None) -> dict:
     return event
 
 
-def _restart_point(cfg: Config, loop_config: dict) -> tuple[str | None, bool]:
+def _restart_point(plan) -> tuple[str | None, bool]:
     """Where this worker group starts, and whether Ray Train has not heard of that checkpoint:
     this launch's newest complete checkpoint on storage after a restart, else the checkpoint
-    given with --resume, else nothing.
+    given with --resume (``plan.resume``), else nothing.
 
     Storage, not ray.train.get_checkpoint(), says which is newest: a save completes (its
     manifest written) some time before every rank reports it to Ray Train, at a later step
@@ -169,8 +167,8 @@ def _restart_point(cfg: Config, loop_config: dict) -> tuple[str | None, bool]:
 
     latest = ray.train.get_checkpoint()
     heard = posixpath.basename(latest.path.rstrip("/")) if latest is not None else None
-    for path in reversed(step_dirs(open_store(cfg.run.output_dir).child("checkpoints"))):
-        if not path.child(MANIFEST).exists() or read_manifest(path).get("launch_id") != loop_config["launch_id"]:
+    for path in reversed(step_dirs(open_store(plan.cfg.run.output_dir).child("checkpoints"))):
+        if not path.child(MANIFEST).exists() or read_manifest(path).get("launch_id") != plan.launch_id:
             continue
         try:  # sizes and metadata (a listing and one small file): a damaged one falls back to the one before
             verify(path, digests=False)
@@ -178,7 +176,7 @@ def _restart_point(cfg: Config, loop_config: dict) -> tuple[str | None, bool]:
             print(f"restart: skipping {path.name}: {exc}", flush=True)
             continue
         return path.uri, path.name != heard
-    return loop_config.get("resume"), False
+    return plan.resume, False
 
 
 def _register(path: str | None, metrics: dict) -> None:

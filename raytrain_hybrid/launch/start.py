@@ -1,8 +1,8 @@
 """A run's start, worked out once on the driver: where it starts and writes, the cluster it may
 reach, its layout, the workers' count and resources, where they are placed, the steps it trains.
 
-Every check and the launch read this one plan (``StartPlan``) instead of each working the same
-facts out again; the driver says it before the workers start (``StartPlan.lines``), and the
+Every check and the launch read this one plan (``RunPlan``) instead of each working the same
+facts out again; the driver says it before the workers start (``RunPlan.lines``), and the
 checks that need no cluster (the resume, the trajectory, the output directory) come first, so a
 refused run has not started Ray.
 """
@@ -12,19 +12,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+import uuid
 
 from raytrain_hybrid.checkpoint.manifest import MANIFEST, check_compatible, resolve, step_dirs, step_number, verify
 from raytrain_hybrid.checkpoint.trajectory import check_allowed, check_trajectory, data_restarts, describe
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.config.elastic import is_elastic
+from raytrain_hybrid.engine.plan import WorkerPlan
 from raytrain_hybrid.errors import ConfigError
 from raytrain_hybrid.launch.autolayout import choose_layout, use_gpu_for
 from raytrain_hybrid.launch.elastic import start_line, worker_counts
-from raytrain_hybrid.launch.inputs import check_input, finish_input, prepare_input, steps_to_train
+from raytrain_hybrid.launch.inputs import check_input, finish_input, prepare_input, reader_env, steps_to_train
 from raytrain_hybrid.launch.placement import worker_resources
 from raytrain_hybrid.launch.preflight import check_placement, check_weights, crowded, predict_start
 from raytrain_hybrid.launch.reach import Reach, cluster_reach
 from raytrain_hybrid.launch.session import ensure_ray, ray_address, resolve_use_gpu
+from raytrain_hybrid.models.custom import registered
 from raytrain_hybrid.planner.hardware import Hardware
 from raytrain_hybrid.storage import Store, is_uri, open_store
 
@@ -106,6 +109,9 @@ def check_resume(
             f"resuming {path.name} here would overwrite the later {later[-1].name}; "
             "resume into another run.output_dir (--set run.output_dir=...)",
         )
+    for p in existing:  # a later one written whole but damaged since: said, never replaced unsaid
+        if step_number(p) > manifest["step"] and p.child(MANIFEST).exists():
+            say(f"resume: {p.name} is later than {path.name} but not intact; this run's save of its step replaces it")
     history = []
     metrics = out.child("metrics.jsonl")
     if path.parent.uri == ckpt_root.uri and metrics.exists():  # continuing in place: keep the steps before
@@ -162,12 +168,14 @@ def prepare_run_dir(
 
 
 @dataclasses.dataclass(frozen=True)
-class StartPlan:
-    """What a run's start decided, once: every check and the launch read it, and `check` prints it."""
+class RunPlan:
+    """A run, derived once on the driver from the config as loaded (``asked``, never replaced), the
+    cluster's reach and the resume point: `check` prints it, `train` runs it, and its workers get
+    the part they need read-only (``for_workers``)."""
 
-    cfg: Config  # at the layout it starts with; run.output_dir absolute or a URI; data.path resolved
+    cfg: Config  # the run's: at the layout it starts with; run.output_dir absolute or a URI; data.path resolved
     point: ResumePoint  # the checkpoint it starts from, the history kept, the trajectory, the data's origin
-    reach: Reach  # the live nodes and those an autoscaler may add
+    reach: Reach | None  # the live nodes and those an autoscaler may add (None: torchrun's nodes, not Ray's)
     use_gpu: bool
     resources: dict[str, float]  # what each worker asks of Ray
     counts: list[int]  # the worker counts a start may have, ascending (one for a fixed run)
@@ -175,9 +183,52 @@ class StartPlan:
     layout_hw: Hardware | None  # the profile layout=auto priced on (an elastic run's workers pick on it)
     end: int  # the steps it trains (data.epochs may end it before train.steps)
     lease: str = "held by this run"  # run.output_dir's lease when planned (`check` reads it, never takes it)
+    asked: Config | None = None  # the config as loaded, before the plan resolved anything (None: ``cfg``)
+    data_env: dict[str, str] = dataclasses.field(default_factory=dict)  # Ray Data's readers' (launch.inputs)
+    registered_models: tuple = ()  # models registered from Python (models.custom): each worker registers them again
+    unverified: tuple[str, ...] = ()  # what `check` could not read here (no network, no credentials)
+    # Written into every manifest of this launch: a restart tells its own checkpoints apart.
+    launch_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
+
+    def for_workers(self) -> WorkerPlan:
+        """What every worker is given, read-only (Ray Train's train_loop_config, torchrun's broadcast)."""
+        elastic_auto = self.layout_hw is not None and is_elastic(self.cfg.parallelism)
+        return WorkerPlan(
+            cfg=self.cfg,
+            use_gpu=self.use_gpu,
+            resume=self.point.path,
+            launch_id=self.launch_id,
+            end=self.end,
+            trajectory=self.point.trajectory,
+            data_origin=self.point.data_origin,
+            data_env=dict(self.data_env),
+            # An elastic run with layout=auto: the profile each start's pick is priced on.
+            layout_hardware=dataclasses.asdict(self.layout_hw) if elastic_auto else None,
+            registered_models=tuple(self.registered_models),
+        )
+
+    def resolved(self) -> dict[str, list]:
+        """The config's keys the plan resolved: {key: [as asked, as planned]} (the output
+        directory made absolute, data.path resolved, a layout picked)."""
+        asked = _flat(self.asked.to_dict()) if self.asked is not None else {}
+        planned = _flat(self.cfg.to_dict())
+        return {k: [asked[k], v] for k, v in planned.items() if k in asked and asked[k] != v}
+
+    def to_json(self) -> dict:
+        """The whole plan as data (`check --json`'s "plan"): its facts, what it resolved of the
+        config, what it could not verify, and what every worker is given."""
+        worker = dataclasses.asdict(self.for_workers())
+        del worker["launch_id"]  # new at each plan: not a fact of the run
+        return {
+            **self.facts(),
+            "resolved": self.resolved(),
+            "unverified": list(self.unverified),
+            "history_kept": len(self.point.history),
+            "worker_plan": worker,
+        }
 
     def facts(self) -> dict:
-        """The plan as data (`check --json`'s "start"); ``lines`` says the same."""
+        """The plan's start as data (`check --json`'s "start"); ``lines`` says the same."""
         par = self.cfg.parallelism
         added = self.reach.added if self.reach else {}
         return {
@@ -220,6 +271,29 @@ class StartPlan:
             f"{self.end} steps; output {f['output']} ({f['output_store']}); {start}"
         ]
 
+    def detail_lines(self) -> list[str]:
+        """What `check` prints of the plan beyond the start line: the data and model the workers
+        get, the keys the plan resolved, and the resume's data origin."""
+        d, m = self.cfg.data, self.cfg.model
+        data = f"plan: data {d.path}" + (f", validation {d.val_path}" if d.val_path else "")
+        data += f"; model {m.arch}" + (f" from {m.pretrained}" if m.pretrained else " (initialised)")
+        lines = [data]
+        if self.point.path and self.point.data_origin:
+            lines.append(f"plan: the data began at step {self.point.data_origin + 1}")
+        for key, (asked, planned) in self.resolved().items():
+            lines.append(f"plan: {key}={asked!r} -> {planned!r}")
+        return lines
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out |= _flat(v, f"{prefix}{k}.")
+        else:
+            out[prefix + k] = v
+    return out
+
 
 def output_uri(cfg: Config) -> str:
     """run.output_dir as the start line says it: a URI as given, without opening it (`check` says
@@ -259,12 +333,18 @@ def check_before_ray(cfg: Config, say=print) -> tuple[Config, bool]:
 
 
 def plan_start(
-    cfg: Config, point: ResumePoint, marks: dict, say=print, *, input_whole: bool | None = None
-) -> StartPlan:
+    cfg: Config,
+    point: ResumePoint,
+    marks: dict,
+    say=print,
+    *,
+    input_whole: bool | None = None,
+    asked: Config | None = None,
+) -> RunPlan:
     """Ray joined, the layout picked, the placement checked against the live nodes, the output
-    directory made and the input checked: the run's StartPlan (ConfigError/LayoutError if none).
+    directory made and the input checked: the run's RunPlan (ConfigError/LayoutError if none).
     ``input_whole``: ``cfg``'s input was checked before Ray started (check_before_ray), whole or
-    not; None: not yet."""
+    not; None: not yet. ``asked``: the config as loaded (default ``cfg``)."""
     cfg, reach, layout_hw = open_session(cfg, marks, say)
 
     def ready(cfg: Config) -> Config:
@@ -273,7 +353,7 @@ def plan_start(
             return prepare_input(cfg, say=say)
         return finish_input(cfg, input_whole, say)
 
-    plan = derive_plan(cfg, point, reach, layout_hw, say, ready=ready)
+    plan = derive_plan(cfg, point, reach, layout_hw, say, ready=ready, asked=asked)
     marks["input_checked"] = time.time()
     return plan
 
@@ -288,16 +368,17 @@ def derive_plan(
     ready=None,
     placement: list[int] | None = None,
     checked: bool = True,
-    lease: str = StartPlan.lease,
+    lease: str = RunPlan.lease,
     unverified: list[str] | None = None,
-) -> StartPlan:
+    asked: Config | None = None,
+) -> RunPlan:
     """The plan of ``cfg`` (at its layout) on the nodes of ``reach``, the one derivation `train`
     and `check` share: the worker counts, whether they use GPUs, what each asks of Ray, where
     they are placed and the steps trained. ``placement``: None, predicted for the live nodes and,
     ``checked``, checked against them (check_placement); else the workers per node given
     (`check --topology`). ``ready``: makes the output directory and prepares the input (the
     driver's; `check` writes nothing). ``unverified`` (`check`): rows that cannot be counted here
-    are noted there, not refused."""
+    are noted there, not refused. ``asked``: the config as loaded (default ``cfg``)."""
     counts = worker_counts(cfg)
     use_gpu = resolve_use_gpu(cfg, counts[0], reach.nodes)  # an elastic run starts on fewer
     resources = worker_resources(cfg, use_gpu)
@@ -314,6 +395,13 @@ def derive_plan(
             raise
         unverified.append(f"data.path={cfg.data.path!r}: its rows were not counted here ({exc})")
         end = cfg.train.steps
+    data_env = {}  # `check` lists no bucket again (its check of the input has read what it could)
+    if ready is not None or not (is_uri(cfg.data.path) and not cfg.data.path.startswith("file://")):
+        try:
+            data_env = reader_env(cfg)
+        except (OSError, ValueError):  # `check`: files not there yet (train prepares them) or said as not verified
+            if unverified is None:
+                raise
     if end < cfg.train.steps:
         say(
             f"data.epochs={cfg.data.epochs}: the rows hold {end} global batches of {cfg.train.global_batch_size}; "
@@ -321,4 +409,19 @@ def derive_plan(
         )
     if is_elastic(cfg.parallelism):
         say(start_line(cfg))
-    return StartPlan(cfg, point, reach, use_gpu, resources, counts, placement, layout_hw, end, lease)
+    return RunPlan(
+        cfg,
+        point,
+        reach,
+        use_gpu,
+        resources,
+        counts,
+        placement,
+        layout_hw,
+        end,
+        lease,
+        asked=asked,
+        data_env=data_env,
+        registered_models=tuple(registered()),
+        unverified=tuple(unverified or ()),
+    )

@@ -27,7 +27,7 @@ from raytrain_hybrid.launch.lease import LEASE, describe, expired, in_use
 from raytrain_hybrid.launch.preflight import _check_output_dir
 from raytrain_hybrid.launch.reach import Reach
 from raytrain_hybrid.launch.session import join_ray, live_workers_per_node, local_cpus, ray_address, use_train_v2
-from raytrain_hybrid.launch.start import ResumePoint, StartPlan, check_before_ray, derive_plan, prepare_run_dir
+from raytrain_hybrid.launch.start import ResumePoint, RunPlan, check_before_ray, derive_plan, prepare_run_dir
 from raytrain_hybrid.launch.tracking import check_tracking
 from raytrain_hybrid.models.hub import Unreadable
 from raytrain_hybrid.storage import Store, is_uri, open_store
@@ -67,7 +67,7 @@ def check_plan(
     unverified: list[str],
     say=print,
     reach: Reach | None = None,
-) -> StartPlan:
+) -> RunPlan:
     """The start plan of ``cfg`` (the config at the layout check shows; ``asked``: as given, which an
     elastic run keeps) on ``topology``'s nodes, the named cluster's (``reach``: as check_layout read
     it), or this machine's. ConfigError
@@ -98,7 +98,16 @@ def check_plan(
     placement = topology if topology else None
     reach = reach or _reach(cfg, topology)
     plan = derive_plan(
-        cfg, point, reach, None, say, placement=placement, checked=False, lease=lease, unverified=unverified
+        cfg,
+        point,
+        reach,
+        None,
+        say,
+        placement=placement,
+        checked=False,
+        lease=lease,
+        unverified=unverified,
+        asked=asked,
     )
     try:  # the one check of the live nodes that reads nothing: said, not refused (--topology may be nodes to come)
         if store is not None:  # an output it could not open is said above, as not verified

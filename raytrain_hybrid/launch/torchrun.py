@@ -18,7 +18,6 @@ import os
 import socket
 import sys
 import time
-import uuid
 
 from raytrain_hybrid.checkpoint.manifest import MANIFEST, read_manifest, step_dirs
 from raytrain_hybrid.config import Config
@@ -90,7 +89,7 @@ def _run(cfg: Config, rank: int, use_gpu: bool, resume, allow_change, launched: 
             error = ("refused", str(exc))
         except Exception as exc:  # the others must not wait for a plan that will not come
             error = ("failed", f"{type(exc).__name__}: {exc}")
-    message = [{"error": error, "plan": prepared and prepared["shared"]}]
+    message = [{"error": error, "plan": prepared and prepared["plan"].for_workers()}]
     dist.broadcast_object_list(message, src=0)
     if message[0]["error"] is not None:
         kind, text = message[0]["error"]
@@ -99,7 +98,7 @@ def _run(cfg: Config, rank: int, use_gpu: bool, resume, allow_change, launched: 
         dist.barrier()  # every rank ends after rank 0 has said why (torchrun stops the others at the first exit)
         return 2 if kind == "refused" else 1
     try:
-        return _train(cfg, rank, use_gpu, message[0]["plan"], prepared, marks)
+        return _train(rank, message[0]["plan"], prepared, marks)
     finally:
         if lease is not None:
             lease.release()
@@ -111,7 +110,7 @@ def _prepare(cfg: Config, resume, allow_change, use_gpu: bool, marks: dict):
     from raytrain_hybrid.launch.inputs import finish_input, steps_to_train
     from raytrain_hybrid.launch.lease import acquire
     from raytrain_hybrid.launch.placement import worker_resources
-    from raytrain_hybrid.launch.start import StartPlan, check_before_ray, prepare_run_dir
+    from raytrain_hybrid.launch.start import RunPlan, check_before_ray, prepare_run_dir
     from raytrain_hybrid.storage import open_store
 
     par, world = cfg.parallelism, int(os.environ["WORLD_SIZE"])
@@ -131,7 +130,7 @@ def _prepare(cfg: Config, resume, allow_change, use_gpu: bool, marks: dict):
         said.append(redact(line))
         print(said[-1], flush=True)
 
-    out = open_store(cfg.run.output_dir)
+    asked, out = cfg, open_store(cfg.run.output_dir)
     fresh = not out.exists()
     lease = acquire(out.uri)
     try:
@@ -144,7 +143,8 @@ def _prepare(cfg: Config, resume, allow_change, use_gpu: bool, marks: dict):
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         placement = [local] * (world // local)
         end = steps_to_train(cfg)
-        plan = StartPlan(cfg, point, None, use_gpu, worker_resources(cfg, use_gpu), [world], placement, None, end)
+        resources = worker_resources(cfg, use_gpu)
+        plan = RunPlan(cfg, point, None, use_gpu, resources, [world], placement, None, end, asked=asked)
     except BaseException:
         lease.release()
         if fresh and out.local:  # a refused run leaves no empty directory behind
@@ -154,48 +154,35 @@ def _prepare(cfg: Config, resume, allow_change, use_gpu: bool, marks: dict):
     for line in plan.lines():
         say(line.replace(" workers (", " torchrun processes (", 1))
     marks["input_checked"] = time.time()
-    shared = {
-        "config": plan.cfg.to_dict(),
-        "resume": point.path,
-        "trajectory": point.trajectory,
-        "data_origin": point.data_origin,
-        "end": end,
-        "launch_id": uuid.uuid4().hex,
-    }
-    return {"shared": shared, "plan": plan, "said": said}, lease
+    return {"plan": plan, "said": said}, lease
 
 
-def _train(cfg: Config, rank: int, use_gpu: bool, shared: dict, prepared: dict | None, marks: dict) -> int:
-    """Every rank: the worker loop; rank 0 also records the run as the Ray driver does."""
+def _train(rank: int, plan, prepared: dict | None, marks: dict) -> int:
+    """Every rank: the worker loop of ``plan`` (engine.plan.WorkerPlan, rank 0's broadcast); rank 0
+    also records the run as the Ray driver does."""
     marks["worker_entered"], marks["cpu_worker_entered"] = time.time(), time.process_time()  # (as launch.entry)
+    from raytrain_hybrid.engine.plan import WorkerIO
     from raytrain_hybrid.engine.worker import mark, run_worker
     from raytrain_hybrid.launch.driver import how_ended, write_results
     from raytrain_hybrid.models import get_arch
 
-    cfg = Config.from_dict(shared["config"])
+    cfg = plan.cfg
     import torch
 
     torch.set_num_threads(max(1, int(cfg.cluster.cpus_per_worker)))
     get_arch(cfg.model.arch).import_model_code()
     mark(marks, "worker_imported")
-    resume = shared["resume"]
-    record = _Record(cfg, prepared, resume) if rank == 0 else None
+    record = _Record(cfg, prepared, plan.resume) if rank == 0 else None
+    feeds = cfg.data.path != "memory"
+    io = WorkerIO(
+        on_step=record.step if record else None,
+        dataset_fn=(lambda: _rows(cfg, cfg.data.path)) if feeds else None,
+        val_fn=(lambda: _rows(cfg, cfg.data.val_path)) if feeds and cfg.data.val_path else None,
+        on_checkpoint=record.checkpoint if record else None,
+        marks=marks,
+    )
     try:
-        result = run_worker(
-            cfg,
-            socket.gethostname(),
-            use_gpu=use_gpu,
-            on_step=record.step if record else None,
-            dataset_fn=None if cfg.data.path == "memory" else (lambda: _rows(cfg, cfg.data.path)),
-            val_fn=(lambda: _rows(cfg, cfg.data.val_path)) if cfg.data.val_path and cfg.data.path != "memory" else None,
-            resume=resume,
-            launch_id=shared["launch_id"],
-            on_checkpoint=record.checkpoint if record else None,
-            marks=marks,
-            end=shared["end"],
-            data_origin=shared["data_origin"],
-            trajectory=shared["trajectory"],
-        )
+        result = run_worker(plan, socket.gethostname(), io)
     except BaseException as exc:
         if record is None:  # rank 0 says how the run ended; the others end quietly on a signal
             if isinstance(exc, KeyboardInterrupt):
