@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from raytrain_hybrid.config.coerce import build_section, choices
+from raytrain_hybrid.config.fault_tolerance import FaultToleranceConfig
 from raytrain_hybrid.config.lora import LoraConfig
 from raytrain_hybrid.config.parallelism import (  # noqa: F401  (re-exported: the schema's names)
     AC_MODES,
@@ -367,6 +368,7 @@ class Config:
         checkpoint: how often to save, where, how many to keep.
         run: the output directory, progress, tracking, time limits.
         lora: low-rank adapters (rank 0: off).
+        fault_tolerance: per-step fault tolerance over the replica groups (torchft).
     """
 
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
@@ -377,6 +379,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -7,6 +7,7 @@ import re
 
 from raytrain_hybrid.config.coerce import choices, divisors
 from raytrain_hybrid.config.elastic import check_elastic
+from raytrain_hybrid.config.fault_tolerance import check_fault_tolerance
 from raytrain_hybrid.config.fp8 import check_fp8
 from raytrain_hybrid.config.lora import check_lora
 from raytrain_hybrid.config.placeholders import refuse_placeholders
@@ -36,6 +37,7 @@ def validate(cfg: Config) -> None:
     _validate_task(cfg, spec)
     check_lora(cfg, spec)  # [lora]: a pretrained model, targets among its linears
     check_fp8(cfg)  # train.fp8: tp=1, no LoRA, a GPU unless emulated
+    check_fault_tolerance(cfg)  # [fault_tolerance]: two replica groups or more, torchft installed
     _validate_run(cfg)
 
 

@@ -105,6 +105,9 @@ class Trainer:
             self.schedule = pipeline.build_schedule(par.schedule, stages, par.microbatches, self.loss_fn)
         self.grad_bytes = 0
         self.flagged = False  # any rank's flag at the last train_step
+        # [fault_tolerance]: this group's side of the replica groups' quorum (engine.replicas), set by
+        # the worker once the trainer is built (its state is what a rejoining group receives).
+        self.replicas = None
         self.flops_per_token = flops_per_token(cfg.model)
         self.peak_tflops = device_peak_tflops(device)
 
@@ -278,6 +281,10 @@ class Trainer:
         moe = self.router_loss.reduce(self.dims.tp) if self.router_loss is not None else {}
         if moe:  # the step's loss includes the routers' auxiliary loss
             loss = loss + moe["aux"]
+        in_step = None
+        if self.replicas is not None:  # the replica groups' gradients, weighted by their tokens
+            tokens = counted if counted is not None else self.cfg.train.global_batch_size
+            loss, in_step = self.replicas.combine(loss, tokens)
         self.grad_bytes = sum(_local_bytes(p.grad) for p in self.params if p.grad is not None)
         if isinstance(self.optimizer, ZeroOneOptimizer):
             norm = self._zero1_reduce_and_clip()
@@ -285,8 +292,11 @@ class Trainer:
             in_norm = self.params if self.tied is None else self.tied.counted(self.params)
             norm = global_grad_norm(in_norm, ranks_per_stage, self.device)
             clip_grads_(self.params, self.cfg.train.grad_clip, norm)
-        self.optimizer.step()
-        self.scheduler.step()
+        # With fault tolerance, the update only when every group in the quorum finished the step.
+        committed = self.replicas is None or self.replicas.should_commit()
+        if committed:
+            self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         # The step's only host synchronisation: everything above is queued on the device.
         loss_value, norm_value = loss.item(), norm.item()
@@ -308,6 +318,7 @@ class Trainer:
             **({"loss_tokens": counted} if counted is not None and self._masked else {}),  # labels the loss counted
             **(self._compiled_in_step(compiled_before) if compiled_before else {}),
             **moe_metrics(moe),
+            **({"replicas_in_step": in_step, "committed": committed} if in_step is not None else {}),
         }
 
     def _compiled_in_step(self, before: tuple[int, float]) -> dict:

@@ -8,6 +8,7 @@ build the trainer, run the step loop (checkpoints on interval), gather every ran
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import time
@@ -23,6 +24,7 @@ from raytrain_hybrid.checkpoint.save import CheckpointWriter, Saved
 from raytrain_hybrid.checkpoint.state import load_checkpoint
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.config.elastic import at_world
+from raytrain_hybrid.config.fault_tolerance import replica_groups
 from raytrain_hybrid.data.corpus import Batch, TokenWindows, tokenize_corpus
 from raytrain_hybrid.data.rows import BUILTIN_TRAIN, RowBatches, read_parquet_rows
 from raytrain_hybrid.data.stream import StreamPosition
@@ -34,6 +36,7 @@ from raytrain_hybrid.engine.hang import HangWatch
 from raytrain_hybrid.engine.hang import start as watch_hangs
 from raytrain_hybrid.engine.plan import WorkerIO, WorkerPlan
 from raytrain_hybrid.engine.profile import StepProfiler
+from raytrain_hybrid.engine.replicas import ReplicaSync, StepBatches, group_config
 from raytrain_hybrid.engine.trainer import Trainer
 from raytrain_hybrid.storage import Store
 
@@ -64,6 +67,10 @@ def run_worker(plan: WorkerPlan, node_id: str, io: WorkerIO | None = None) -> di
     cfg, use_gpu, resume, marks = plan.cfg, plan.use_gpu, plan.resume, io.marks
     # An elastic run (parallelism.min_dp) starts at the dp its workers make: the same steps,
     # each replica accumulating more or fewer micro-batches (config.elastic).
+    # [fault_tolerance]: this process group is one replica group, training its share of each batch.
+    full = cfg
+    if cfg.fault_tolerance.enabled:
+        cfg = group_config(cfg)
     cfg = at_world(cfg, dist.get_world_size())
     hang = watch_hangs(cfg)  # run.hang_timeout_s: on before any collective of ours
     dims, mesh, device = join_mesh(cfg, node_id, use_gpu, io.device, marks)
@@ -73,7 +80,7 @@ def run_worker(plan: WorkerPlan, node_id: str, io: WorkerIO | None = None) -> di
     # Where the skipped stream must stand: the checkpoint's own position, if its data goes on.
     expect = manifest.get("data_position") if origin == manifest.get("data_origin", 0) else None
     feed = None
-    if io.dataset_fn is not None:  # before the model: the reader starts while the model builds
+    if io.dataset_fn is not None and not full.fault_tolerance.enabled:  # before the model: read while it builds
         dp_rank = mesh.dp.get_local_rank()
         feed = ReplicaFeed(cfg, mesh, dims, dp_rank, io.dataset_fn, skip_steps=start - origin, expect=expect)
     mark(marks, "mesh_built")
@@ -87,6 +94,10 @@ def run_worker(plan: WorkerPlan, node_id: str, io: WorkerIO | None = None) -> di
         marks["compile_cache_loaded"] = compile_cache.load()
     # The data in memory knows where its passes (data.epochs) end; Ray Data's streams tell the driver.
     next_batch, data_end = in_memory_batches(cfg, trainer) if feed is None else ((lambda step: feed.next()), None)
+    replicas = None
+    if full.fault_tolerance.enabled:  # the quorum decides the step; the input follows it
+        replicas, next_batch, feeds = replica_group_input(full, trainer, io.dataset_fn, origin, start)
+        trainer.replicas = replicas
     end = min(plan.end or cfg.train.steps, data_end or cfg.train.steps)
     validation = None
     if trainer.spec.task != "lm":
@@ -107,8 +118,15 @@ def run_worker(plan: WorkerPlan, node_id: str, io: WorkerIO | None = None) -> di
         profiler=StepProfiler.open(cfg, trainer, start, io.predicted_memory),
         compile_cache=compile_cache,
         hang=hang,
+        replicas=replicas,
     )
+    if replicas is not None and io.dataset_fn is not None:
+        loop.position = lambda: feeds[-1].position
     loop.run(start)
+    if replicas is not None:
+        replicas.close()
+        for f in feeds:
+            f.close()
     if hang is not None:
         hang.close()
     if feed is not None:
@@ -132,15 +150,43 @@ def join_mesh(cfg: Config, node_id: str, use_gpu: bool, device: torch.device | N
     return dims, dims.build_mesh(device.type, arrangement), device
 
 
-def in_memory_batches(cfg: Config, trainer: Trainer) -> tuple[NextBatch, int | None]:
+def replica_group_input(full: Config, trainer: Trainer, dataset_fn, origin: int, start: int):
+    """[fault_tolerance]: this group's side of the quorum, and its input as a function of the step
+    the quorum gives: the rows the same dp ranks of the whole layout read (group g's shard ranks
+    are dp ranks g*shard .. of it). Returns (the sync, next_batch, the feeds opened so far)."""
+    groups = replica_groups(full.parallelism)
+    group = full.fault_tolerance.replica_group
+    dims = trainer.dims
+    whole = dataclasses.replace(dims, dp=dims.dp * groups)
+    rank = group * dims.dp + trainer.dp_rank
+    replicas = ReplicaSync(full, trainer, group, trainer.device)
+    feeds: list[ReplicaFeed] = []
+
+    def open_at(step: int) -> NextBatch:
+        if dataset_fn is None:
+            return in_memory_batches(full, trainer, whole.dp, rank)[0]
+        for f in feeds:  # a rejoining group starts its input again at the step it was given
+            f.close()
+        feeds.append(ReplicaFeed(full, trainer.mesh, whole, rank, dataset_fn, skip_steps=step - origin))
+        return lambda _step: feeds[-1].next()
+
+    return replicas, StepBatches(open_at, start), feeds
+
+
+def in_memory_batches(
+    cfg: Config, trainer: Trainer, dp: int | None = None, dp_rank: int | None = None
+) -> tuple[NextBatch, int | None]:
     """Without Ray Data: the shipped corpus in token windows (LMs), or the shipped rows; chat or
     prompt/completion examples (data.format) from data.path, read in this process. With
     data.epochs, None once the passes' global batches are trained, as the streams end; returned
-    with that step count (None: not known up front, or no data.epochs)."""
+    with that step count (None: not known up front, or no data.epochs). ``dp``, ``dp_rank``: the
+    rows of that replica of that many (default: the trainer's)."""
+    dp = trainer.dims.dp if dp is None else dp
+    dp_rank = trainer.dp_rank if dp_rank is None else dp_rank
     if cfg.data.format != "text" or cfg.data.packing:  # examples, or the corpus's documents packed
         from raytrain_hybrid.data.examples import in_memory_examples
 
-        return in_memory_examples(cfg, trainer.dims.dp, trainer.dp_rank), None
+        return in_memory_examples(cfg, dp, dp_rank), None
     if trainer.spec.task == "lm":
         data = TokenWindows(tokenize_corpus(tokenizer=cfg.data.tokenizer), cfg.model.seq_len, cfg.train.seed)
     else:
@@ -151,7 +197,7 @@ def in_memory_batches(cfg: Config, trainer: Trainer) -> tuple[NextBatch, int | N
     def next_batch(step: int) -> Batch | None:
         if end is not None and step >= end:
             return None
-        return data.replica_batch(step, gb, trainer.dims.dp, trainer.dp_rank)
+        return data.replica_batch(step, gb, dp, dp_rank)
 
     return next_batch, end
 
@@ -184,9 +230,15 @@ class StepLoop:
     profiler: StepProfiler | None = None  # run.profile_steps
     compile_cache: CompileCache | None = None  # parallelism.compile: written after the first step
     hang: HangWatch | None = None  # run.hang_timeout_s
+    replicas: ReplicaSync | None = None  # [fault_tolerance]: the quorum gives the step
 
     def run(self, start: int) -> None:
-        for step in range(start, self.cfg.train.steps):
+        step = start
+        while step < self.cfg.train.steps:
+            if self.replicas is not None:  # a rejoining group continues at the live groups' step
+                step = self.replicas.begin()
+                if step >= self.cfg.train.steps:
+                    break
             t0 = time.perf_counter()
             batch = self.next_batch(step)
             wait = time.perf_counter() - t0
@@ -205,6 +257,8 @@ class StepLoop:
             metrics = self.trainer.train_step(step, batch, flag=heard)
             if self.hang is not None:
                 self.hang.end()
+            if not metrics.get("committed", True):  # a group failed during the step: again, same rows
+                continue
             if self.profiler is not None:
                 self.profiler.after(step)
             mark(self.marks, "first_step_done")
@@ -225,6 +279,7 @@ class StepLoop:
             self.checkpoint_if_due(step + 1, metrics)
             if self.trainer.flagged and self.noticed_at is None:
                 self.save_before_preemption(step + 1, metrics)
+            step += 1
         if self.profiler is not None:  # a window the data cut short: written as it stands
             self.profiler.close()
         if self.writer is not None:  # the run does not end with a save in flight
