@@ -570,6 +570,23 @@ def test_a_malformed_manifest_is_refused_by_export_and_resume_before_ray(
     assert started == [] and manifest.exists()
 
 
+def test_a_resume_says_which_later_checkpoint_it_passes_over(tiny_checkpoint, tmp_path, capsys):
+    """A later checkpoint written whole (its manifest there) but damaged since is not chosen, and
+    the resume says so rather than replacing it unsaid."""
+    import shutil
+
+    from fuzz_files import TINY
+
+    run = _planted(tiny_checkpoint, tmp_path, json.dumps(tiny_checkpoint[1])).parent / "run"
+    shutil.copytree(run / "checkpoints" / "step_2", run / "checkpoints" / "step_3")
+    (run / "checkpoints" / "step_3" / "__0_0.distcp").write_bytes(b"x")
+    sets = [a for s in [*TINY, f"run.output_dir={run}"] for a in ("--set", s)]
+    assert cli.main(["check", "--resume", str(run), *sets]) == 0
+    out = capsys.readouterr().out
+    assert "resume: step_3 is later than step_2 but not intact; this run's save of its step replaces it" in out, out
+    assert "resumed from " in out and out.count("checkpoints/step_2 at step 2") == 1
+
+
 def test_a_cut_off_last_line_of_metrics_jsonl_is_left_out_on_resume(tmp_path):
     from raytrain_hybrid.launch.start import _metrics_lines
     from raytrain_hybrid.storage import as_store
@@ -673,9 +690,44 @@ def _absurd_shape(step: Path) -> None:
     (step / ".metadata").write_bytes(pickle.dumps(md))
 
 
+class _Payload:
+    """What a planted pickle runs when unpickled without restriction."""
+
+    def __init__(self, marker: Path, pad: int) -> None:
+        self.marker, self.pad = marker, pad
+
+    def __reduce__(self):  # (padded to the entry's length: as many bytes as the metadata's shape needs)
+        return (os.system, (f"touch {self.marker} #{'x' * self.pad}",))
+
+
+def _pickle_in_shard(step: Path) -> None:
+    """A tensor entry of a shard replaced by a torch.save of an object whose unpickling runs a
+    command (appended to the shard, the metadata pointed at it, as long as the entry was): only
+    the shard's bytes say so."""
+    import io
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    from raytrain_hybrid.checkpoint.reader import parse_metadata
+
+    md = parse_metadata((step / ".metadata").read_bytes())
+    index, info = next((i, v) for i, v in md.storage_data.items() if v.relative_path == "__0_0.distcp")
+    buf = io.BytesIO()
+    torch.save(_Payload(step.parent.parent.parent / "marker", info.length), buf)
+    shard = step / "__0_0.distcp"
+    offset = shard.stat().st_size
+    with shard.open("ab") as f:
+        f.write(buf.getvalue())
+    md.storage_data[index] = _StorageInfo("__0_0.distcp", offset, len(buf.getvalue()))
+    (step / ".metadata").write_bytes(pickle.dumps(md))
+
+
 SHARD_MISFITS = {
     "a shard cut to nothing": (lambda step: (step / "__0_0.distcp").write_bytes(b""), "which holds 0"),
     "an absurd shape": (_absurd_shape, "more than its shards store"),
+    "a pickle inside a shard": (_pickle_in_shard, "__0_0.distcp holds 'model."),
 }
 
 
@@ -691,7 +743,10 @@ def test_shards_that_cannot_hold_what_the_metadata_says_are_refused_before_any_w
     step = _rewritten(tiny_checkpoint, tmp_path, change)
     assert cli.main(["export", str(step), str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
-    assert f"CHECKPOINT='{step}': is refused: its .metadata " in err and said in err, err
+    assert f"CHECKPOINT='{step}': is refused: " in err and said in err and "(nothing was loaded)" in err, err
     sets = [a for s in [*FUZZ_TINY, f"run.output_dir={tmp_path / 'out'}"] for a in ("--set", s)]
     assert cli.main(["train", "--resume", str(step), *sets]) == 2
     assert said in capsys.readouterr().err and started == []
+    assert cli.main(["check", "--resume", str(step), *sets]) == 2
+    assert said in capsys.readouterr().err and started == []
+    assert not (tmp_path / "marker").exists() and not (tmp_path / "hf").exists()

@@ -7,6 +7,7 @@ crashed run needs no manual step; of many drivers starting at once on one direct
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -145,3 +146,109 @@ def test_a_run_sees_that_its_lease_was_taken_over(out):
     second = acquire(out)
     assert not first.held() and f"process {os.getpid()}" in first.lost
     second.release()
+
+
+def test_a_driver_whose_lease_is_taken_over_stops_at_once(tmp_path, monkeypatch, capsys):
+    """The driver looks at its lease while the run goes on: once another run has taken it over, it
+    stops the run there and then (the workers' saves are refused from the takeover on), and the
+    CLI ends with an error naming the run that has the directory now, leaving its files alone."""
+    from types import SimpleNamespace
+
+    from ray.util.queue import Empty
+
+    from raytrain_hybrid.launch import driver
+    from raytrain_hybrid.launch import lease as lease_module
+    from raytrain_hybrid.launch.lease import LeaseLost
+
+    monkeypatch.setattr(driver, "LEASE_LOOK_S", 0.05)
+    out = tmp_path / "run"
+    first = acquire(str(out))
+    cfg = SimpleNamespace(run=SimpleNamespace(output_dir=str(out)))
+
+    class Trainer:  # a run that would go on for a minute
+        def fit(self):
+            time.sleep(60)
+
+    class Sink:
+        def empty(self):
+            return True
+
+        def get(self, timeout):
+            time.sleep(0.02)
+            raise Empty
+
+    watchdog = SimpleNamespace(start=lambda t: None, news=[])
+    run_log = SimpleNamespace(live_steps=1)
+    taken: dict = {}
+
+    def take_over() -> None:
+        time.sleep(0.3)
+        monkeypatch.setattr(lease_module, "expired", lambda lease: True)  # as if not renewed in time
+        taken["second"] = acquire(str(out))  # replaces it in one step
+        taken["at"] = time.time()
+
+    threading.Thread(target=take_over).start()
+    lost = lambda: None if first.held() else driver.lease_lost(cfg, first.held)  # noqa: E731 - as the driver's
+    with pytest.raises(LeaseLost, match=rf"taken over by another run \(host .*, process {os.getpid()}.*stopped"):
+        driver.watch(Trainer(), Sink(), run_log, watchdog, {"launched": time.time()}, lost=lost)
+    assert time.time() - taken["at"] < 1.0  # not at the run's end: within a look or two
+    second_lease = (out / LEASE).read_bytes()
+
+    # The CLI: exit 1 with the error said, and neither summary.json nor driver.log written into the
+    # directory that is the other run's now.
+    def lost_run(*args, **kwargs):
+        print("what Ray said")
+        raise driver.lease_lost(cfg, first.held)
+
+    monkeypatch.setattr(driver, "run", lost_run)
+    assert cli(["train", "--set", f"run.output_dir={out}", "--set", "train.steps=2"]) == 1
+    err = capsys.readouterr().err
+    assert f"error: run.output_dir={out} was taken over by another run (host " in err and "Traceback" not in err
+    assert sorted(p.name for p in out.iterdir()) == [LEASE] and (out / LEASE).read_bytes() == second_lease
+    taken["second"].release()
+
+
+def test_a_killed_drivers_processes_end_with_it(tmp_path):
+    """kill -9 of a driver that started a local Ray: what its processes started lives on (Ray's
+    agents did, for minutes); the watcher it starts with the local Ray (launch.reaper) ends every
+    descendant of the driver, and nothing else. Here a driver's child and grandchild stand for
+    Ray's processes and the agents under the raylet."""
+    import signal
+
+    import psutil
+
+    script = (
+        "import subprocess, sys, time\n"
+        "from raytrain_hybrid.launch import reaper\n"
+        "reaper.start()\n"
+        "child = subprocess.Popen(['sh', '-c', 'sleep 300 & echo $!; wait'], stdout=subprocess.PIPE, text=True)\n"
+        "print(child.pid, child.stdout.readline().strip(), flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    bystander = subprocess.Popen(["sleep", "300"])
+    fake = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in fake.stdout.readline().split()]
+        assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
+        time.sleep(0.6)  # the watcher's first looks
+        fake.send_signal(signal.SIGKILL)
+        fake.wait()
+        deadline = time.time() + 10
+        while time.time() < deadline and any(_running(p) for p in pids):
+            time.sleep(0.1)
+        assert not any(_running(p) for p in pids), [psutil.Process(p).cmdline() for p in pids if _running(p)]
+        assert bystander.poll() is None
+    finally:
+        bystander.kill()
+        for pid in pids if "pids" in locals() else []:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

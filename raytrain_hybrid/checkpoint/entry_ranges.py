@@ -66,6 +66,104 @@ class NotRanged(ValueError):
     """The entry is not a plain contiguous tensor archive: read it whole (DCP's own way)."""
 
 
+def _description(zf: zipfile.ZipFile):
+    """A tensor archive's ``data.pkl`` through torch's weights-only unpickler, its storages given
+    as empty ones on the meta device (nothing of the data is read, nothing can run): the tensor it
+    describes, its storages (key, dtype, elements), the records' prefix and the byte order."""
+    names = zf.namelist()
+    pickles = [n for n in names if n.endswith("/data.pkl")]
+    if len(pickles) != 1:
+        raise NotRanged(f"{len(pickles)} data.pkl records")
+    prefix = pickles[0][: -len("data.pkl")]
+    order = zf.read(f"{prefix}byteorder").decode() if f"{prefix}byteorder" in names else "little"
+    storages: list[tuple[str, torch.dtype, int]] = []
+
+    def meta_storage(saved_id):
+        kind, storage_type, key, _location, numel = saved_id
+        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+        if kind != "storage" or not isinstance(dtype, torch.dtype):
+            raise NotRanged(f"a persistent id {kind!r}")
+        storages.append((str(key), dtype, int(numel)))
+        empty = torch.UntypedStorage(int(numel) * dtype.itemsize, device="meta")
+        return torch.storage.TypedStorage(wrap_storage=empty, dtype=dtype, _internal=True)
+
+    from torch import _weights_only_unpickler
+
+    unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(zf.read(pickles[0])), encoding="utf-8")
+    unpickler.persistent_load = meta_storage
+    try:
+        tensor = unpickler.load()
+    except Exception as exc:  # refused or unreadable here: DCP's reader refuses it the same way
+        raise NotRanged(f"data.pkl: {exc}") from None
+    return tensor, storages, prefix, order
+
+
+def check_entry(f, offset: int, length: int, sizes: torch.Size, dtype: torch.dtype) -> None:
+    """That the entry at ``offset`` (``length`` bytes) of an open shard file is a tensor archive
+    describing one tensor of ``sizes`` and ``dtype`` (the checkpoint's metadata for its chunk)
+    whose bytes lie in the archive, read as data: its directory and ``data.pkl`` only, never its
+    tensor bytes. NotRanged says what else it is (a pickle of anything but a tensor, a garbled
+    archive, another shape)."""
+    window = _Window(f, offset, length)
+    try:
+        with zipfile.ZipFile(window) as zf:
+            tensor, storages, prefix, _ = _description(zf)
+            if not isinstance(tensor, torch.Tensor) or len(storages) != 1:
+                raise NotRanged(f"describes a {type(tensor).__name__} over {len(storages)} storages, not one tensor")
+            if tensor.shape != sizes or tensor.dtype != dtype:
+                raise NotRanged(f"describes a {tensor.dtype} tensor of {list(tensor.shape)}")
+            key, stored, numel = storages[0]
+            reach = tensor.storage_offset() + sum((d - 1) * s for d, s in zip(tensor.shape, tensor.stride()) if d)
+            if tensor.numel() and reach >= numel:
+                raise NotRanged(f"describes a tensor reaching element {reach} of a storage of {numel}")
+            if zf.getinfo(f"{prefix}data/{key}").file_size != numel * stored.itemsize:
+                raise NotRanged("holds fewer bytes than its storage")
+    except (zipfile.BadZipFile, KeyError, struct.error, EOFError, ValueError) as exc:
+        if isinstance(exc, NotRanged):
+            raise
+        raise NotRanged(f"is not a tensor archive ({exc})") from None
+
+
+def entries_problem(store, md) -> str | None:
+    """What in a checkpoint's shards is not the tensor its (checked) metadata describes, or None:
+    every entry's archive read as data by ``check_entry`` (a few small reads each, on the driver,
+    before any worker starts), so that a pickle of anything but a tensor planted in a shard, or an
+    entry of another shape or dtype, is refused with the file named rather than in a worker."""
+    chunks = {
+        (fqn, tuple(c.offsets)): (c.sizes, entry.properties.dtype)
+        for fqn, entry in md.state_dict_metadata.items()
+        for c in entry.chunks
+    }
+    by_file: dict[str, list] = {}
+    for index, info in md.storage_data.items():
+        by_file.setdefault(info.relative_path, []).append((index, info))
+
+    def one_file(name: str) -> str | None:
+        with store.fs.open_input_file(store.child(name).path) as f:
+            for index, info in sorted(by_file[name], key=lambda item: item[1].offset):
+                chunk = chunks.get((index.fqn, tuple(index.offset or ())))
+                if chunk is None:
+                    return f"{name} holds a chunk of {index.fqn!r} at {list(index.offset or ())} that the metadata does not list"
+                try:
+                    check_entry(f, info.offset, info.length, *chunk)
+                except NotRanged as exc:
+                    shape = f"{chunk[1]} tensor of {list(chunk[0])}"
+                    return f"{name} holds {index.fqn!r} as something other than the {shape} the metadata says: {str(exc)[:300]}"
+        return None
+
+    names = sorted(by_file)
+    if store.local:
+        problems = map(one_file, names)
+    else:  # object storage: a few round trips an entry, files read side by side
+        from concurrent.futures import ThreadPoolExecutor
+
+        from raytrain_hybrid.checkpoint.hf_reader import THREADS
+
+        with ThreadPoolExecutor(THREADS) as pool:
+            problems = list(pool.map(one_file, names))
+    return next((p for p in problems if p), None)
+
+
 def describe(f, name: str, offset: int, length: int, sizes: torch.Size) -> tuple[Entry, int]:
     """Where the data of the tensor entry at ``offset`` (``length`` bytes) lies in the file, as
     an hf_reader Entry, and the bytes read to find out. ``sizes``: the chunk's shape in the
@@ -73,31 +171,7 @@ def describe(f, name: str, offset: int, length: int, sizes: torch.Size) -> tuple
     window = _Window(f, offset, length)
     try:
         with zipfile.ZipFile(window) as zf:
-            names = zf.namelist()
-            pickles = [n for n in names if n.endswith("/data.pkl")]
-            if len(pickles) != 1:
-                raise NotRanged(f"{len(pickles)} data.pkl records")
-            prefix = pickles[0][: -len("data.pkl")]
-            order = zf.read(f"{prefix}byteorder").decode() if f"{prefix}byteorder" in names else "little"
-            storages: list[tuple[str, torch.dtype, int]] = []
-
-            def meta_storage(saved_id):
-                kind, storage_type, key, _location, numel = saved_id
-                dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
-                if kind != "storage" or not isinstance(dtype, torch.dtype):
-                    raise NotRanged(f"a persistent id {kind!r}")
-                storages.append((str(key), dtype, int(numel)))
-                empty = torch.UntypedStorage(int(numel) * dtype.itemsize, device="meta")
-                return torch.storage.TypedStorage(wrap_storage=empty, dtype=dtype, _internal=True)
-
-            from torch import _weights_only_unpickler
-
-            unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(zf.read(pickles[0])), encoding="utf-8")
-            unpickler.persistent_load = meta_storage
-            try:
-                tensor = unpickler.load()
-            except Exception as exc:  # refused or unreadable here: DCP's reader refuses it the same way
-                raise NotRanged(f"data.pkl: {exc}") from None
+            tensor, storages, prefix, order = _description(zf)
             ok = isinstance(tensor, torch.Tensor) and len(storages) == 1 and order == sys.byteorder
             ok = ok and tensor.shape == sizes and tensor.is_contiguous() and tensor.storage_offset() == 0
             if not ok:

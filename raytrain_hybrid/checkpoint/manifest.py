@@ -117,8 +117,10 @@ DIGEST_LIMIT_BYTES = 64 << 30
 
 
 def verify(path: str | Path | Store, key: str = "--resume", digests: bool | None = None) -> dict:
-    """The manifest of a checkpoint whose every file is there, whole and unchanged, and whose
-    DCP metadata is data this trainer reads (checkpoint.reader: tensors only, no code).
+    """The manifest of a checkpoint whose every file is there, whole and unchanged, whose DCP
+    metadata is data this trainer reads (checkpoint.reader: tensors only, no code), and whose
+    every shard entry is the tensor that metadata describes (its archive's directory and
+    description read, a few small reads an entry, never the tensors' bytes).
 
     ``digests``: also compare every file's SHA-256 (None: when the checkpoint holds at most
     DIGEST_LIMIT_BYTES; the manifest it returns then says ``verified: "sizes"``); False: sizes
@@ -159,7 +161,9 @@ def verify(path: str | Path | Store, key: str = "--resume", digests: bool | None
             raise ConfigError(key, str(path), f"has a truncated {name}: {got.size} bytes, {sizes[name]} written")
         if digests and file_digest(path.child(name))["sha256"] != want.get("sha256"):
             raise ConfigError(key, str(path), f"has a corrupted {name}: its SHA-256 differs from the one written")
-    _check_metadata(path, files, key)
+    md = _check_metadata(path, files, key)
+    if digests is not False:  # (a worker group's restart reads no shard here; its reader refuses the same)
+        _check_entries(path, md, key)
     return {**manifest, "verified": "sha256" if digests else "sizes"}
 
 
@@ -179,7 +183,7 @@ def _refuse_links_out(path: Store, names: list[str], key: str) -> None:
             )
 
 
-def _check_metadata(path: Store, files: dict, key: str) -> None:
+def _check_metadata(path: Store, files: dict, key: str):
     """DCP's .metadata read as data (never as code), and naming only shards the manifest lists."""
     from raytrain_hybrid.checkpoint.reader import METADATA, UnsafeCheckpoint, parse_metadata
 
@@ -194,6 +198,16 @@ def _check_metadata(path: Store, files: dict, key: str) -> None:
         raise ConfigError(key, str(path), f"has a {METADATA} naming shards its {MANIFEST} does not list: {unlisted}")
     if problem := _metadata_misfits(md, files):
         raise ConfigError(key, str(path), f"is refused: its {METADATA} {problem} (nothing was loaded)")
+    return md
+
+
+def _check_entries(path: Store, md, key: str) -> None:
+    """Every shard entry is the tensor the metadata describes (checkpoint.entry_ranges), on the
+    driver: a pickle planted in a shard is refused here, naming the file, before any worker starts."""
+    from raytrain_hybrid.checkpoint.entry_ranges import entries_problem
+
+    if problem := entries_problem(path, md):
+        raise ConfigError(key, str(path), f"is refused: {problem} (nothing was loaded)")
 
 
 def _metadata_misfits(md, files: dict) -> str | None:

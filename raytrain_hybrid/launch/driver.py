@@ -116,17 +116,15 @@ def _run_leased(
     try:
         with contextlib.closing(run_log), tracked:  # a run that fails ends its tracker run FAILED
             watchdog = StartupWatchdog.for_run(cfg.cluster, plan.resources, cfg.run.startup_timeout_s)
-            watch(trainer, sink, run_log, watchdog, marks)
+            # A run whose lease another run took over stops at once (launch.lease): no more saves there.
+            watch(trainer, sink, run_log, watchdog, marks, lost=lambda: None if held() else lease_lost(cfg, held))
     except BaseException as exc:  # failed, Ctrl-C, SIGTERM (cli): summary.json says how, beside driver.log
         with contextlib.suppress(Exception):
             if held():  # (not over the summary of the run that took the directory over)
                 write_results(cfg, run_log, marks, run_dir, driver_log, ended=how_ended(exc))
         raise
     if not held():
-        raise LeaseLost(
-            f"run.output_dir={cfg.run.output_dir} was taken over by another run while this one ran; "
-            "this run wrote nothing more there (no pruning, no summary.json)"
-        )
+        raise lease_lost(cfg, held)
     pruned = prune_earlier(cfg)
     if pruned:
         say(
@@ -136,6 +134,21 @@ def _run_leased(
     tracked.finish(summary)
     ray.kill(sink.actor)
     return summary
+
+
+def lease_lost(cfg: Config, held) -> LeaseLost:
+    """The error of a run whose lease on run.output_dir another run took over (``held``: the
+    lease's ``held``, whose ``lost`` names the run that has it)."""
+    who = getattr(getattr(held, "__self__", None), "lost", "")
+    return LeaseLost(
+        f"run.output_dir={cfg.run.output_dir} was taken over by another run{f' ({who})' if who else ''} while "
+        "this one ran: this run stopped and wrote nothing more there (no save completed after the takeover, no "
+        "pruning, no summary.json)"
+    )
+
+
+# While a run goes on, how often the driver looks at its lease (a small read of run.lease.json).
+LEASE_LOOK_S = 5.0
 
 
 def prune_earlier(cfg: Config) -> list[str]:
@@ -212,11 +225,13 @@ def make_trainer(plan: RunPlan, *, sink, tracking=None):
     )
 
 
-def watch(trainer, sink, run_log: RunLog, watchdog: StartupWatchdog, marks: dict) -> None:
+def watch(trainer, sink, run_log: RunLog, watchdog: StartupWatchdog, marks: dict, lost=lambda: None) -> None:
     """Run ``trainer.fit()`` in a thread and hand the workers' events to ``run_log`` until it
     ends; its error is raised here, on the driver's main thread. Until the first step,
     ``watchdog`` reads the autoscaler every POLL_S and may end the run (see launch/autoscale.py),
-    and a line every few seconds says what the run waits for (launch/waiting.py)."""
+    and a line every few seconds says what the run waits for (launch/waiting.py). Every
+    LEASE_LOOK_S, ``lost()`` (an error, or None) says whether the run lost its lease: raised here,
+    it ends the run at once."""
     from ray.util.queue import Empty
 
     outcome: dict[str, Any] = {}
@@ -231,6 +246,7 @@ def watch(trainer, sink, run_log: RunLog, watchdog: StartupWatchdog, marks: dict
     marks["fit_called"] = time.time()
     watchdog.start(marks["fit_called"])
     probe, next_look = ScalerProbe(since=marks["fit_called"]), 0.0
+    next_lease_look = time.time() + LEASE_LOOK_S
     waiting = Waiting(since=marks.get("launched", marks["fit_called"]))
     thread.start()
     while thread.is_alive() or not sink.empty():
@@ -245,6 +261,10 @@ def watch(trainer, sink, run_log: RunLog, watchdog: StartupWatchdog, marks: dict
             if waiting.due():  # every few seconds until the first step: what the run waits for
                 run_log._say(waiting.what(run_log.starts))
             next_look = time.time() + POLL_S
+        if time.time() >= next_lease_look:
+            if (error := lost()) is not None:  # raising leaves the trainer thread, as above
+                raise error
+            next_lease_look = time.time() + LEASE_LOOK_S
         try:
             kind, payload = sink.get(timeout=0.5)
         except Empty:

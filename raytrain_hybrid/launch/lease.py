@@ -266,7 +266,7 @@ class Lease:
         ours, current, version = self._ours()
         body = {**self.body, "renewed_at": time.time()}
         if not ours or not self.backend.replace(body, version):
-            self.lost = describe(current or {})
+            self.lost = _taken_by(current)
             return False
         self.body = body
         return True
@@ -279,7 +279,7 @@ class Lease:
         except Exception:  # storage briefly unreachable
             return not self.lost
         if not ours:
-            self.lost = describe(current or {})
+            self.lost = _taken_by(current)
         return ours
 
     def start_renewing(self, every_s: float = RENEW_S) -> None:
@@ -300,6 +300,11 @@ class Lease:
             ours, _, version = self._ours()
             if ours:
                 self.backend.delete(version)
+
+
+def _taken_by(current: dict | None) -> str:
+    """Who holds a lease that is no longer this run's (for the lost run's error)."""
+    return describe(current) if current else f"{LEASE} was removed"
 
 
 def in_use(uri: str, current: dict, ttl_s: float = TTL_S) -> ConfigError:

@@ -30,6 +30,7 @@ def _train_in(cfg, resume, verbose: bool, allow_change) -> int:
     import ray
 
     from raytrain_hybrid.launch.driver import Terminated, run
+    from raytrain_hybrid.launch.lease import LeaseLost
     from raytrain_hybrid.launch.progress import quiet_driver
     from raytrain_hybrid.launch.rundir import RunDir, mirror_dir
 
@@ -46,6 +47,10 @@ def _train_in(cfg, resume, verbose: bool, allow_change) -> int:
                 # killed on its way out, a shutdown that hangs), the refusal has reached the user.
                 print(redact(f"error: {exc}"), file=err, flush=True)
                 return 2
+            except LeaseLost as exc:  # another run took run.output_dir over: nothing more is written there
+                refused.append(True)  # (its driver.log is the other run's now)
+                print(redact(f"error: {exc}"), file=err, flush=True)
+                return 1
             except Exception as exc:  # a worker failed: Ray's error carries its traceback
                 print(redact(f"error: training failed: {exc}"), file=err)  # (Ray's error quotes values)
                 if not verbose:

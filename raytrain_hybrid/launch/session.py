@@ -56,6 +56,10 @@ def join_ray(address: str, need_cpus: int = 0) -> None:
         log_to_driver=False,
         include_dashboard=False,
     )
+    # Its processes end with this one however it ends, kill -9 included (launch.reaper).
+    from raytrain_hybrid.launch import reaper
+
+    reaper.start()
 
 
 def ray_address(cfg: Config) -> str:
