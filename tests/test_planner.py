@@ -243,3 +243,28 @@ def test_bubble_and_activations_in_flight_follow_the_schedules_own_action_order(
             assert in_flight_microbatches(schedule, pp, mb, virtual) == counted, (pp, mb)
     cfg = load_config(None, ["parallelism.schedule=DualPipeV", "parallelism.dp=1", "parallelism.microbatches=8"])
     assert predict(cfg, PROFILES["h100"])["bubble_fraction"] == pytest.approx(1 / 49)
+
+
+@pytest.mark.parametrize("schedule", ["LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"])
+def test_looped_and_zero_bubble_schedules_follow_the_schedules_own_action_order(schedule):
+    """The same for the breadth-first and zero-bubble schedules, at every micro-batch count the config
+    takes from pp up (multiples of pp) and 2 or 3 chunks a rank: LoopedBFS holds every micro-batch
+    (as GPipe) with the interleaved bubble; the zero-bubble ones fill the drain with weight halves
+    (ZB-H1's (pp-1)/v chunk-forwards idle), ZBV reaching it from 2*pp micro-batches. And `check`'s
+    prediction uses them: fewer micro-batches in flight or a smaller bubble than 1F1B's own."""
+    from raytrain_hybrid.tools.plots import _schedule_orders, schedule_timeline
+
+    for virtual in (2,) if schedule == "ZBVZeroBubble" else (2, 3):
+        for pp in (2, 3, 4):
+            for mb in (pp, 2 * pp, 3 * pp):
+                _, bubble = schedule_timeline(schedule, pp, mb, virtual)
+                assert bubble_fraction(schedule, pp, mb, virtual) == pytest.approx(bubble, abs=1e-9), (virtual, pp, mb)
+                counted = _first_rank_in_flight(_schedule_orders(schedule, pp, mb, virtual))
+                assert in_flight_microbatches(schedule, pp, mb, virtual) == counted, (virtual, pp, mb)
+    layout = ["parallelism.dp=1", "parallelism.pp=4", "parallelism.microbatches=8", "model.num_layers=8"]
+    ours = predict(load_config(None, [*layout, f"parallelism.schedule={schedule}"]), PROFILES["h100"])
+    one_f_one_b = predict(load_config(None, [*layout, "parallelism.schedule=1F1B"]), PROFILES["h100"])
+    assert ours["bubble_fraction"] == pytest.approx(bubble_fraction(schedule, 4, 8, 2))
+    assert ours["bubble_fraction"] < one_f_one_b["bubble_fraction"]
+    if schedule == "LoopedBFS":  # all 8 micro-batches in flight against 1F1B's 4
+        assert ours["memory_bytes"]["activations"] > one_f_one_b["memory_bytes"]["activations"]

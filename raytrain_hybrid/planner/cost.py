@@ -11,6 +11,13 @@ Sources of the formulas (cited where used):
 - DualPipeV: DeepSeek-AI, "DeepSeek-V3 Technical Report" (2024), table 2, and the DualPipe
   repository's table for its V variant: bubble (PP/2-1)(F&B+B-3W), activations of PP+1 chunks,
   over PP = 2*pp chunks.
+- Zero-bubble schedules: Qi et al., "Zero Bubble Pipeline Parallelism" (ICLR'24): backward split
+  into an input half (B) and a weight half (W) that fills the drain; ZB-H1's bubble is
+  (p-1)(T_F + T_B - T_W) a stage, 1/v of it for v interleaved chunks (InterleavedZeroBubble), with
+  the activations of 1F1B (p micro-batches); ZB-V (ZBVZeroBubble) the same from 2p micro-batches on.
+- Breadth-first looping (LoopedBFS): Lamy-Poirier, "Breadth-First Pipeline Parallelism" (MLSys'23):
+  every micro-batch's forward through a chunk before the next chunk, so the bubble of an interleaved
+  schedule and the activations of all micro-batches (as GPipe).
 - FLOPs per token: raytrain_hybrid.models.flops (6N + attention).
 - Context parallelism by all-to-all head exchange: Jacobs et al., "DeepSpeed Ulysses" (2023):
   activations / cp, four all-to-alls a layer forward (q, k, v in; the output back) and four backward.
@@ -123,13 +130,18 @@ def lora_state_bytes(cfg: Config, phi: float, *, zero: int, dp: int) -> tuple[di
 
 
 def in_flight_microbatches(schedule: str, pp: int, microbatches: int, virtual: int) -> float:
-    """Micro-batches whose activations the first stage holds at its peak (Narayanan et al. 2021)."""
+    """Micro-batches whose activations the first stage holds at its peak (Narayanan et al. 2021),
+    in units of the rank's layers."""
     if pp == 1:
         return 1.0
-    if schedule == "GPipe":
+    if schedule in ("GPipe", "LoopedBFS"):  # every forward before the backwards begin
         return float(microbatches)
     if schedule == "DualPipeV":  # 2*pp+1 chunks of half a rank's layers, on every rank
         return pp + 0.5
+    if schedule == "ZBVZeroBubble":  # one chunk-forward more in flight every second micro-batch, up to pp
+        return min(float(pp), (microbatches + 1) / 2)
+    if schedule == "InterleavedZeroBubble":  # ZB-H1 keeps 1F1B's pp micro-batches
+        return float(min(microbatches, pp))
     base = float(min(microbatches, pp))
     return base * (1 + (pp - 1) / (pp * virtual)) if virtual > 1 else base
 
@@ -138,12 +150,28 @@ def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual: int) -> 
     """Idle share of a rank's step: pp-1 stage slots of fill and drain against microbatches x
     virtual of work (Narayanan et al. 2021). DualPipeV splits backward into input and weight halves
     and fills the ramps with weight halves: with forward, input and weight halves alike per chunk
-    (F = B = W) and F&B unoverlapped (3F), (pp-1) F idle against 6 F a micro-batch."""
+    (F = B = W) and F&B unoverlapped (3F), (pp-1) F idle against 6 F a micro-batch. The zero-bubble
+    schedules fill the drain with weight halves too (zero_bubble_idle)."""
     if pp == 1:
         return 0.0
     if schedule == "DualPipeV":
         return (pp - 1) / (6 * microbatches + pp - 1)
+    if schedule in ZERO_BUBBLE:  # idle chunk-forwards of the fill against 3 m units (F + B + W) a rank
+        idle = zero_bubble_idle(schedule, pp, microbatches, virtual)
+        return idle / (3 * microbatches + idle)
     return (pp - 1) / (microbatches * virtual + pp - 1)
+
+
+ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble")
+
+
+def zero_bubble_idle(schedule: str, pp: int, microbatches: int, virtual: int) -> float:
+    """A rank's idle time in a step of a zero-bubble schedule, in units of one stage's forward (F = B
+    = W): ZB-H1's (pp-1)(F + B - W) over v chunks (Qi et al. 2024); ZB-V's V layout reaches that at
+    2*pp micro-batches and idles 2*pp-1-m below it (torch's ZBV order, timed)."""
+    if schedule == "ZBVZeroBubble":
+        return max(2 * pp - 1 - microbatches, (pp - 1) / 2)
+    return (pp - 1) / virtual
 
 
 def layer_activation_bytes(
