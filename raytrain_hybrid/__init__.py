@@ -43,31 +43,54 @@ for _name in ("torchao", "torch.utils._pytree"):
 del _name
 
 
-def check(cfg: Config, topology: list[int] | None = None, hardware: str | None = None) -> dict:
-    """Place ``cfg``'s layout on nodes, as ``raytrain-hybrid check --topology`` does.
+def check(
+    cfg: Config,
+    topology: list[int] | None = None,
+    hardware: str | None = None,
+    *,
+    resume: str | None = None,
+    allow_change: list[str] | None = None,
+) -> dict:
+    """Place ``cfg``'s layout on nodes and make the run plan ``train`` would run on them, as
+    ``raytrain-hybrid check --topology`` does: nothing is started or written.
 
     Args:
         cfg: a config from :func:`load_config` (which has checked the config itself).
         topology: workers per node, e.g. ``[4, 4]``; default one node holding every rank.
         hardware: a hardware profile name ("h100", "a100-80", ...) or a calibrated JSON file:
             adds the cost model's memory and throughput line.
+        resume: a checkpoint or run directory to continue from, checked as ``train --resume``
+            checks it.
+        allow_change: trajectory keys the resume may change on purpose (``--allow-change``).
 
     Returns:
-        ``{"ranks": [{rank, node, pp, dp, tp}], "groups": {axis: [[ranks]]}}``, and
-        ``"planner"`` (a line of text) with ``hardware``.
+        ``{"ranks": [{rank, node, pp, dp, tp}], "groups": {axis: [[ranks]]}, "plan": RunPlan,
+        "said": [lines]}``, and ``"planner"`` (a line of text) with ``hardware``. ``plan`` is the
+        frozen plan ``train`` derives (its ``lines()``, as ``check`` prints them, and
+        ``to_json()``, as ``check --json`` prints it); ``said``: what ``train`` would say
+        before its start (warnings, what could not be verified here).
 
     Raises:
         LayoutError: a TP group would cross a node.
+        ConfigError: what ``train`` refuses before its first step (missing data, an output
+            directory holding another run's checkpoints or lease, a resume that changes the run).
     """
     from raytrain_hybrid.distributed.parallel_dims import placement_report
+    from raytrain_hybrid.errors import redact
+    from raytrain_hybrid.launch.startcheck import check_layout, check_plan
 
     dims = ParallelDims.from_config(cfg.parallelism)
-    report = placement_report(dims, topology or [dims.world_size])
+    nodes = topology or [dims.world_size]
+    report = placement_report(dims, nodes)
     if hardware:
         from raytrain_hybrid.planner.hardware import load_hardware
         from raytrain_hybrid.planner.search import describe
 
         report["planner"] = describe(cfg, load_hardware(hardware))
+    said, notes = [], []
+    at, _, reach = check_layout(cfg, nodes, said.append)  # layout="auto": the planner's pick for these nodes
+    report["plan"] = check_plan(at, cfg, nodes, resume, allow_change or [], notes, said.append, reach)
+    report["said"] = [redact(line) for line in [*said, *(f"not verified: {n}" for n in notes)]]
     return report
 
 

@@ -88,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
         help="workers per node, e.g. 4,4 (default: the joined cluster's placement, else one node holding all)",
     )
     _add_resume_args(check)
-    check.add_argument("--json", action="store_true", help="print the ranks, groups and start plan as JSON on stdout")
+    check.add_argument("--json", action="store_true", help="print the ranks, groups and the run plan as JSON on stdout")
     check.add_argument(
         "--hardware",
         default="",

@@ -214,8 +214,15 @@ def test_the_8gpu_finetune_example_checks_once_its_paths_are_filled_in():
     assert cfg.parallelism.layout == "auto" and cfg.train.dtype == "bfloat16" and cfg.data.format == "chat"
     assert cfg.cluster.use_gpu is True and cfg.cluster.gpus_per_node == 8 and cfg.parallelism.world_size == 8
     assert "://" not in cfg.run.output_dir and cfg.model.arch == "llama" and cfg.model.num_layers == 32
-    report = rh.check(cfg, topology=[8], hardware="h100")
-    assert "8 ranks" in report["planner"] and "(fits)" in report["planner"], report["planner"]
+    # The planner prices it from the checkpoint's config.json; rh.check, which also makes the run's
+    # plan, refuses the stand-in as train would: it is that config.json without the weights.
+    from raytrain_hybrid.planner.hardware import load_hardware
+    from raytrain_hybrid.planner.search import describe
+
+    planner = describe(cfg, load_hardware("h100"))
+    assert "8 ranks" in planner and "(fits)" in planner, planner
+    with pytest.raises(rh.ConfigError, match=r"has no \*\.safetensors weights next to config\.json"):
+        rh.check(cfg, topology=[8], hardware="h100")
     header = path.read_text()
     for key in ("model.pretrained", "data.path"):
         assert f"--set {key}=" in header  # the header's commands fill both

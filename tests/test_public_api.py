@@ -54,6 +54,31 @@ def test_check_places_ranks_and_prices_the_layout():
     assert "H100" in report["planner"] and "fits" in report["planner"]
 
 
+def test_check_returns_the_plan_check_prints_and_refuses_what_train_refuses(tmp_path, capsys):
+    """rh.check's plan is the RunPlan `check --json` prints for the same config and nodes; what
+    `train` refuses before its first step, rh.check raises, in the CLI's words."""
+    import json
+
+    from raytrain_hybrid import cli
+
+    def check_json(sets):  # the CLI's check of the same config on the same nodes
+        return ["check", "--topology", "4,4", "--json", *(a for s in sets for a in ("--set", s))]
+
+    sets = ["parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=2", f"run.output_dir={tmp_path / 'run'}"]
+    sets.append("run.shared_fs=true")
+    cfg = rh.load_config(None, [*sets, "data.path=memory"])
+    plan = rh.check(cfg, topology=[4, 4])["plan"]
+    assert plan.lines()[0].startswith("start: dp=2 tp=2 pp=2, 8 workers (1 CPU, 1 GPU each) on nodes holding [4, 4]")
+    assert plan.asked is cfg and plan.for_workers().cfg == plan.cfg and not (tmp_path / "run").exists()
+    assert cli.main(check_json([*sets, "data.path=memory"])) == 0
+    assert json.loads(capsys.readouterr().out)["plan"] == json.loads(json.dumps(plan.to_json()))
+    missing = [*sets, f"data.path={tmp_path / 'nope.parquet'}"]
+    with pytest.raises(rh.ConfigError) as refused:
+        rh.check(rh.load_config(None, missing), topology=[4, 4])
+    assert "does not exist" in str(refused.value)
+    assert cli.main(check_json(missing)) == 2 and capsys.readouterr().err == f"error: {refused.value}\n"
+
+
 def test_check_refuses_tp_across_nodes():
     cfg = rh.load_config(None, ["parallelism.dp=1", "parallelism.tp=4", "parallelism.pp=2"])
     with pytest.raises(rh.LayoutError, match="tp=4"):
