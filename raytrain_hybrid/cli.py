@@ -129,6 +129,31 @@ def _parser() -> argparse.ArgumentParser:
         default="runs/sweep",
         help="directory or URI (s3://, gs://) for sweep.csv, sweep.json, sweep.png and the trials' runs",
     )
+    lh = _command(
+        sub, "lighthouse", "run the torchft Lighthouse that a fault-tolerant run's replica groups meet at, until Ctrl-C"
+    )
+    lh.add_argument("--port", type=count(0), default=29510, metavar="N", help="port to listen on (default 29510)")
+    lh.add_argument(
+        "--min-replicas",
+        type=count(1),
+        default=1,
+        metavar="N",
+        help="the fewest replica groups a quorum is formed with (default 1; see fault_tolerance.min_replicas)",
+    )
+    lh.add_argument(
+        "--join-timeout-s",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="how long a quorum waits for groups that are up but have not asked to join (default 60)",
+    )
+    lh.add_argument(
+        "--heartbeat-timeout-s",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="a group not heard from for this long is out of the next quorum (default 5)",
+    )
     prep = _command(sub, "prepare-data", "tokenize text files or Parquet into token Parquet shards (Ray Data)")
     prep.add_argument("source", help="text files (documents split by blank lines), Parquet, a directory or a glob")
     prep.add_argument("out_dir", help="directory or URI (s3://, gs://) for the Parquet shards")
@@ -326,6 +351,10 @@ def _command_run(args) -> int:
         return 0
     if args.command == "calibrate":
         return _calibrate(args)
+    if args.command == "lighthouse":
+        from raytrain_hybrid.launch.lighthouse import serve
+
+        return serve(args.port, args.min_replicas, args.join_timeout_s, args.heartbeat_timeout_s)
     overrides = args.overrides
     if getattr(args, "address", ""):  # --address: cluster.address, over a --set of it
         overrides = [*overrides, f"cluster.address={args.address}"]

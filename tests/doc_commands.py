@@ -343,6 +343,8 @@ def _why_not(step: Shown, args, made: dict, skipped: dict, setups: dict) -> str:
             return f"logs to a server ({word})"
         if word.startswith("WANDB_API_KEY="):
             return "logs to Weights & Biases (an account, WANDB_API_KEY)"
+    if args is not None and args.command == "lighthouse":
+        return "a server that runs until it is stopped (tests/test_replicas.py starts one as shown)"
     if args is None or args.command in ("check", "plan") or step.fails:
         runs_anyway = True  # offline: check and plan read no bucket, start nothing
     else:

@@ -172,3 +172,96 @@ def test_refusals_name_the_key_and_what_works():
 
     group = group_config(cfg)
     assert (group.parallelism.dp, group.parallelism.replicate, group.train.global_batch_size) == (2, 1, 8)
+
+
+def test_torchrun_groups_a_killed_worker_and_the_run_equals_an_uninterrupted_one(tmp_path):
+    """From the user's side: `raytrain-hybrid lighthouse`, then one torchrun launch per replica
+    group (--max-restarts). A worker of group 1 is killed (SIGKILL) during the run; torchrun
+    restarts that group alone, which receives the state from group 0, and the run's losses,
+    gradient norms and learning rates are those of an uninterrupted single-process run."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import psutil
+    from conftest import reference_history
+    from test_oracle import RTOL
+
+    bin_dir = Path(sys.executable).parent
+    steps = 6
+    common = (*SHORT, *MEMORY, f"train.steps={steps}", *layout(2, 1, 1, "1F1B", 2))
+    lighthouse = subprocess.Popen(
+        [str(bin_dir / "raytrain-hybrid"), "lighthouse", "--port", "0", "--min-replicas", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        address = lighthouse.stdout.readline().split()[1]
+        run = tmp_path / "run"
+        sets = [
+            *common,
+            "fault_tolerance.enabled=true",
+            "fault_tolerance.min_replicas=2",  # group 0 waits for group 1 at each step: it cannot finish first
+            "fault_tolerance.step_timeout_s=20",
+            f"run.output_dir={run}",
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHFT_LIGHTHOUSE": address}
+
+        def launch(group: int) -> subprocess.Popen:
+            args = [a for o in (*sets, f"fault_tolerance.replica_group={group}") for a in ("--set", o)]
+            cmd = [str(bin_dir / "torchrun"), "--standalone", "--nproc-per-node", "1", "--max-restarts", "1"]
+            return subprocess.Popen(
+                [*cmd, "-m", "raytrain_hybrid.cli", "train", *args],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=env,
+            )
+
+        groups = [launch(0), launch(1)]
+        metrics = run / "replica_1" / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            time.sleep(0.2)
+        assert metrics.exists(), "group 1 never trained"
+        workers = psutil.Process(groups[1].pid).children(recursive=True)
+        assert workers, "no worker process under group 1's torchrun"
+        os.kill(workers[-1].pid, signal.SIGKILL)  # one worker: torchrun restarts its group
+        outs = [g.communicate(timeout=300)[0] for g in groups]
+        assert [g.returncode for g in groups] == [0, 0], outs
+    finally:
+        lighthouse.send_signal(signal.SIGINT)
+        lighthouse.wait(30)
+
+    assert "fault tolerance: replica group 0 of 2" in outs[0], outs[0]
+    rows = [json.loads(line) for line in (run / "replica_0" / "metrics.jsonl").read_text().splitlines()]
+    steps_of = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps_of] == list(range(steps))
+    assert all(r["replicas_in_step"] == [0, 1] for r in steps_of), [r["replicas_in_step"] for r in steps_of]
+    healed = [json.loads(line) for line in (run / "replica_1_restart1" / "metrics.jsonl").read_text().splitlines()]
+    healed_steps = [r["step"] for r in healed if "loss" in r]
+    assert healed_steps and healed_steps[0] >= 2 and healed_steps[-1] == steps - 1, healed_steps
+    reference = reference_history(common, "memory")
+    for got, want in zip(steps_of, reference, strict=True):
+        for key in ("loss", "grad_norm"):
+            assert got[key] == pytest.approx(want[key], rel=RTOL), (key, got["step"])
+        assert got["lr"] == pytest.approx(want["lr"], rel=1e-9)
+
+
+def test_train_on_ray_refuses_fault_tolerance_and_says_how_to_launch_it(tmp_path, capsys):
+    from raytrain_hybrid import cli
+
+    sets = [
+        *SHORT,
+        *MEMORY,
+        *layout(2, 2, 1, "1F1B", 2),
+        "fault_tolerance.enabled=true",
+        f"run.output_dir={tmp_path}/r",
+    ]
+    assert cli.main(["train", *[a for o in sets for a in ("--set", o)]]) == 2
+    err = capsys.readouterr().err
+    assert "fault_tolerance.enabled" in err and "torchrun --standalone --nproc-per-node 2" in err, err
+    assert "raytrain-hybrid lighthouse" in err and not (tmp_path / "r").exists()

@@ -127,6 +127,7 @@ def documented() -> list[tuple[str, list[str]]]:
 def test_the_documented_torchrun_commands_start_as_many_ranks_as_their_layout_needs():
     from raytrain_hybrid.cli import _parser
     from raytrain_hybrid.config import load_config
+    from raytrain_hybrid.config.fault_tolerance import replica_groups
 
     shown = documented()
     assert len(shown) >= 3, shown
@@ -138,7 +139,10 @@ def test_the_documented_torchrun_commands_start_as_many_ranks_as_their_layout_ne
         assert args.command == "train", where
         # The model and data are the reader's: their layout is what is checked here.
         sets = [o for o in args.overrides if not o.startswith(("model.pretrained=", "data.path="))]
-        par = load_config(
+        cfg = load_config(
             args.config, [*sets, "model.pretrained=", "data.path=memory", "data.format=text"], unverified=[]
-        ).parallelism
-        assert par.layout == "fixed" and par.world_size == nproc, where
+        )
+        par = cfg.parallelism
+        # With fault tolerance, each replica group is a launch of its own.
+        groups = replica_groups(par) if cfg.fault_tolerance.enabled else 1
+        assert par.layout == "fixed" and par.world_size // groups == nproc, where
