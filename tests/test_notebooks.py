@@ -1,10 +1,14 @@
 """The notebooks run top to bottom as a user opens them (a fresh kernel, the notebook's folder
-as working directory) and produce their pictures."""
+as working directory) and produce their pictures; what each cell shows in the committed notebook
+is what it shows when run now (text to the character, except measured speeds; pictures by their
+kind and size, not by pixel). With RT_WRITE_NOTEBOOKS=1 the tests write the executed notebooks
+back instead (CONTRIBUTING.md: Notebooks)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,9 +23,71 @@ def execute(name: str, env: dict[str, str]):
     from nbclient import NotebookClient
 
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
-    client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}})
+    client = NotebookClient(
+        nb,
+        timeout=600,
+        kernel_name="python3",
+        record_timing=False,  # (no timestamps in the cells' metadata: a re-saved notebook differs by its outputs only)
+        resources={"metadata": {"path": str(NOTEBOOKS)}},
+    )
     client.execute(env=env)
     return nb
+
+
+# What a cell prints that is measured, not computed: masked before the saved and the new outputs are compared.
+MEASURED = {"quick_start.ipynb": [re.compile(r"[\d,.]+ tokens/s")]}
+
+
+def shown(nb, name: str) -> list[list]:
+    """Per code cell, what it shows: what it prints (each stream's chunks joined, measured
+    numbers masked), and of a picture its kinds of data and its text form ("<Figure size 500x300
+    with 1 Axes>"). Not the PNG's bytes, which move with matplotlib's and freetype's versions,
+    nor stderr: the libraries' log lines (Ray's, tqdm's), with their times and process ids."""
+    cells = []
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        out: list = []
+        for o in cell.outputs:
+            if o.output_type == "stream" and o.name == "stderr":
+                continue
+            if o.output_type == "stream":
+                text = o.text.replace(str(ROOT), "<checkout>")  # (saved so, see assert_saved_outputs_current)
+                for pattern in MEASURED.get(name, []):
+                    text = pattern.sub("<measured>", text)
+                if out and out[-1][0] == o.name:
+                    out[-1] = (o.name, out[-1][1] + text)
+                else:
+                    out.append((o.name, text))
+            else:
+                data = o.get("data", {})
+                out.append((o.output_type, sorted(data), data.get("text/plain", o.get("ename", ""))))
+        cells.append(out)
+    return cells
+
+
+def assert_saved_outputs_current(nb, name: str) -> None:
+    """The committed notebook shows what it shows when run now (or, with RT_WRITE_NOTEBOOKS=1,
+    is rewritten with the new outputs)."""
+    import nbformat
+
+    path = NOTEBOOKS / name
+    if os.environ.get("RT_WRITE_NOTEBOOKS") == "1":  # saved without the log lines (not compared: see shown)
+        for cell in nb.cells:
+            if cell.cell_type == "code":
+                cell.outputs = [o for o in cell.outputs if o.get("name") != "stderr"]
+                for o in cell.outputs:  # this checkout's path as the README writes it
+                    if o.output_type == "stream":
+                        o.text = o.text.replace(str(ROOT), "<checkout>")
+        nbformat.write(nb, path)
+        return
+    saved, now = shown(nbformat.read(path, as_version=4), name), shown(nb, name)
+    assert len(saved) == len(now), f"notebooks/{name}: {len(saved)} code cells saved, {len(now)} now"
+    for i, (was, got) in enumerate(zip(saved, now, strict=True), 1):
+        assert was == got, (
+            f"notebooks/{name}, code cell {i}: the saved output is not what the cell shows now; re-save the "
+            f"notebook with RT_WRITE_NOTEBOOKS=1 (CONTRIBUTING.md)\nsaved: {was}\nnow:   {got}"
+        )
 
 
 NOTEBOOK_OF = {
@@ -62,10 +128,11 @@ def test_layout_explorer(executed):
     nb = executed["layout_explorer.ipynb"].result()
     out = text(nb)
     assert "layouts of 32 ranks" in out and "of 74.5 (fits)" in out  # rh.plan, then rh.check's planner line
-    assert "dp  tp  pp" in out
+    assert "dp  cp  tp  pp" in out
     assert "GPipe: bubble 27.3%" in out and "1F1B: bubble 27.3%" in out  # (p-1)/(m+p-1) at p=4, m=8
     assert "Interleaved1F1B: bubble 15.8%" in out
     assert images(nb) == 2  # memory breakdown, schedule timelines
+    assert_saved_outputs_current(nb, "layout_explorer.ipynb")
 
 
 def test_sweep_analysis(executed):
@@ -73,6 +140,7 @@ def test_sweep_analysis(executed):
     out = text(nb)
     assert "Spearman rank correlation, predicted vs measured tokens/s: 0.905" in out  # the committed benchmark
     assert images(nb) == 1
+    assert_saved_outputs_current(nb, "sweep_analysis.ipynb")
 
 
 def quick_start_reference() -> list[dict]:
@@ -99,3 +167,4 @@ def test_quick_start_trains_on_local_ray(executed):
     for got, want in zip(history, reference, strict=True):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-4), f"loss at step {want['step']}"
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), f"grad_norm at step {want['step']}"
+    assert_saved_outputs_current(nb, "quick_start.ipynb")
