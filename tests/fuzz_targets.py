@@ -191,13 +191,20 @@ def toml_text(tree: dict) -> str:
 
 
 def _paths(tree: dict, prefix: str = "") -> set[str]:
-    """Every dotted key of a TOML tree, tables and the keys inside them."""
+    """Every dotted key of a TOML tree, tables and the keys inside them (a table in an array is
+    named as the array's key is: ``a.b`` for ``[[a]] b = ...``)."""
     out = set()
     for key, value in tree.items():
         out.add(prefix + key)
-        if isinstance(value, dict):
-            out |= _paths(value, f"{prefix}{key}.")
+        for table in _tables(value):
+            out |= _paths(table, f"{prefix}{key}.")
     return out
+
+
+def _tables(value) -> list[dict]:
+    if isinstance(value, dict):
+        return [value]
+    return [t for v in value for t in _tables(v)] if isinstance(value, list) else []
 
 
 def run_config_file(case, workdir: Path) -> str:

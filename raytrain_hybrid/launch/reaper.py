@@ -10,7 +10,8 @@ So the driver that starts a local Ray also starts this small watcher (``start``)
 process, in a session of its own (a Ctrl-C to the terminal does not reach it), reading a pipe
 whose other end only the driver holds. While the driver lives, it notes the driver's
 descendants now and then; when the pipe ends (the driver exited, or was killed), it ends those
-that are still there (SIGTERM, then SIGKILL after a grace), and their children, then exits.
+that are still there, and their children, with SIGKILL (the driver is gone: nothing of its run
+may go on, not even a save a worker had under way), then exits.
 Nothing outside the driver's own descendants is touched: each process is held by psutil,
 which checks its start time before signalling (a pid reused since is left alone).
 
@@ -25,7 +26,6 @@ import signal
 import subprocess
 import sys
 
-GRACE_S = 3.0  # after SIGTERM, before SIGKILL
 _started: list = []  # the watcher of this process's local Ray (its pipe open while the driver lives)
 
 
@@ -77,16 +77,9 @@ def watch(driver_pid: int) -> None:
     known.pop(driver_pid, None)
     known = _descendants(known.values())  # and what they started since the last look
     known.pop(me, None)
-    left = [p for p in known.values() if p.is_running()]
-    for proc in left:
+    for proc in known.values():
         try:
-            proc.terminate()
-        except psutil.Error:
-            continue
-    _, alive = psutil.wait_procs(left, timeout=GRACE_S)
-    for proc in alive:
-        try:
-            proc.kill()
+            proc.kill()  # (psutil checks the process is still the one noted: a reused pid is left alone)
         except psutil.Error:
             continue
 
