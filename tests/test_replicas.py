@@ -14,7 +14,6 @@ group 0's weights.
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
 import pytest
@@ -22,7 +21,8 @@ import torch
 
 pytest.importorskip("torchft")
 
-from gloo_harness import _first_report, _rank, _run_job, context, rendezvous  # noqa: E402
+from ft_trial import Group, reached, wait_until  # noqa: E402
+from gloo_harness import context  # noqa: E402
 from reference import memory_windows, reference_run  # noqa: E402
 from test_oracle import MEMORY, SHORT, assert_oracle, layout  # noqa: E402
 
@@ -35,78 +35,6 @@ WAIT_FROM = 5  # group 0 waits here until group 1 is back (the test's clock, not
 FT = (*SHORT, *MEMORY, f"train.steps={STEPS}", *layout(2, 2, 1, "1F1B", 2), "fault_tolerance.enabled=true")
 
 
-def _group_job(rank: int, world: int, job: dict, marker: str, role: str) -> dict:
-    """One rank of one replica group: the engine's worker, with the test's fault and clock."""
-    from raytrain_hybrid.engine import replicas
-
-    if role == "dies":  # rank 0 of group 1's first attempt, mid-step, before the gradient average
-        combine = replicas.ReplicaSync.combine
-
-        def dying(self, loss, tokens):
-            if rank == 0 and self.manager.current_step() == DIE_AT:
-                os._exit(1)
-            return combine(self, loss, tokens)
-
-        replicas.ReplicaSync.combine = dying
-    if role == "rejoins":  # heartbeating: group 0 may go on
-        init = replicas.ReplicaSync.__init__
-
-        def joined(self, *args, **kwargs):
-            init(self, *args, **kwargs)
-            open(marker, "a").close()
-
-        replicas.ReplicaSync.__init__ = joined
-    if role == "survives":
-        begin = replicas.ReplicaSync.begin
-
-        def waiting(self):
-            open(f"{marker}.survivor_at_{self.manager.current_step()}", "a").close()
-            if self.manager.current_step() == WAIT_FROM:
-                deadline = time.monotonic() + 120
-                while not os.path.exists(marker) and time.monotonic() < deadline:
-                    time.sleep(0.2)
-            return begin(self)
-
-        replicas.ReplicaSync.begin = waiting
-    return _run_job(rank, world, job)
-
-
-class _Group:
-    """A replica group's ranks, forked, with a store of its own (as a torchrun launch has)."""
-
-    def __init__(self, ctx, cfg, marker: str, role: str) -> None:
-        self.store = rendezvous()
-        self.queue = ctx.Queue()
-        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.store.port)}
-        job = {"cfg": cfg}
-        world = cfg.parallelism.tp
-        self.procs = [
-            ctx.Process(
-                target=_rank, args=(r, world, self.store.port, _group_job, (job, marker, role), env, self.queue)
-            )
-            for r in range(world)
-        ]
-        for p in self.procs:
-            p.start()
-
-    def died(self) -> bool:
-        return any(p.exitcode not in (None, 0) for p in self.procs)
-
-    def kill(self) -> None:  # what torchrun's agent does to the rest of a group when one worker fails
-        for p in self.procs:
-            p.kill()
-            p.join(30)
-
-    def result(self):
-        status, payload = _first_report(self.queue, self.procs, limit=300)
-        if status != "ok":
-            self.kill()
-        assert status == "ok", payload
-        for p in self.procs:
-            p.join(60)
-        return payload
-
-
 def test_a_group_dies_and_rejoins_and_the_survivor_matches_the_replayed_reference(tmp_path):
     from torchft.coordination import LighthouseServer
 
@@ -115,17 +43,13 @@ def test_a_group_dies_and_rejoins_and_the_survivor_matches_the_replayed_referenc
     common = (*FT, f"fault_tolerance.lighthouse={lighthouse.address()}", "fault_tolerance.step_timeout_s=20")
     cfgs = [load_config(None, [*common, f"fault_tolerance.replica_group={g}"]) for g in (0, 1)]
     ctx = context()
-    survivor = _Group(ctx, cfgs[0], marker, "survives")
-    doomed = _Group(ctx, cfgs[1], marker, "dies")
-    deadline = time.monotonic() + 240
-    while not doomed.died() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert doomed.died(), "group 1 did not die at its step"
+    survivor = Group(ctx, cfgs[0], marker, "survivor", {"waits_at": WAIT_FROM})
+    doomed = Group(ctx, cfgs[1], marker, "doomed", {"dies_at": DIE_AT})
+    assert wait_until(doomed.died), "group 1 did not die at its step"
     doomed.kill()
     # Group 1 comes back once group 0 has trained on alone (committed the step group 1 died in).
-    while not os.path.exists(f"{marker}.survivor_at_{DIE_AT + 1}") and time.monotonic() < deadline:
-        time.sleep(0.2)
-    rejoined = _Group(ctx, cfgs[1], marker, "rejoins")
+    assert wait_until(lambda: reached(marker, "survivor", DIE_AT + 1))
+    rejoined = Group(ctx, cfgs[1], marker, "rejoined", {"rejoins": True})
     try:
         first, second = survivor.result(), rejoined.result()
     finally:
@@ -223,10 +147,8 @@ def test_torchrun_groups_a_killed_worker_and_the_run_equals_an_uninterrupted_one
 
         groups = [launch(0), launch(1)]
         metrics = run / "replica_1" / "metrics.jsonl"
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-            time.sleep(0.2)
-        assert metrics.exists(), "group 1 never trained"
+        trained = wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, every=0.2)
+        assert trained, "group 1 never trained"
         workers = psutil.Process(groups[1].pid).children(recursive=True)
         assert workers, "no worker process under group 1's torchrun"
         os.kill(workers[-1].pid, signal.SIGKILL)  # one worker: torchrun restarts its group
