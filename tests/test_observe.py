@@ -55,18 +55,19 @@ def test_every_worker_group_start_after_the_first_is_a_restart(tmp_path):
     step 5 was never reported), and the steps and checkpoints it redoes are dropped."""
     import json
 
+    from raytrain_hybrid.launch.events import CheckpointEvent, StartEvent, StepEvent
     from raytrain_hybrid.launch.progress import RunLog
 
     log = RunLog(tmp_path, steps=6, progress=False, tensorboard=False)
-    log.handle("start", {"step": 0})
+    log.handle(StartEvent(0))
     for step in range(4):
-        log.handle("step", {"step": step, "loss": 1.0})
+        log.handle(StepEvent({"step": step, "loss": 1.0}))
         if step in (1, 3):
-            log.handle("checkpoint", {"step": step + 1, "path": f"step_{step + 1}", "save_s": 0.1, "blocked_s": 0.0})
-    log.handle("start", {"step": 4})
-    log.handle("start", {"step": 2})
+            log.handle(CheckpointEvent(step + 1, f"step_{step + 1}", write_s=0.1, save_s=0.1, blocked_s=0.0))
+    log.handle(StartEvent(4))
+    log.handle(StartEvent(2))
     for step in range(2, 6):
-        log.handle("step", {"step": step, "loss": 2.0})
+        log.handle(StepEvent({"step": step, "loss": 2.0}))
     log.close()
     assert log.restarts == 2 and log.restarted_from == [4, 2]
     assert [c["step"] for c in log.checkpoints] == [2]

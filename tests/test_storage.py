@@ -126,6 +126,7 @@ def test_the_driver_files_reach_the_uri_when_a_checkpoint_completes(s3, tmp_path
     import json
     import shutil
 
+    from raytrain_hybrid.launch.events import CheckpointEvent, StepEvent
     from raytrain_hybrid.launch.progress import RunLog
     from raytrain_hybrid.launch.rundir import RunDir
 
@@ -137,11 +138,8 @@ def test_the_driver_files_reach_the_uri_when_a_checkpoint_completes(s3, tmp_path
     log = RunLog(run_dir.local, steps=4, progress=False, on_checkpoint=functools.partial(run_dir.sync, live))
     try:
         for step in (0, 1):
-            log.handle("step", {"step": step, "loss": 9.0 - step, "grad_norm": 1.0, "tokens_per_s": 1e3})
-        log.handle(
-            "checkpoint",
-            {"step": 2, "path": f"{uri}/checkpoints/step_2", "write_s": 0.1, "save_s": 0.1, "blocked_s": 0.0},
-        )
+            log.handle(StepEvent({"step": step, "loss": 9.0 - step, "grad_norm": 1.0, "tokens_per_s": 1e3}))
+        log.handle(CheckpointEvent(2, f"{uri}/checkpoints/step_2", write_s=0.1, save_s=0.1, blocked_s=0.0))
         root = open_store(uri)
         steps = [json.loads(line)["step"] for line in root.child("metrics.jsonl").read_text().splitlines()]
         assert steps == [0, 1]

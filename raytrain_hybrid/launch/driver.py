@@ -266,10 +266,10 @@ def watch(trainer, sink, run_log: RunLog, watchdog: StartupWatchdog, marks: dict
                 raise error
             next_lease_look = time.time() + LEASE_LOOK_S
         try:
-            kind, payload = sink.get(timeout=0.5)
+            event = sink.get(timeout=0.5)
         except Empty:
             continue
-        run_log.handle(kind, payload)
+        run_log.handle(event)
     thread.join()
     if "error" in outcome:
         raise outcome["error"]

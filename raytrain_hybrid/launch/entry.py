@@ -12,6 +12,14 @@ from raytrain_hybrid.checkpoint.manifest import MANIFEST, read_manifest, step_di
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.config.elastic import at_world
 from raytrain_hybrid.errors import ConfigError
+from raytrain_hybrid.launch.events import (
+    CheckpointEvent,
+    DoneEvent,
+    LayoutEvent,
+    PreemptionEvent,
+    StartEvent,
+    StepEvent,
+)
 from raytrain_hybrid.launch.tracking import StepLogger
 from raytrain_hybrid.storage import open_store
 
@@ -49,7 +57,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
     def on_step(metrics: dict) -> None:
         if sink is not None:
-            sink.put(("step", metrics))
+            sink.put(StepEvent(metrics))
         tracker.step(metrics)
 
     def on_checkpoint(steps_done: int, path, metrics: dict) -> None:
@@ -57,14 +65,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         # registers it on Ray Train's own filesystem, so that a restarted worker group gets it
         # from ray.train.get_checkpoint() and `keep` prunes there.
         if rank == 0 and sink is not None:  # before report's barrier: the driver copies its files out sooner
-            timings = {k: metrics[k] for k in ("write_s", "save_s", "blocked_s")}
-            sink.put(("checkpoint", {"step": steps_done, "path": str(path), **timings}))
+            sink.put(CheckpointEvent.of(steps_done, path, metrics))
         _register(path.uri if rank == 0 else None, {"loss": metrics["loss"], "step": steps_done})
         tracker.checkpoint(steps_done, str(path), metrics)  # registered with Ray now
 
     def on_notice(steps_done: int, saved: bool | None) -> None:  # every rank: heard (None), then saved
         if rank == 0 and sink is not None:
-            sink.put(("preemption", notice_event(steps_done, saved)))
+            sink.put(notice_event(steps_done, saved))
 
     resume, unheard = _restart_point(plan)
     start = read_manifest(resume)["step"] if resume else 0
@@ -73,10 +80,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     cfg, said = _start_layout(cfg, node_id, plan.layout_hardware)
     if rank == 0 and sink is not None:  # every start of a worker group: the driver counts restarts
         if said:
-            sink.put(("layout", {"lines": said}))
-        par = cfg.parallelism
-        layout = {"dp": par.dp, "tp": par.tp, "pp": par.pp, "microbatches": par.microbatches}
-        sink.put(("start", {"step": start, **layout}))
+            sink.put(LayoutEvent(tuple(said)))
+        sink.put(StartEvent.of(start, cfg))
     feeds = cfg.data.path != "memory"
     io = WorkerIO(
         on_step=on_step,
@@ -92,7 +97,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         # This start's layout and checkpoint: a restart's, or an elastic run's at the workers Ray started.
         result = run_worker(dataclasses.replace(plan, cfg=cfg, resume=resume), node_id, io)
     if rank == 0 and sink is not None:
-        sink.put(("done", {"memory": result["memory"], "marks": result["marks"]}))
+        sink.put(DoneEvent(result["memory"], result["marks"]))
     # A group restarted from the last step's checkpoint (a node lost, or a preemption's deadline,
     # after it was saved) has no step left to run.
     last = result["history"][-1] if result["history"] else {"loss": None, "step": start - 1}
@@ -138,18 +143,23 @@ def preemption_notice():
     return lambda: context.preemption_info is not None
 
 
-def notice_event(done: int, saved: bool | None) -> dict:
+def notice_event(done: int, saved: bool | None) -> PreemptionEvent:
     """What the driver hears of a preemption notice: when the ranks agreed on it (``saved`` None;
     rank 0's copy of Ray Train's info), then once its save is complete."""
     if saved is not None:
-        return {"step": done, "saved": saved, "saved_at": time.time()}
+        return PreemptionEvent(done, saved=saved, saved_at=time.time())
     from ray.train.v2._internal.execution.context import get_train_context
 
     info = get_train_context().preemption_context.preemption_info
-    event = {"step": done, "saved": None, "noticed_at": time.time()}
-    if info is not None:
-        event.update(nodes=info.preempted_node_ids, ranks=info.preempted_ranks, deadline_ms=info.deadline_ms)
-    return event
+    if info is None:
+        return PreemptionEvent(done, noticed_at=time.time())
+    return PreemptionEvent(
+        done,
+        noticed_at=time.time(),
+        nodes=info.preempted_node_ids,
+        ranks=info.preempted_ranks,
+        deadline_ms=info.deadline_ms,
+    )
 
 
 def _restart_point(plan) -> tuple[str | None, bool]:

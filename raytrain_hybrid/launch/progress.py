@@ -15,6 +15,15 @@ import tempfile
 from pathlib import Path
 
 from raytrain_hybrid.errors import redact
+from raytrain_hybrid.launch.events import (
+    CheckpointEvent,
+    DoneEvent,
+    LayoutEvent,
+    PreemptionEvent,
+    RunEvent,
+    StartEvent,
+    StepEvent,
+)
 from raytrain_hybrid.storage.nofollow import copy_new, create_new
 
 # metrics.jsonl key -> TensorBoard tag
@@ -95,8 +104,8 @@ def _status(m: dict) -> str:
 
 
 class RunLog:
-    """Consumes ("start", {"step", "dp", ...}), ("layout", {"lines"}), ("step", metrics), ("checkpoint", ...),
-    ("preemption", ...) and ("done", {"memory": per_rank}) events of one run."""
+    """Consumes the events of one run (launch.events): its starts, layouts, steps, checkpoints,
+    preemption notices and end."""
 
     def __init__(
         self,
@@ -160,45 +169,48 @@ class RunLog:
         elif self.lines is not None:
             print(text, file=self.lines, flush=True)
 
-    def handle(self, kind: str, payload: dict) -> None:
-        if kind == "start":
+    def handle(self, event: RunEvent) -> None:
+        if isinstance(event, StartEvent):
             # Rank 0 of every worker group says where it starts; every start after the first is
             # a restart (Ray Train's run.max_failures), also one that resumes past the last step
             # seen (a node lost after a checkpoint, before the next step was heard of).
             self.starts += 1
             if self.starts > 1:
-                self._restarted(payload["step"])
+                self._restarted(event.step)
+            start = event.record()
             before = self.dp_starts[-1] if self.dp_starts else None
-            if before is not None and any(before.get(k) != payload.get(k) for k in _SHAPE):  # an elastic run resized
-                self._say(f"resize: {_shape(before, payload)}, continuing from step {payload['step']}")
-            self.dp_starts.append(payload)
-        elif kind == "layout":  # an elastic run with layout=auto: the pick of this start
-            for line in payload["lines"]:
+            if before is not None and any(before.get(k) != start.get(k) for k in _SHAPE):  # an elastic run resized
+                self._say(f"resize: {_shape(before, start)}, continuing from step {event.step}")
+            self.dp_starts.append(start)
+        elif isinstance(event, LayoutEvent):  # an elastic run with layout=auto: the pick of this start
+            for line in event.lines:
                 if not (self.starts == 0 and line in self.said):  # the first start as the driver foresaw it
                     self._say(line)
-        elif kind == "step":
+        elif isinstance(event, StepEvent):
             self.live_steps += 1
-            self._step(payload)
-        elif kind == "checkpoint":
-            self.checkpoints.append(payload)
+            self._step(event.metrics)
+        elif isinstance(event, CheckpointEvent):
+            self.checkpoints.append(event.record())
             self._say(
-                f"checkpoint: {payload['step']} steps -> {payload['path']} "
-                f"({payload['save_s']:.2f} s, the steps held {payload['blocked_s']:.2f} s)"
+                f"checkpoint: {event.step} steps -> {event.path} "
+                f"({event.save_s:.2f} s, the steps held {event.blocked_s:.2f} s)"
             )
             if self.on_checkpoint is not None:
                 if self.tb is not None:
                     _flush_tensorboard(self.tb)
                 self.on_checkpoint()
-        elif kind == "preemption":
-            self._preempted(payload)
-        elif kind == "done":
-            self.memory = payload["memory"]
-            self.marks = payload.get("marks", {})
+        elif isinstance(event, PreemptionEvent):
+            self._preempted(event.record())
+        elif isinstance(event, DoneEvent):
+            self.memory = event.memory
+            self.marks = event.marks
             if self.tb is not None:
                 for r in self.memory:  # one chart per quantity, one line per rank
                     for key in _MEMORY:
                         if r.get(key) is not None:
                             self.tb.add_scalar(f"memory/{key}/rank{r['rank']}", r[key], len(self.history))
+        else:
+            raise TypeError(f"not an event of a run: {event!r}")
 
     def _preempted(self, notice: dict) -> None:
         """Rank 0 says the ranks agreed on a preemption notice at step N (``saved`` None), then

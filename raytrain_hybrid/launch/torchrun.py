@@ -25,6 +25,7 @@ from raytrain_hybrid.config import Config
 from raytrain_hybrid.config.elastic import is_elastic
 from raytrain_hybrid.engine.hang import nccl_env, set_env
 from raytrain_hybrid.errors import ConfigError, LayoutError, redact
+from raytrain_hybrid.launch.events import CheckpointEvent, DoneEvent, StartEvent, StepEvent
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
 
@@ -238,7 +239,7 @@ def _train(rank: int, plan, prepared: dict | None, marks: dict) -> int:
         return _said_how(exc, cfg)
     if record is None:
         return 0
-    record.log.handle("done", {"memory": result["memory"], "marks": result["marks"]})
+    record.log.handle(DoneEvent(result["memory"], result["marks"]))
     record.log.close()
     summary = write_results(cfg, record.log, marks, record.run_dir)
     newest = f"; newest checkpoint {summary['checkpoints'][-1]['path']}" if summary["checkpoints"] else ""
@@ -297,17 +298,13 @@ class _Record:
             on_checkpoint=self.run_dir.sync,
             said=prepared["said"],
         )
-        par = cfg.parallelism
-        start = read_manifest(resume)["step"] if resume else 0
-        layout = {"dp": par.dp, "tp": par.tp, "pp": par.pp, "microbatches": par.microbatches}
-        self.log.handle("start", {"step": start, **layout})
+        self.log.handle(StartEvent.of(read_manifest(resume)["step"] if resume else 0, cfg))
 
     def step(self, metrics: dict) -> None:
-        self.log.handle("step", metrics)
+        self.log.handle(StepEvent(metrics))
 
     def checkpoint(self, steps_done: int, path, metrics: dict) -> None:
-        timings = {k: metrics[k] for k in ("write_s", "save_s", "blocked_s")}
-        self.log.handle("checkpoint", {"step": steps_done, "path": str(path), **timings})
+        self.log.handle(CheckpointEvent.of(steps_done, path, metrics))
         keep = self.cfg.checkpoint.keep  # Ray Train prunes under Ray; here, rank 0 once a save is complete
         if keep:
             root = self.run_dir.store.child("checkpoints")
