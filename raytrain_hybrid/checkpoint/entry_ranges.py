@@ -27,6 +27,8 @@ from raytrain_hybrid.checkpoint.hf_reader import Entry
 MIN_BYTES = 256 << 10
 # A block of more than this share of an entry is read with the whole entry.
 MAX_SHARE = 0.75
+# A tensor's description (data.pkl) is a few hundred bytes; one this large is not read.
+MAX_DESCRIPTION = 1 << 20
 
 
 class _Window(io.RawIOBase):
@@ -74,6 +76,9 @@ def _description(zf: zipfile.ZipFile):
     pickles = [n for n in names if n.endswith("/data.pkl")]
     if len(pickles) != 1:
         raise NotRanged(f"{len(pickles)} data.pkl records")
+    described = zf.getinfo(pickles[0])
+    if described.compress_type != zipfile.ZIP_STORED or described.file_size > MAX_DESCRIPTION:
+        raise NotRanged("a compressed or outsized data.pkl")  # (torch.save stores a few hundred bytes)
     prefix = pickles[0][: -len("data.pkl")]
     order = zf.read(f"{prefix}byteorder").decode() if f"{prefix}byteorder" in names else "little"
     storages: list[tuple[str, torch.dtype, int]] = []
