@@ -48,7 +48,7 @@ def test_a_run_ended_early_leaves_its_log_and_a_summary_saying_how(
 ):
     import ray.util.queue
 
-    def watch(*args):
+    def watch(*args, **kwargs):
         print("Ray's own line, for driver.log")
         if isinstance(end, type):
             raise end()
