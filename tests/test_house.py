@@ -72,3 +72,20 @@ print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformer
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "[]", done.stdout[-2000:]
+
+
+def test_data_and_launch_have_no_import_circles():
+    """Inside data/ and launch/ the modules import one another one way (lazy imports included):
+    a circle (examples -> packing -> stream -> packing, elastic <-> elastic_ray, checks <->
+    example_checks, all gone) means neither module can be read, changed or moved alone."""
+    import grimp
+
+    graph = grimp.build_graph("raytrain_hybrid", cache_dir=None)
+    circles = set()
+    for package in ("raytrain_hybrid.data", "raytrain_hybrid.launch"):
+        inside = {m for m in graph.modules if m.startswith(package + ".")}
+        for module in inside:
+            for imported in graph.find_modules_directly_imported_by(module) & inside:
+                if graph.chain_exists(importer=imported, imported=module):
+                    circles.add(tuple(sorted((module, imported))))
+    assert not circles, sorted(circles)

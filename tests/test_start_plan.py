@@ -101,7 +101,7 @@ def test_train_hands_every_worker_the_plan_read_only(tmp_path, monkeypatch):
     monkeypatch.setattr(start, "open_session", lambda cfg, marks, say: (cfg, Reach([{"CPU": 8.0}]), None))
     plan = start.plan_start(cfg, point, {}, lambda line: None, asked=asked)
     got = {}
-    monkeypatch.setattr(driver, "make_torch_trainer", lambda cfg, **kw: got.update(kw))
+    monkeypatch.setattr(driver, "make_torch_trainer", lambda plan, **kw: got.update(kw))
     driver.make_trainer(plan, sink="queue")
     loop = got["train_loop_config"]
     assert set(loop) == {"plan", "sink", "tracking"} and loop["sink"] == "queue" and loop["tracking"] is None

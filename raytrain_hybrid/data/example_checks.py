@@ -15,7 +15,7 @@ import os
 import pyarrow as pa
 
 from raytrain_hybrid.config import Config
-from raytrain_hybrid.data.checks import columns_fix, open_parquet
+from raytrain_hybrid.data.files import columns_fix, open_parquet
 from raytrain_hybrid.errors import ConfigError
 
 # Data sets up to this many rows are checked in the driver's process, larger ones by Ray Data's

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from raytrain_hybrid.data.packing import pack, rows_arrays
-from raytrain_hybrid.data.stream import StreamPosition, shuffled
+from raytrain_hybrid.data.packing import DocumentIterator, corpus_documents, pack, rows_arrays
+from raytrain_hybrid.data.stream import ReplicaStream, StreamPosition, shuffled, stream_args
 
 
 @dataclass
@@ -91,21 +91,14 @@ class ExampleStream:
             epoch += 1
 
 
+def _stream_args(cfg, dp: int, dp_rank: int) -> dict:
+    """A replica's stream of token rows as the config shapes it (data.stream.stream_args, and the rows' shape)."""
+    return {"seq_len": cfg.model.seq_len, "vocab_size": cfg.model.vocab_size, **stream_args(cfg, dp, dp_rank)}
+
+
 def example_stream(cfg, iterator, *, dp: int, dp_rank: int, skip_steps: int = 0) -> ExampleStream:
-    d = cfg.data
-    return ExampleStream(
-        iterator=iterator,
-        seq_len=cfg.model.seq_len,
-        vocab_size=cfg.model.vocab_size,
-        global_batch=cfg.train.global_batch_size,
-        dp=dp,
-        dp_rank=dp_rank,
-        seed=d.shuffle_seed,
-        epochs=d.epochs,
-        shuffle_buffer=d.shuffle_buffer,
-        skip_steps=skip_steps,
-        packing=d.packing,
-    )
+    args = _stream_args(cfg, dp, dp_rank)
+    return ExampleStream(iterator=iterator, skip_steps=skip_steps, packing=cfg.data.packing, **args)
 
 
 class TableIterator:
@@ -131,10 +124,20 @@ def in_memory_examples(cfg, dp: int, dp_rank: int):
     """step -> this replica's batch (or None when data.epochs ran out), without Ray; raw text
     packed (data.packing): the shipped corpus's documents."""
     if cfg.data.format == "text":
-        from raytrain_hybrid.data.packing import in_memory_packed_text
-
         return in_memory_packed_text(cfg, dp, dp_rank)
     return stepper(example_stream(cfg, TableIterator(cfg), dp=dp, dp_rank=dp_rank))
+
+
+def in_memory_packed_text(cfg, dp: int, dp_rank: int):
+    """step -> this replica's batch (None when data.epochs ran out): the shipped corpus's
+    documents, shuffled (data.shuffle_buffer, data.shuffle_seed) and packed, without Ray."""
+    from raytrain_hybrid.data.corpus import tokenize_corpus
+    from raytrain_hybrid.data.tokenizer import EOT, load_tokenizer
+
+    eot = load_tokenizer(cfg.data.tokenizer).token_to_id(EOT)
+    docs = corpus_documents(tokenize_corpus(tokenizer=cfg.data.tokenizer), eot)
+    args = _stream_args(cfg, dp, dp_rank)
+    return stepper(ReplicaStream(iterator=DocumentIterator(docs), token_column="input_ids", packing=True, **args))
 
 
 def stepper(stream):

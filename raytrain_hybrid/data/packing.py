@@ -120,30 +120,3 @@ class DocumentIterator:
         assert batch_format == "pyarrow", batch_format
         for start in range(0, self.table.num_rows, batch_size):
             yield self.table.slice(start, batch_size)
-
-
-def in_memory_packed_text(cfg, dp: int, dp_rank: int):
-    """step -> this replica's batch (None when data.epochs ran out): the shipped corpus's
-    documents, shuffled (data.shuffle_buffer, data.shuffle_seed) and packed, without Ray."""
-    from raytrain_hybrid.data.corpus import tokenize_corpus
-    from raytrain_hybrid.data.examples import stepper
-    from raytrain_hybrid.data.stream import ReplicaStream
-    from raytrain_hybrid.data.tokenizer import EOT, load_tokenizer
-
-    eot = load_tokenizer(cfg.data.tokenizer).token_to_id(EOT)
-    docs = corpus_documents(tokenize_corpus(tokenizer=cfg.data.tokenizer), eot)
-    d = cfg.data
-    stream = ReplicaStream(
-        iterator=DocumentIterator(docs),
-        token_column="input_ids",
-        seq_len=cfg.model.seq_len,
-        vocab_size=cfg.model.vocab_size,
-        global_batch=cfg.train.global_batch_size,
-        dp=dp,
-        dp_rank=dp_rank,
-        seed=d.shuffle_seed,
-        epochs=d.epochs,
-        shuffle_buffer=d.shuffle_buffer,
-        packing=True,
-    )
-    return stepper(stream)

@@ -245,19 +245,24 @@ class RowStream:
             epoch += 1
 
 
-def replica_stream(cfg: Config, iterator, *, dp: int, dp_rank: int, skip_steps: int = 0):
-    """A classifier's rows (RowStream) or a language model's token windows (ReplicaStream)."""
+def stream_args(cfg: Config, dp: int, dp_rank: int) -> dict:
+    """What every replica stream takes from the config: the global batch, this replica's share of
+    it, the passes and the shuffle."""
     d = cfg.data
-    common = {
-        "iterator": iterator,
+    return {
         "global_batch": cfg.train.global_batch_size,
         "dp": dp,
         "dp_rank": dp_rank,
         "seed": d.shuffle_seed,
         "epochs": d.epochs,
         "shuffle_buffer": d.shuffle_buffer,
-        "skip_steps": skip_steps,
     }
+
+
+def replica_stream(cfg: Config, iterator, *, dp: int, dp_rank: int, skip_steps: int = 0):
+    """A classifier's rows (RowStream) or a language model's token windows (ReplicaStream)."""
+    d = cfg.data
+    common = {"iterator": iterator, "skip_steps": skip_steps, **stream_args(cfg, dp, dp_rank)}
     if d.text_columns:
         return RowStream(num_classes=cfg.model.num_classes, **common)
     return ReplicaStream(

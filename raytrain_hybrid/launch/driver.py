@@ -23,7 +23,7 @@ from raytrain_hybrid.config import Config
 from raytrain_hybrid.config.elastic import is_elastic
 from raytrain_hybrid.errors import redact
 from raytrain_hybrid.launch.autoscale import POLL_S, ScalerProbe, StartupTimeout, StartupWatchdog
-from raytrain_hybrid.launch.elastic import make_torch_trainer, scaling_workers
+from raytrain_hybrid.launch.elastic import scaling_workers
 from raytrain_hybrid.launch.entry import train_loop_per_worker
 from raytrain_hybrid.launch.inputs import build_datasets
 from raytrain_hybrid.launch.lease import LeaseLost, acquire
@@ -198,7 +198,7 @@ def make_trainer(plan: RunPlan, *, sink, tracking=None):
     cfg, use_gpu = plan.cfg, plan.use_gpu
     backend = cfg.cluster.backend if cfg.cluster.backend != "auto" else ("nccl" if use_gpu else "gloo")
     return make_torch_trainer(
-        cfg,
+        plan,
         train_loop_per_worker=train_loop_per_worker,
         # The plan as every worker gets it (engine.plan.WorkerPlan, read-only), and the run's two
         # live handles: the driver's event queue and rank 0's tracker run (launch.tracking.TrackerRun).
@@ -223,6 +223,18 @@ def make_trainer(plan: RunPlan, *, sink, tracking=None):
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep or None),
         ),
     )
+
+
+def make_torch_trainer(plan: RunPlan, **kwargs):
+    """TorchTrainer(**kwargs); for an elastic run the one whose policy starts only the plan's
+    worker counts (launch.elastic_ray)."""
+    from ray.train.torch import TorchTrainer
+
+    if not is_elastic(plan.cfg.parallelism):
+        return TorchTrainer(**kwargs)
+    from raytrain_hybrid.launch.elastic_ray import ReplicaTorchTrainer
+
+    return ReplicaTorchTrainer(counts=plan.counts, tp=plan.cfg.parallelism.tp, **kwargs)
 
 
 def watch(trainer, sink, run_log: RunLog, watchdog: StartupWatchdog, marks: dict, lost=lambda: None) -> None:

@@ -59,17 +59,6 @@ def workers_that_fit(
     return fitting[-1] if fitting else room
 
 
-def make_torch_trainer(cfg: Config, **kwargs):
-    """TorchTrainer(**kwargs); for an elastic run the one whose policy starts only usable counts."""
-    from ray.train.torch import TorchTrainer
-
-    if not is_elastic(cfg.parallelism):
-        return TorchTrainer(**kwargs)
-    from raytrain_hybrid.launch.elastic_ray import ReplicaTorchTrainer
-
-    return ReplicaTorchTrainer(counts=worker_counts(cfg), tp=cfg.parallelism.tp, **kwargs)
-
-
 def start_line(cfg: Config) -> str:
     """What the driver says before an elastic run starts."""
     par = cfg.parallelism

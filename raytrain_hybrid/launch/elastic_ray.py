@@ -1,5 +1,5 @@
 """Ray Train V2's elastic policy, restricted to the worker counts of usable layouts (see
-launch.elastic). Imported only after launch.session.use_train_v2, by launch.elastic.
+launch.elastic). Imported only after launch.session.use_train_v2, by launch.driver.
 
 Ray has no public hook for a scaling policy: ``TorchTrainer.fit`` builds one from the
 ScalingConfig. So this subclasses Ray's ``ElasticScalingPolicy`` (only its worker count
