@@ -112,6 +112,13 @@ def test_train_hands_every_worker_the_plan_read_only(tmp_path, monkeypatch):
     with pytest.raises(dataclasses.FrozenInstanceError):
         given.resume = "elsewhere"
     assert got["scaling_config"].num_workers == 8 and got["scaling_config"].resources_per_worker == plan.resources
+    # An elastic run: Ray Train is asked for the plan's range of worker counts.
+    asked = load_config(None, [*ELASTIC, f"run.output_dir={tmp_path / 'elastic'}"])
+    cfg, point = start.prepare_run_dir(asked, None)
+    monkeypatch.setattr(start, "open_session", lambda cfg, marks, say: (cfg, Reach([{"CPU": 16.0}]), None))
+    plan = start.plan_start(cfg, point, {}, lambda line: None, asked=asked)
+    driver.make_trainer(plan, sink="queue")
+    assert plan.counts == [2, 4, 6, 8] and got["scaling_config"].num_workers == (2, 8)
 
 
 def test_check_json_keeps_its_keys_and_adds_the_start(tmp_path, capsys):

@@ -206,7 +206,7 @@ def make_trainer(plan: RunPlan, *, sink, tracking=None):
         torch_config=torch_config(cfg, backend),  # with run.hang_timeout_s, NCCL's flight recorder
         **build_datasets(cfg, plan.data_env),
         scaling_config=ScalingConfig(
-            **scaling_workers(cfg),  # a range of whole replicas for an elastic run (launch.elastic)
+            **scaling_workers(cfg, plan.counts),  # a range of whole replicas for an elastic run (launch.elastic)
             use_gpu=use_gpu,
             resources_per_worker=plan.resources,
             placement_strategy=cfg.cluster.placement_strategy,

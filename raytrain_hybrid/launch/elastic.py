@@ -31,9 +31,10 @@ def worker_counts(cfg: Config) -> list[int]:
     return [dp * par.cp * par.tp * par.pp for dp in usable_dps(par)]  # a replica: cp*tp*pp workers
 
 
-def scaling_workers(cfg: Config) -> dict:
-    """ScalingConfig's num_workers (a range for an elastic run) and its resize interval."""
-    counts = worker_counts(cfg)
+def scaling_workers(cfg: Config, counts: list[int] | None = None) -> dict:
+    """ScalingConfig's num_workers (a range for an elastic run) and its resize interval.
+    ``counts``: the run plan's worker counts (default: worked out from ``cfg``)."""
+    counts = counts or worker_counts(cfg)
     if not is_elastic(cfg.parallelism):
         return {"num_workers": counts[-1]}
     out: dict = {"num_workers": (counts[0], counts[-1])}
