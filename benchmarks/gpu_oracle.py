@@ -207,25 +207,39 @@ def run_case(overrides: list[str], kind: str, device: torch.device) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = one_gpu_parser(__doc__, OUT, "run the same cases on the CPU (a test of the script)")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {list(CASES)}")
-    parser.add_argument("--out", default=str(OUT))
-    parser.add_argument("--cpu", action="store_true", help="run the same cases on the CPU (a test of the script)")
     args = parser.parse_args(argv)
-    if not (args.cpu or torch.cuda.is_available()):
-        print("gpu_oracle: no CUDA device here; the CPU oracle is tests/test_oracle.py", file=sys.stderr)
+    if (device := join_world_of_one(args.cpu, "29517", "gpu_oracle: the CPU oracle is tests/test_oracle.py")) is None:
         return 2
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29517"), LOCAL_RANK="0")
-    if args.cpu:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    else:
-        device = torch.device("cuda", 0)
-        torch.cuda.set_device(device)
-        dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1, device_id=device)
     rows = run_cases([c for c in args.cases.split(",") if c], device, args.out)
     dist.destroy_process_group()
     return 0 if all(r.get("ok") for r in rows.values()) else 1
+
+
+def one_gpu_parser(doc: str, out: Path, cpu_help: str) -> argparse.ArgumentParser:
+    """The command line of a script for one GPU: --out (its JSON), --cpu (its CPU mode)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--out", default=str(out))
+    parser.add_argument("--cpu", action="store_true", help=cpu_help)
+    return parser
+
+
+def join_world_of_one(cpu: bool, port: str, without_gpu: str) -> torch.device | None:
+    """This process as a world of one: gloo on the CPU; on GPU 0, NCCL for CUDA tensors and gloo
+    for CPU ones. The device it runs on; None, having said that there is no GPU and
+    ``without_gpu``, when there is none."""
+    if not (cpu or torch.cuda.is_available()):
+        print(f"no CUDA device here; {without_gpu}", file=sys.stderr)
+        return None
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", port), LOCAL_RANK="0")
+    if cpu:
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        return torch.device("cpu")
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1, device_id=device)
+    return device
 
 
 def run_cases(names: list[str], device: torch.device, out: str) -> dict:
@@ -249,15 +263,22 @@ def run_cases(names: list[str], device: torch.device, out: str) -> dict:
     return rows
 
 
-def write(path: str, rows: dict, device: torch.device) -> None:
-    import transformers
-
-    out = {
-        "command": "cd <repo> && python " + " ".join(["benchmarks/gpu_oracle.py", *sys.argv[1:]]),
+def record_header(script: str, device: torch.device) -> dict:
+    """What a GPU script's JSON opens with: the command that wrote it, the date, the device, torch."""
+    return {
+        "command": "cd <repo> && python " + " ".join([script, *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
+    }
+
+
+def write(path: str, rows: dict, device: torch.device) -> None:
+    import transformers
+
+    out = {
+        **record_header("benchmarks/gpu_oracle.py", device),
         "transformers": transformers.__version__,
         "world": 1,
         "rtol": RTOL,

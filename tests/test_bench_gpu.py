@@ -35,3 +35,7 @@ def test_gpu_benchmark_smoke(tmp_path):
     # train.fp8, emulated here (torchao's casts, float32 matmuls): the cases a GPU of capability >= 8.9 runs.
     assert row["engine_compiled_fp8"]["step_s"] > 0 and row["engine_compiled_fp8_tensorwise"]["step_s"] > 0
     assert row["ratios"]["engine_compiled_fp8_final_loss_rel_diff"] < 2e-2, row["ratios"]
+    # And eager, against bf16 eager (gpu_suite.sh's "bf16 and fp8, eager and compiled").
+    assert row["engine_eager_fp8"]["step_s"] > 0 and row["engine_eager_fp8"]["compile_s"] is None
+    assert row["ratios"]["engine_eager_fp8_final_loss_rel_diff"] < 2e-2, row["ratios"]
+    assert row["ratios"]["engine_eager_fp8_over_engine_eager_step"] > 0

@@ -1,5 +1,6 @@
-"""The GPU checks in benchmarks/ (gpu_oracle.py, gpu_grouped_mm.py) run on the CPU here, so
-they cannot rot between GPU runs; their committed results come from a GPU."""
+"""The GPU checks in benchmarks/ (gpu_oracle.py, gpu_grouped_mm.py, gpu_profile.py, and
+gpu_suite.sh, which runs them) run on the CPU here, so they cannot rot between GPU runs; their
+committed results come from a GPU."""
 
 from __future__ import annotations
 
@@ -58,3 +59,87 @@ def test_grouped_expert_compute_equals_the_loop():
     assert row["grouped_mm_calls_forward"] == 2  # the grouped path ran
     for name, err in row["grouped_rel_err_vs_fp32_loop"].items():
         assert err < 2 * row["bf16_loop_rel_err_vs_fp32_loop"][name] + 1e-3, name
+
+
+def _profile(rank: int, world: int, out: str) -> dict:
+    sys.path.insert(0, str(BENCHMARKS))
+    import gpu_profile
+
+    return gpu_profile.run(torch.device("cpu"), out)
+
+
+def test_gpu_profile_smoke_reads_the_traced_steps(tmp_path):
+    """gpu_profile.py's CPU mode: run.profile_steps through the worker loop, the trace read by
+    trace_ops.py: the two traced steps, and where their time went (matmuls first on a CPU)."""
+    row = launch_ranks(_profile, 1, str(tmp_path))
+    assert row["ok"] and row["files"] == ["trace_rank0.json"], row
+    trace = row["trace"]
+    assert trace["steps"] == [4, 5] and len(trace["step_ms"]) == 2 and all(ms > 0 for ms in trace["step_ms"])
+    ops = {op["name"]: op for op in trace["top_cpu_ops"]}
+    assert "aten::mm" in ops and all(op["self_ms"] > 0 for op in ops.values()), ops
+    assert trace["top_cpu_ops"] == sorted(trace["top_cpu_ops"], key=lambda op: -op["self_ms"])
+    assert trace["top_gpu_kernels"] == [] and trace["gpu_busy_ms"] == 0
+
+
+def test_trace_self_time_subtracts_the_ops_an_op_calls(tmp_path, capsys):
+    sys.path.insert(0, str(BENCHMARKS))
+    import trace_ops
+
+    # linear (10 us) calls mm (6 us), which calls nothing; then an add (2 us); on another thread a backward op.
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "step 3", "ts": 0, "dur": 20, "pid": 1, "tid": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::linear", "ts": 1, "dur": 10, "pid": 1, "tid": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 2, "dur": 6, "pid": 1, "tid": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 12, "dur": 2, "pid": 1, "tid": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 5, "dur": 4, "pid": 1, "tid": 2},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 3, "dur": 5, "pid": 0, "tid": 7},
+    ]
+    path = tmp_path / "trace_rank0.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    got = trace_ops.read(path)
+    assert got["steps"] == [3] and got["step_ms"] == [0.02]
+    self_us = {op["name"]: op["self_ms"] * 1e3 for op in got["top_cpu_ops"]}
+    assert self_us == {"aten::mm": 10.0, "aten::linear": 4.0, "aten::add": 2.0}
+    assert got["top_cpu_ops"][0]["share_of_steps"] == 0.5
+    assert got["top_gpu_kernels"] == [{"name": "gemm", "self_ms": 0.005, "share_of_steps": 0.25}]
+    # By kind: linear and mm are matmuls; 8 of the step's 20 us its thread spent in no op.
+    kinds = {k["name"]: k["self_ms"] * 1e3 for k in got["cpu_by_kind"]}
+    assert kinds == {"matmuls": 14.0, "other aten ops": 2.0, "outside any op, on the step's thread": 8.0}
+    trace_ops.main([str(path), "--top", "1"])  # as docs/performance.md shows it
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["top_cpu_ops"] == got["top_cpu_ops"][:1] and printed["cpu_by_kind"] == got["cpu_by_kind"][:1]
+
+
+def test_gpu_suite_runs_the_three_scripts_with_arguments_they_take():
+    """benchmarks/gpu_suite.sh --dry-run: the oracle with every case (FP8 too where torchao is
+    here), bench_gpu.py and the profiler smoke, each within its time limit, 8 minutes in all; each
+    command line parses with the script's own parser."""
+    import subprocess
+
+    sys.path.insert(0, str(BENCHMARKS))
+    import bench_gpu
+    import gpu_oracle
+
+    done = subprocess.run(
+        ["bash", str(BENCHMARKS / "gpu_suite.sh"), "--dry-run"],
+        env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = dict(line.split(": ", 1) for line in done.stdout.strip().splitlines())
+    limits = {name.split()[0]: int(name.split("limit ")[1].rstrip("s)")) for name in lines}
+    assert list(limits) == ["oracle", "bench", "profile"] and sum(limits.values()) <= 8 * 60, limits
+    argv = {name.split()[0]: cmd.split()[2:] for name, cmd in lines.items()}
+    assert [cmd.split()[1] for cmd in lines.values()] == [
+        "benchmarks/gpu_oracle.py",
+        "benchmarks/bench_gpu.py",
+        "benchmarks/gpu_profile.py",
+    ]
+    cases = argv["oracle"][argv["oracle"].index("--cases") + 1].split(",")
+    assert cases == list(gpu_oracle.CASES) and any("fp8" in c for c in cases)
+    bench = bench_gpu.parse_args(argv["bench"])
+    assert bench.shapes == ["0.77b", "8b-layers"] and bench.out.endswith("benchmarks/results/gpu.json")
+    assert "engine_compiled_fp8" in bench_gpu.FP8_VARIANTS and "engine_eager_fp8" in bench_gpu.FP8_VARIANTS
+    assert argv["profile"] == ["--out", "benchmarks/results/gpu_profile.json"]
