@@ -132,9 +132,13 @@ def test_nccl_dumps_on_a_node_are_gathered_into_the_run_directory(tmp_path, monk
     hang.set_env({k: str(tmp_path / "ours" / "x_") for k in hang.DUMP_PREFIX_VARS})
     assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(local) and local.parent.is_dir()
     del os.environ["TORCH_FR_DUMP_TEMP_FILE"]
-    for rank in (0, 3):
+    for rank in (0, 3, 5):
         (local.parent / f"trace_{rank}").write_bytes(b"pickled record %d" % rank)
+        if rank != 5:  # rank 5's dump is still being written: left for the next look
+            os.utime(local.parent / f"trace_{rank}", (0, 0))
     store = open_store(str(tmp_path / "run")).child("hang")
     assert hang.gather_nccl_dumps(store) == ["trace_0", "trace_3"]
+    os.utime(local.parent / "trace_5", (0, 0))
+    assert hang.gather_nccl_dumps(store) == ["trace_5"]
     assert (tmp_path / "run" / "hang" / "nccl" / "trace_3").read_bytes() == b"pickled record 3"
     assert list(local.parent.iterdir()) == [] and hang.gather_nccl_dumps(store) == []

@@ -32,6 +32,7 @@ from raytrain_hybrid.storage import Store, open_store
 
 HANG_DIR = "hang"
 NCCL_DUMPS = "nccl"  # hang/nccl/: torch's own NCCL flight-recorder dumps, one file a rank
+SETTLE_S = 2.0  # a dump unchanged this long is whole
 FR_ENTRIES = "2000"  # entries of the flight recorder a rank keeps (torch's default)
 # Where torch writes a dump: this prefix followed by the rank (the first name is torch 2.13's, the
 # second the older one it still reads).
@@ -82,16 +83,21 @@ def ray_hang_detector_env(cfg, backend: str) -> dict[str, str]:
 
 def gather_nccl_dumps(store: Store) -> list[str]:
     """Copy the NCCL dumps on this node (where this process's variables say torch writes them) to
-    ``store``/nccl/, deleting the local copies; the names copied."""
+    ``store``/nccl/, deleting the local copies; the names copied. A file changed in the last
+    ``SETTLE_S`` may still be being written: the next look takes it."""
     prefix = next((os.environ[k] for k in DUMP_PREFIX_VARS if os.environ.get(k)), "")
     copied = []
     for path in sorted(glob.glob(glob.escape(prefix) + "*")) if prefix else []:
         try:
+            if time.time() - os.path.getmtime(path) < SETTLE_S:
+                continue
             with open(path, "rb") as f:
                 data = f.read()
             store.child(NCCL_DUMPS, os.path.basename(path)).write_bytes(data)
             os.unlink(path)
             copied.append(os.path.basename(path))
+        except FileNotFoundError:  # another rank of this node took it first
+            continue
         except OSError as exc:  # a dump still being written, or gone: the next look takes it
             log.warning("could not copy the NCCL dump %s: %s", path, exc)
     return copied
