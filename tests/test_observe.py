@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import os
 
+import pytest
+
 from raytrain_hybrid.launch.progress import quiet_driver
 
 
@@ -73,3 +75,37 @@ def test_every_worker_group_start_after_the_first_is_a_restart(tmp_path):
     assert [c["step"] for c in log.checkpoints] == [2]
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == list(range(6)) and [m["loss"] for m in lines] == [1.0] * 2 + [2.0] * 4
+
+
+def test_a_preemption_notice_its_save_and_the_restart_are_recorded_as_summary_json_keeps_them(tmp_path):
+    """Rank 0's typed events of a preemption (heard at step 2 with Ray Train's nodes, ranks and
+    deadline; its save complete; the group restarted from it) become the record summary.json
+    keeps: the notice's fields, the save's, the step the group restarted from, and the
+    checkpoint marked as the preemption's."""
+    from raytrain_hybrid.launch.events import CheckpointEvent, PreemptionEvent, StartEvent, StepEvent
+    from raytrain_hybrid.launch.progress import RunLog
+
+    log = RunLog(tmp_path, steps=4, progress=False, tensorboard=False)
+    log.handle(StartEvent(0, dp=2, tp=1, pp=1, microbatches=1))
+    for step in range(2):
+        log.handle(StepEvent({"step": step, "loss": 1.0}))
+    heard = PreemptionEvent(2, noticed_at=100.0, nodes=["abcdef123"], ranks=[1], deadline_ms=160_000)
+    log.handle(heard)
+    log.handle(CheckpointEvent(2, "step_2", write_s=0.1, save_s=0.2, blocked_s=0.2))
+    log.handle(PreemptionEvent(2, saved=True, saved_at=103.5))
+    log.handle(StartEvent(2, dp=1, tp=1, pp=1, microbatches=2))
+    log.close()
+    assert log.preemptions == [
+        {"step": 2, "saved": True, "noticed_at": 100.0, "nodes": ["abcdef123"], "ranks": [1],
+         "deadline_ms": 160_000, "saved_at": 103.5, "restarted_from": 2}
+    ]  # fmt: skip
+    assert log.checkpoints == [
+        {"step": 2, "path": "step_2", "write_s": 0.1, "save_s": 0.2, "blocked_s": 0.2, "reason": "preemption"}
+    ]
+    assert log.dp_starts == [
+        {"step": 0, "dp": 2, "tp": 1, "pp": 1, "microbatches": 1},
+        {"step": 2, "dp": 1, "tp": 1, "pp": 1, "microbatches": 2},
+    ]
+    assert log.restarts == 1 and log.restarted_from == [2]
+    with pytest.raises(TypeError, match="not an event of a run"):
+        log.handle(("step", {"step": 3}))
