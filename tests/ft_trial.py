@@ -131,6 +131,12 @@ class Group:
             p.kill()
             p.join(30)
 
+    def outcome(self, limit: float = 300) -> tuple[str, object]:
+        """("ok", rank 0's result) or ("error", the first error), the ranks ended."""
+        status, payload = _first_report(self.queue, self.procs, limit=limit)
+        self.kill()
+        return status, payload
+
     def result(self, limit: float = 300):
         status, payload = _first_report(self.queue, self.procs, limit=limit)
         if status != "ok":

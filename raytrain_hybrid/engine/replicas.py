@@ -77,6 +77,7 @@ class ReplicaSync:
         ft = cfg.fault_tolerance
         self.trainer, self.group, self.groups = trainer, group, replica_groups(cfg.parallelism)
         timeout = timedelta(seconds=ft.step_timeout_s)
+        self.lighthouse = lighthouse_address(cfg)
         if device.type == "cuda":
             from torchft import ProcessGroupNCCL
 
@@ -99,7 +100,7 @@ class ReplicaSync:
             rank=dist.get_rank(),
             world_size=dist.get_world_size(),
             replica_id=f"replica_group_{group}",
-            lighthouse_addr=lighthouse_address(cfg),
+            lighthouse_addr=self.lighthouse,
             checkpoint_transport=PGTransport(pg, timeout=timeout, device=device),
         )
         self.healed_at: int | None = None  # the step this group was given by a live one, if it was
@@ -152,7 +153,7 @@ class ReplicaSync:
         """The step's quorum; returns the step this group trains now (a rejoining group's jumps
         to the live groups' step, its state received)."""
         before = self.manager.current_step()
-        self.manager.start_quorum()
+        self._quorum()
         if not self.started:  # a run's first step waits for every group (up to the quorum timeout)
             self._await_all(before)
         self._await_enough()
@@ -175,7 +176,7 @@ class ReplicaSync:
             and time.monotonic() < deadline
         ):
             time.sleep(0.5)
-            self.manager.start_quorum()
+            self._quorum()
 
     def _await_enough(self) -> None:
         """Fewer groups than fault_tolerance.min_replicas: quorums again until enough are back, for
@@ -189,7 +190,17 @@ class ReplicaSync:
                     f"{self.min_replicas}: the run stops; restart the lost groups, or lower min_replicas"
                 )
             time.sleep(0.5)
+            self._quorum()
+
+    def _quorum(self) -> None:
+        try:
             self.manager.start_quorum()
+        except Exception as exc:  # the Lighthouse gone, or unreachable: nothing decides who is in
+            raise RuntimeError(
+                f"no quorum from the Lighthouse at {self.lighthouse} within {self.quorum_timeout_s:.0f} s "
+                f"(fault_tolerance.quorum_timeout_s): {exc}. If the Lighthouse is gone, start it again and "
+                "--resume each replica group from its newest checkpoint"
+            ) from exc
 
     def combine(self, loss: torch.Tensor, tokens: int) -> tuple[torch.Tensor, list[int]]:
         """The groups' gradients weighted by their tokens, in place; returns the step's loss over
