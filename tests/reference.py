@@ -45,8 +45,11 @@ def lm_model(cfg) -> nn.Module:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         assert m.pretrained, f"a {m.arch} reference is built from its checkpoint"
+        from raytrain_hybrid.models.generic import dropout_off
+
         config = AutoConfig.from_pretrained(m.pretrained, local_files_only=True)
         config.use_cache = False
+        dropout_off(config)  # as the engine has it (Seed-OSS's checkpoints say 0.1)
         return AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     if m.arch == "llama":
         config = transformers.LlamaConfig(

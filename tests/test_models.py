@@ -48,11 +48,31 @@ SINGLE = ("parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=1", "paralleli
 THREE_D = ("parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=2", "parallelism.microbatches=2")
 
 
-def make_checkpoint(root: Path, model_type: str) -> Path:
-    """A tiny checkpoint of ``model_type`` written by transformers."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+# Latent attention's widths, a mixture of experts' sizes and a partial rotary slice, where the
+# family has them, shrunk from its full-size defaults (256 experts, 512-wide latents) to a tiny model's.
+TINY_EXTRAS = {
+    "kv_lora_rank": 32,
+    "q_lora_rank": 48,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 8,
+    "num_experts": 8,
+    "num_local_experts": 8,
+    "moe_num_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "rotary_dim": 8,  # CodeGen, GPT-J: a rotated slice of each head, 64 wide by default
+}
 
-    torch.manual_seed(sum(map(ord, model_type)))
+
+def tiny_sizes(model_type: str) -> dict:
+    """The config keywords of a tiny ``model_type`` (a few layers, grouped-query attention)."""
+    from transformers import AutoConfig
+
     sizes = {
         "vocab_size": VOCAB,
         "hidden_size": 64,
@@ -67,16 +87,41 @@ def make_checkpoint(root: Path, model_type: str) -> Path:
         "eos_token_id": 2,
         "initializer_range": 0.1,
     }
+    defaults = AutoConfig.for_model(model_type)
+    for key, tiny in TINY_EXTRAS.items():
+        value = getattr(defaults, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > tiny:
+            sizes[key] = tiny
+    # Families whose defaults leave the routed experts (dots1) or their top-k (DeepSeek-V2) unset.
+    counts = ("n_routed_experts", "num_experts", "num_local_experts")
+    if getattr(defaults, "moe_intermediate_size", None) and not any(getattr(defaults, k, None) for k in counts):
+        sizes.update({k: TINY_EXTRAS[k] for k in counts if hasattr(defaults, k)})
+        if hasattr(defaults, "n_shared_experts") and defaults.n_shared_experts is None:
+            sizes["n_shared_experts"] = 1
+    if getattr(defaults, "num_experts_per_tok", 0) is None and any(sizes.get(k) for k in counts):
+        sizes["num_experts_per_tok"] = TINY_EXTRAS["num_experts_per_tok"]
+    return sizes
+
+
+def make_checkpoint(root: Path, model_type: str) -> Path:
+    """A tiny checkpoint of ``model_type`` written by transformers."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(sum(map(ord, model_type)))
+    sizes = tiny_sizes(model_type)
     # A family whose own defaults disagree with these sizes (latent attention: as many key/value
     # heads as heads; per-layer head widths) gets the first variant transformers itself can run.
     variants = [{}, {"head_dim": None}, {"num_key_value_heads": 4}, {"head_dim": None, "num_key_value_heads": 4}]
+    if "qk_rope_head_dim" in sizes:  # latent attention whose rotary tables are head_dim wide (LongCat)
+        variants.append({"head_dim": sizes["qk_rope_head_dim"], "num_key_value_heads": 4})
     for i, change in enumerate(variants):
         kwargs = {k: v for k, v in {**sizes, **change}.items() if v is not None}
         try:
             config = AutoConfig.for_model(model_type, **kwargs)
             if getattr(config, "sliding_window", None):
                 config.sliding_window = 8  # shorter than the rows: the window decides what attends
-            model = AutoModelForCausalLM.from_config(config)
+            # eager: the reference's attention, which (unlike SDPA) refuses mismatched key/value heads
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
             with torch.no_grad():
                 model(input_ids=torch.randint(3, VOCAB, (1, 16)))
             break
@@ -185,7 +230,9 @@ def _assert_oracle(result: dict, reference: list[dict]) -> None:
     (the eager reference's, SDPA's) into full-size steps. So a key bias that misses the 1e-4 bound
     as a whole passes only if at least half its elements equal the reference's within 1e-4 of its
     norm and every other element stayed within AdamW's reach of its start (3 x the summed learning
-    rates) in both runs; every other parameter and check is the plain oracle's."""
+    rates) in both runs. A fused query/key/value bias (GPT-NeoX's) holds a key bias: the same rule
+    (its query and value elements are among those that must be equal). Every other parameter and
+    check is the plain oracle's."""
     import re
 
     import numpy as np
@@ -194,7 +241,7 @@ def _assert_oracle(result: dict, reference: list[dict]) -> None:
     reach = 3 * sum(r["lr"] for r in reference)
     bad = []
     for line in oracle_mismatches(result, reference):
-        found = re.fullmatch(r"final value of (\S+\.k_proj\.bias): differs by .*", line)
+        found = re.fullmatch(r"final value of (\S+\.(?:k_proj|query_key_value)\.bias): differs by .*", line)
         if found:
             name = found[1]
             w, g, i0 = (

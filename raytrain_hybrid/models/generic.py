@@ -7,9 +7,9 @@ its block list and its final norm), and on the model class the head's (``_tp_pla
 (``AutoModelForCausalLM``'s class for its model_type), with no code of its own: the plans are
 translated to the engine's TP styles (models.spec), the pipeline splits the plan's block list,
 and one stage forward (``stage_forward``) runs what a stage holds the way transformers' decoders
-do: embed, rotary tables and masks per attention type (``layer_types``: full or sliding), the
-blocks, the final norm, and the head through the causal LM's own forward, so its logit scaling
-and soft-capping are transformers' code.
+do: embed, rotary tables and masks per attention type (``layer_types``), the blocks, the final
+norm, and the head through the causal LM's own forward, so its logit scaling and soft-capping are
+transformers' code.
 
 What differs between families is read from the config and the modules: tied embeddings
 (``tie_word_embeddings``: the engine keeps a head that starts equal to the embedding and whose
@@ -172,12 +172,12 @@ def tiny_kwargs(m) -> dict:
     }
 
 
-def _no_dropout(conf: dict) -> dict:
-    return {
-        k: 0.0
-        for k, v in conf.items()
-        if isinstance(v, float) and not isinstance(v, bool) and any(k.endswith(s) for s in _DROPOUT_KEYS)
-    }
+def dropout_off(config) -> None:
+    """Every dropout probability of a transformers config set to 0 (the engine's; and the oracle's
+    reference, which must draw no masks either)."""
+    for key, value in config.to_dict().items():
+        if isinstance(value, float) and any(key.endswith(s) for s in _DROPOUT_KEYS):
+            setattr(config, key, 0.0)
 
 
 def hf_config(model_type: str, cfg):
@@ -193,8 +193,7 @@ def hf_config(model_type: str, cfg):
     else:
         conf = tiny_kwargs(m)
     config = config_cls(**conf)
-    for key, value in _no_dropout(config.to_dict()).items():
-        setattr(config, key, value)
+    dropout_off(config)
     config.use_cache = False
     config._attn_implementation = attention_implementation(model_type)
     return config
@@ -202,16 +201,22 @@ def hf_config(model_type: str, cfg):
 
 def attention_implementation(model_type: str) -> str:
     """SDPA where the family takes it (causal without a mask tensor), else transformers' eager."""
+    if os.environ.get("RH_EAGER"):
+        return "eager"
     return "sdpa" if getattr(classes(model_type)[1], "_supports_sdpa", False) else "eager"
+
+
+def _conf_keys(conf: dict) -> dict:
+    return {k: v for k, v in conf.items() if k not in ("architectures", "auto_map")}
 
 
 def sizes_from_hf(model_type: str, conf: dict) -> dict:
     """A config.json's sizes as model.* keys (read through the config class: its attribute map)."""
     config_cls, _ = classes(model_type)
-    c = config_cls(**{k: v for k, v in conf.items() if k not in ("architectures", "auto_map")})
+    c = config_cls(**_conf_keys(conf))
     heads = c.num_attention_heads
     return {
-        "num_layers": int(c.num_hidden_layers),
+        "num_layers": blocks(c),
         "hidden_size": int(c.hidden_size),
         "num_heads": int(heads),
         "num_kv_heads": int(getattr(c, "num_key_value_heads", None) or heads),
@@ -219,6 +224,14 @@ def sizes_from_hf(model_type: str, conf: dict) -> dict:
         "ffn_hidden_size": int(getattr(c, "intermediate_size", None) or 4 * c.hidden_size),
         "vocab_size": int(c.vocab_size),
     }
+
+
+def blocks(config) -> int:
+    """The block list's length: num_hidden_layers, or a smaller ``num_layers`` where each block
+    holds several attention sublayers that num_hidden_layers counts (LongCat-Flash: two)."""
+    layers = int(config.num_hidden_layers)
+    fewer = getattr(config, "num_layers", None)
+    return int(fewer) if isinstance(fewer, int) and 0 < fewer < layers else layers
 
 
 def _attr(config, name: str):
@@ -283,14 +296,17 @@ def build(model_type: str, hf_config):
 
 def from_hf(model_type: str, name: str, conf: dict):
     """Engine names are transformers' module names; the files' names are those run back through
-    the family's conversion mapping (models.generic_weights); a tied checkpoint has no head: it is
-    the embedding."""
+    the family's conversion mapping (models.generic_weights); a tied checkpoint may have no head:
+    it is the embedding (an untied one must have its own)."""
     from raytrain_hybrid.models import generic_weights
 
     prefix = _prefix(model_type)
     head = f"{head_name(model_type)}.weight"
     if name == head:
-        return (head, f"{prefix}.{pp_names(model_type)[0]}.weight"), False, ()
+        files = generic_weights.checkpoint_names(model_type, head)
+        if not is_tied(classes(model_type)[0](**_conf_keys(conf))):
+            return files, False, ()
+        return (*files, f"{prefix}.{pp_names(model_type)[0]}.weight"), False, ()
     pieces = generic_weights.stacked(model_type, name, conf)
     if pieces is not None:
         return pieces

@@ -1,7 +1,8 @@
 """The generic decoder's stage forward (models.generic): what a pipeline stage of any transformers
 decoder family runs, the way transformers' own decoders do: embed (and any multiplier the base
-model applies), rotary tables and masks per attention type (``layer_types``: full or sliding), the
-blocks the stage holds, the final norm, and the head through the causal LM's own forward, so the
+model applies), rotary tables and masks per attention type (``layer_types``: full, sliding, a
+sparse attention that reads its mask, linear; a type whose ``rope_parameters`` entry is None takes
+no rotary tables), the blocks the stage holds, the final norm, and the head through the causal LM's own forward, so the
 family's logit scaling and soft-capping are transformers' code."""
 
 from __future__ import annotations
@@ -25,14 +26,19 @@ def layer_type(config, index: int) -> str:
 
 def _mask(kind: str, config, positions: torch.Tensor, packed: bool, dtype):
     """The mask of one attention type ([rows, 1, s, s]): SDPA's boolean one, or None (causal over
-    the row); for transformers' eager attention, which adds its mask to the scores, an additive one."""
+    the row, for full and sliding attention); for transformers' eager attention, which adds its mask
+    to the scores, an additive one."""
     import torch
 
     from raytrain_hybrid.models.packed import document_mask
 
     window = getattr(config, "sliding_window", None) if kind == "sliding_attention" else None
     eager = config._attn_implementation == "eager"
-    if not packed and not window and not eager:
+    # Another attention type (DeepSeek's sparse "indexed_attention") reads the mask beside its
+    # attention, as transformers' base models give it: always a tensor. (Linear attention, which
+    # takes only a padding mask, gets none: there is no padding.)
+    other = kind not in ("full_attention", "sliding_attention", "linear_attention")
+    if not packed and not window and not eager and not other:
         return None
     seq = positions.shape[-1]
     if packed:
@@ -48,15 +54,31 @@ def _mask(kind: str, config, positions: torch.Tensor, packed: bool, dtype):
     return mask
 
 
+def _nope(config, kind: str) -> bool:
+    """A layer type without rotary embeddings: its entry of per-type ``rope_parameters`` is None."""
+    params = getattr(config, "rope_parameters", None)
+    return isinstance(params, dict) and kind in params and params[kind] is None
+
+
 def _rotary(inner, h, positions, kinds: set[str]):
-    """{layer type: (cos, sin)} (one table for every type, or the family's per-type tables)."""
+    """{layer type: (cos, sin)} (one table for every type, or the family's per-type tables; None
+    for a type without rotary embeddings)."""
     rotary = getattr(inner, "rotary_emb", None)
     if rotary is None:
         return dict.fromkeys(kinds)
     if "layer_type" in inspect.signature(rotary.forward).parameters:
-        return {k: rotary(h, positions, layer_type=k) for k in kinds}
+        return {k: None if _nope(inner.config, k) else rotary(h, positions, layer_type=k) for k in kinds}
     table = rotary(h, positions)
     return dict.fromkeys(kinds, table)
+
+
+def _attention_scaling(inner, block, positions, kind: str) -> dict:
+    """A position-dependent query scale for the layers without rotary embeddings, where the family
+    has one (its modeling module's ``compute_attention_scaling``, a block taking ``attention_scaling``)."""
+    if not _nope(inner.config, kind) or "attention_scaling" not in inspect.signature(block.forward).parameters:
+        return {}
+    scale = getattr(inspect.getmodule(type(inner)), "compute_attention_scaling", None)
+    return {"attention_scaling": scale(positions)} if scale else {}
 
 
 class _Hidden:
@@ -104,19 +126,21 @@ def stage_forward(stage, x: torch.Tensor, position_ids: torch.Tensor | None = No
     for i, block in zip(ids, layers.values(), strict=True):
         kind = layer_type(config, i)
         kwargs: dict[str, Any] = {"attention_mask": masks[kind], "position_ids": positions}
-        if tables[kind] is not None:
+        if tables[kind] is not None or _nope(inner.config, kind):
             kwargs["position_embeddings"] = tables[kind]
+        kwargs.update(_attention_scaling(inner, block, positions, kind))
         out = block(h, **kwargs)
         h = out[0] if isinstance(out, tuple) else out
     if norm is not None:
         h = norm(h)
     if getattr(stage, head_name) is not None:
         lm = stage._generic_lm[0]
-        lm.model.value = h
+        hidden = getattr(lm, stage._generic_prefix)  # the base model's attribute: model, gpt_neox, ...
+        hidden.value = h
         try:
             return lm(logits_to_keep=0).logits
         finally:
-            lm.model.value = None
+            hidden.value = None
     return h if position_ids is None else (h, position_ids)
 
 

@@ -27,33 +27,42 @@ def _literal(pattern: str) -> str | None:
 
 @functools.cache
 def _mapping(model_type: str) -> tuple:
+    """The family's conversion mapping, looked up as transformers does: by the causal LM's class
+    name first (GPT-NeoX's head), then by model_type."""
     try:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
     except ImportError:  # a transformers without conversion mappings: names are the files'
         return ()
-    return tuple(get_checkpoint_conversion_mapping(model_type) or ())
+    from raytrain_hybrid.models.generic import classes
+
+    try:
+        lm_name = classes(model_type)[1].__name__
+    except (KeyError, ValueError):
+        lm_name = None
+    found = get_checkpoint_conversion_mapping(lm_name) if lm_name else None
+    return tuple(found if found is not None else get_checkpoint_conversion_mapping(model_type) or ())
 
 
-def _renamings(model_type: str) -> list[tuple[str, str]]:
-    """(model text, checkpoint text) pairs of the mapping's plain renamings."""
+@functools.cache
+def _reverse_renamings(model_type: str) -> tuple:
+    """The mapping's renamings run backwards (model name -> file name), last first: what
+    transformers' own save applies, so chained and anchored regexes come out as its files spell them."""
     out = []
-    for conv in _mapping(model_type):
-        if type(conv).__name__ != "WeightRenaming":
-            continue
-        for src, dst in zip(conv.source_patterns, conv.target_patterns, strict=False):
-            a, b = _literal(dst), _literal(src)
-            if a and b:
-                out.append((a, b))
-    return out
+    for conv in reversed(_mapping(model_type)):
+        if type(conv).__name__ == "WeightRenaming":
+            try:
+                out.append(conv.reverse_transform())
+            except (ValueError, NotImplementedError):  # a renaming transformers cannot reverse either
+                continue
+    return tuple(out)
 
 
 def checkpoint_names(model_type: str, name: str) -> tuple[str, ...]:
-    """``name`` as the files may spell it: itself, and with each renaming undone."""
-    names = [name]
-    for model_text, file_text in _renamings(model_type):
-        if model_text in name:
-            names.append(name.replace(model_text, file_text))
-    return tuple(dict.fromkeys(names))
+    """``name`` as the files may spell it: itself, and with the family's renamings undone."""
+    renamed = name
+    for renaming in _reverse_renamings(model_type):
+        renamed, _ = renaming.rename_source_key(renamed)
+    return tuple(dict.fromkeys((name, renamed)))
 
 
 def experts(conf: dict) -> int:

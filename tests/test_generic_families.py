@@ -1,0 +1,83 @@
+"""The generic decoder path's family-by-family mechanisms, without a process group: where a family's
+tensors lie in its files, which layers take rotary tables and materialised masks, how many blocks it
+has, its dropout, and the planner's count of tiny models of the matrix's more unusual families
+(latent attention, mixtures of experts with dense first layers, blocks holding two attention
+sublayers). scripts/model_matrix.py holds each family to the training oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_models import SINGLE, tiny_sizes
+from transformers import AutoConfig
+
+from raytrain_hybrid.config import load_config
+from raytrain_hybrid.models import generic, generic_forward, generic_weights
+
+
+def test_file_names_run_the_family_mapping_backwards():
+    """Chained, anchored renamings undone as transformers' own save does (EXAONE's GPT-2-style
+    names), and a mapping kept under the causal LM's class name (GPT-NeoX's head)."""
+    names = generic_weights.checkpoint_names
+    exaone = names("exaone", "model.layers.0.self_attn.o_proj.weight")
+    assert exaone[-1] == "transformer.h.0.attn.attention.out_proj.weight"
+    assert names("exaone", "model.embed_tokens.weight")[-1] == "transformer.wte.weight"
+    assert names("gpt_neox", "lm_head.weight") == ("lm_head.weight", "embed_out.weight")
+    assert names("mixtral", "model.layers.1.mlp.gate.weight")[-1] == "model.layers.1.block_sparse_moe.gate.weight"
+    assert names("qwen3", "model.norm.weight") == ("model.norm.weight",)
+
+
+def test_only_a_tied_head_may_be_read_from_the_embedding():
+    untied, _, _ = generic.from_hf("gpt_neox", "lm_head.weight", {"tie_word_embeddings": False})
+    assert "gpt_neox.embed_in.weight" not in untied
+    tied, _, _ = generic.from_hf("qwen3", "lm_head.weight", {"tie_word_embeddings": True})
+    assert tied[-1] == "model.embed_tokens.weight"
+
+
+def test_masks_and_rotary_tables_follow_the_layer_types():
+    """DeepSeek's sparse "indexed_attention" reads a causal mask tensor even under SDPA; full and
+    linear attention get none (causal by the kernel, no padding); Beam's full-attention layers
+    take no rotary tables (their ``rope_parameters`` entry is None)."""
+    config = AutoConfig.for_model("deepseek_v32")
+    config._attn_implementation = "sdpa"
+    positions = torch.arange(6)[None]
+    mask = generic_forward._mask("indexed_attention", config, positions, False, torch.float32)
+    assert torch.equal(mask[0, 0], torch.ones(6, 6, dtype=torch.bool).tril())
+    for kind in ("full_attention", "linear_attention"):
+        assert generic_forward._mask(kind, config, positions, False, torch.float32) is None
+    beam = AutoConfig.for_model("beam")
+    assert generic_forward._nope(beam, "full_attention") and not generic_forward._nope(beam, "sliding_attention")
+
+
+def test_blocks_holding_two_attention_sublayers_are_counted_once():
+    config = AutoConfig.for_model("longcat_flash", num_layers=3)
+    assert (config.num_hidden_layers, generic.blocks(config)) == (6, 3)
+    assert generic.blocks(AutoConfig.for_model("qwen3", num_hidden_layers=5)) == 5
+
+
+def test_dropout_is_off_for_engine_and_reference():
+    config = AutoConfig.for_model("seed_oss")
+    assert config.residual_dropout > 0 and config.attention_dropout > 0
+    generic.dropout_off(config)
+    assert (config.residual_dropout, config.attention_dropout) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize(
+    "model_type", ["deepseek_v3", "glm4_moe_lite", "dots1", "longcat_flash", "gpt_neox", "qwen3_next"]
+)
+def test_the_planner_counts_a_tiny_family_as_transformers_does(model_type, tmp_path, monkeypatch):
+    """models.params from config.json alone, within 5 % of transformers' count of the model it
+    builds (on the meta device): latent attention, experts after dense layers, shared experts."""
+    from transformers import AutoModelForCausalLM
+
+    from raytrain_hybrid.models.params import param_count
+
+    monkeypatch.setenv("RAYTRAIN_MODEL_MATRIX", "1")  # the planner's count, whatever the recorded verdict
+    generic.verified.cache_clear()
+    config = AutoConfig.for_model(model_type, **{**tiny_sizes(model_type), "num_key_value_heads": 4})
+    config.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        want = AutoModelForCausalLM.from_config(config).num_parameters()
+    cfg = load_config(None, [f"model.pretrained={tmp_path}", "data.path=memory", "model.seq_len=32", *SINGLE])
+    assert param_count(cfg.model) == pytest.approx(want, rel=0.05)
+    generic.verified.cache_clear()
