@@ -11,8 +11,16 @@ shipped corpus), alternating so that the shared machine's noise falls on both:
 
 first_step_s is measured from outside, the same for both: from the command's start until its
 "step 1/N" progress line is read on its stdout; wall_s is the whole command, exit included. The
-phases are the run's own summary.json startup_s (rank 0's marks). Writes
-benchmarks/results/torchrun_startup.json.
+phases are the run's own summary.json startup_s (rank 0's marks), rank0_cpu_s its startup_cpu_s
+(rank 0's process: CPU seconds per phase, whatever the machine's load). cpu_s (torchrun only) is the CPU
+of the whole process tree, reaped by torchrun: on a machine with fewer cores than ranks the start
+is CPU-bound, and cpu_s / cores is a floor under wall_s. (Ray's daemons are not this command's
+children, so a Ray run's CPU is not counted so.)
+
+worker_imports: where a worker's imports go, one Python alone importing what a rank imports
+before its first step (torch's distributed modules, the engine, the model's transformers classes):
+its CPU seconds, and -X importtime's own time per top-level package (wall clock of that process),
+the largest first. Writes benchmarks/results/torchrun_startup.json.
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ COMMANDS = {
 def run_once(variant: str, tmp: Path, steps: int) -> dict:
     out = tmp / f"{variant}-{time.time_ns()}"
     cmd = [*COMMANDS[variant], "--set", f"train.steps={steps}", "--set", f"run.output_dir={out}"]
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), cpu_reaped()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
     first, lines = None, []
     for line in proc.stdout:
@@ -55,7 +63,53 @@ def run_once(variant: str, tmp: Path, steps: int) -> dict:
     if code or first is None:
         raise RuntimeError(f"{variant} exited {code}: {''.join(lines)[-2000:]}")
     summary = json.loads((out / "summary.json").read_text())
-    return {"first_step_s": round(first, 2), "wall_s": round(wall, 2), "phases": summary["startup_s"]}
+    got = {"first_step_s": round(first, 2), "wall_s": round(wall, 2), "phases": summary["startup_s"]}
+    got["rank0_cpu_s"] = summary.get("startup_cpu_s", {})  # rank 0's CPU seconds per phase
+    if variant != "ray":
+        got["cpu_s"] = round(cpu_reaped() - cpu0, 1)
+    return got
+
+
+def cpu_reaped() -> float:
+    """CPU seconds of this process's waited-for children and their own waited-for children."""
+    t = os.times()
+    return t.children_user + t.children_system
+
+
+# What a rank imports before its first step, in the order the worker imports it.
+WORKER_IMPORTS = (
+    "import time, torch, torch.distributed\n"
+    "import raytrain_hybrid.engine.worker\n"
+    "from raytrain_hybrid.models import get_arch\n"
+    "get_arch('llama').import_model_code()\n"
+    "print(time.process_time())"
+)
+
+
+def import_profile() -> dict:
+    """One Python importing what a rank imports: its CPU seconds, and importtime's self time per
+    top-level package (the 12 largest, and ours)."""
+    proc = subprocess.run(
+        [str(BIN / "python"), "-X", "importtime", "-c", WORKER_IMPORTS],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=True,
+    )
+    by_package: dict[str, float] = {}
+    for line in proc.stderr.splitlines():
+        if not line.startswith("import time:") or "self [us]" in line:
+            continue
+        own, _, name = line[len("import time:") :].split("|")
+        top = name.strip().split(".")[0]
+        by_package[top] = by_package.get(top, 0.0) + int(own) / 1e6
+    largest = sorted(by_package.items(), key=lambda kv: -kv[1])
+    shown = dict(largest[:12]) | {"raytrain_hybrid": by_package.get("raytrain_hybrid", 0.0)}
+    return {
+        "cpu_s": round(float(proc.stdout.split()[-1]), 2),
+        "importtime_self_s": {k: round(v, 3) for k, v in shown.items()},
+        "importtime_total_s": round(sum(by_package.values()), 3),
+    }
 
 
 def main() -> None:
@@ -70,6 +124,7 @@ def main() -> None:
                 got = run_once(variant, Path(tmp), args.steps)
                 print(variant, got, flush=True)
                 runs[variant].append(got)
+    imports = [import_profile() for _ in range(args.rounds)]
     result = {
         "command": "cd <repo> && .venv/bin/python benchmarks/bench_torchrun_startup.py --rounds "
         + str(args.rounds)
@@ -83,10 +138,16 @@ def main() -> None:
         f"{os.getloadavg()[0]:.1f} (a machine shared with other work)",
         "median_first_step_s": {v: statistics.median(x["first_step_s"] for x in rs) for v, rs in runs.items()},
         "median_wall_s": {v: statistics.median(x["wall_s"] for x in rs) for v, rs in runs.items()},
+        "median_cpu_s": {v: statistics.median(x["cpu_s"] for x in rs) for v, rs in runs.items() if v != "ray"},
+        "median_rank0_cpu_to_first_step_s": {
+            v: statistics.median(x["rank0_cpu_s"].get("total_to_first_step", 0.0) for x in rs) for v, rs in runs.items()
+        },
+        "worker_imports": min(imports, key=lambda x: x["cpu_s"]),  # the least disturbed of the rounds
         "runs": runs,
     }
     OUT.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: result[k] for k in ("median_first_step_s", "median_wall_s")}))
+    shown = ("median_first_step_s", "median_wall_s", "median_cpu_s", "worker_imports")
+    print(json.dumps({k: result[k] for k in shown}))
 
 
 if __name__ == "__main__":
