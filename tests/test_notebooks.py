@@ -2,7 +2,7 @@
 as working directory) and produce their pictures; what each cell shows in the committed notebook
 is what it shows when run now (text to the character, except measured speeds; pictures by their
 kind and size, not by pixel). With RT_WRITE_NOTEBOOKS=1 the tests write the executed notebooks
-back instead (CONTRIBUTING.md: Notebooks)."""
+back instead (CONTRIBUTING.md: The notebooks)."""
 
 from __future__ import annotations
 
