@@ -273,6 +273,23 @@ def test_the_readme_names_the_schedules_there_are():
     assert (count, sorted(named)) == (len(SCHEDULES), sorted(SCHEDULES)), line
 
 
+def test_the_readme_installs_the_cpu_torch_first_in_an_own_environment():
+    """Into an environment of one's own, the README installs the CPU build of a torch that
+    pyproject.toml accepts before the package, so that the resolver keeps it (and does not pull
+    the CUDA wheels onto a machine without a GPU)."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    readme = (ROOT / "README.md").read_text()
+    own = readme[readme.index("environment of your own") :]
+    torch_first = re.search(r"pip install torch==([\w.]+) --index-url https://download\.pytorch\.org/whl/cpu", own)
+    assert torch_first and torch_first.start() < own.index("pip install -e"), own[:400]
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    torch = next(Requirement(d) for d in deps if Requirement(d).name == "torch")
+    assert torch.specifier.contains(torch_first.group(1)), (torch_first.group(1), str(torch.specifier))
+
+
 def test_the_status_box_says_what_ran_on_a_gpu():
     """The README says no GPU result is committed exactly while benchmarks/results/ holds none."""
     status = "\n".join(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith(">"))
