@@ -202,6 +202,166 @@ def ray_trial(i: int, rng: random.Random, base: Path, want: dict) -> dict:
     return row
 
 
+def _alive_in_session(sid: int) -> list[str]:
+    """The processes of session ``sid`` that still run (zombies left out), as "pid name"."""
+    out = subprocess.run(["ps", "-eo", "pid=,sid=,stat=,comm="], capture_output=True, text=True).stdout
+    rows = [line.split(None, 3) for line in out.splitlines()]
+    return [f"{r[0]} {r[3]}" for r in rows if len(r) == 4 and int(r[1]) == sid and not r[2].startswith("Z")]
+
+
+class _Watcher:
+    """Every complete checkpoint seen while a trial runs: step -> (launch id, manifest digest,
+    time), as first seen, polled every 20 ms from a thread."""
+
+    def __init__(self, ckpts: Path) -> None:
+        import threading
+
+        self.ckpts, self.seen, self.stop = ckpts, {}, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def now(self) -> dict:
+        found = {}
+        for p in self.ckpts.glob("step_*"):
+            with contextlib.suppress(OSError, ValueError):
+                text = (p / "manifest.json").read_bytes()
+                found[int(p.name[5:])] = (json.loads(text).get("launch_id"), ft.hashlib.sha256(text).hexdigest())
+        return found
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.02):
+            for step, seen in self.now().items():
+                self.seen.setdefault(step, (*seen, time.time()))  # (launch id, digest, first seen at)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def ray_driver_kill_trial(i: int, rng: random.Random, base: Path, want: dict) -> dict:
+    """``train`` through the CLI (a local Ray started by the driver, keep=2), its driver alone
+    killed (SIGKILL) during the save of a sampled step or during the step after it, and
+    ``train --resume <run dir>`` started at once, while the killed run's workers may still live.
+    A complete checkpoint of the killed run is lost when, at the end, it is gone or replaced
+    although it was newer than the one the resume picked (older ones are checkpoint.keep's to
+    prune); the killed run's processes still running 5 s and 20 s after the kill are listed."""
+    trial = base / "ray_driver" / f"t{i:03d}"
+    out, log = trial / "run", trial / "cli.log"
+    user = out / "NOTES.md"
+    user.parent.mkdir(parents=True)
+    user.write_text("the user's file\n")
+    when = rng.choice(["during_save", "step_after"])  # (a save takes ~0.1 s here; a step ~0.5 s)
+    fault = {"step": rng.randint(2, ft.STEPS - 1), "when": when,
+             "delay": round(rng.uniform(0, 0.08 if when == "during_save" else 0.5), 3)}  # fmt: skip
+    ckpts, t0 = out / "checkpoints", time.time()
+    watcher = _Watcher(ckpts)
+    proc = _train(out, [], log)
+    # During the save: its staging directory is there (async: the save runs on into the next step);
+    # the step after: the save is complete (its manifest written), the next step under way.
+    mark = ckpts / (f"step_{fault['step']}.partial" if fault["when"] == "during_save" else f"step_{fault['step']}")
+    while not mark.exists() and proc.poll() is None and time.time() - t0 < 400:
+        time.sleep(0.01)
+    time.sleep(fault["delay"])
+    row = {"trial": trial.name, "fault": fault, "fired": proc.poll() is None}
+    complete = watcher.now()
+    row["complete_when_fired"] = sorted(complete)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signal.SIGKILL)
+    killed_at = time.time()
+    second = _train(out, ["--resume", str(out)], log)  # at once: the killed run's workers may live on
+    proc.wait()
+    left: dict = {}
+    for after in (5, 20):
+        time.sleep(max(0.0, killed_at + after - time.time()))
+        left[f"{after}s"] = _alive_in_session(proc.pid)
+    row["killed_run_processes_left"] = left
+    second.wait(timeout=900)
+    time.sleep(3)
+    row["resumed_run_processes_left_3s_after_its_end"] = _alive_in_session(second.pid)
+    _end_session(second)
+    _end_session(proc)
+    watcher.close()
+    row["first_run"], row["second_run"] = proc.returncode, second.returncode
+    text = log.read_text()
+    if second.returncode == 2 and f"has done {ft.STEPS} steps already" in text:
+        row["second_run"] = "nothing_left"  # the kill came after the last step's checkpoint was complete
+    picked = re.findall(r"resumed from \S+/step_(\d+) at step", text)
+    if row["second_run"] == "nothing_left":  # it picked the last step's checkpoint, and had nothing to do
+        picked = re.findall(rf"checkpoint \S+/step_(\d+) has done {ft.STEPS} steps already", text)
+    row["resumed_from"] = int(picked[-1]) if picked else None
+    # The killed run's checkpoints: those of its launch (seen complete before the resume could have
+    # saved any: its Ray takes far longer than 10 s to start).
+    killed_launch = {v[0] for v in watcher.seen.values() if v[2] < killed_at + 10}
+    first_launch = {s: v[:2] for s, v in watcher.seen.items() if v[0] in killed_launch}
+    final = watcher.now()
+    row["complete_seen_of_the_killed_run"] = sorted(first_launch)
+    row["killed_run_completed_after_the_pick"] = [
+        s for s in first_launch if row["resumed_from"] is not None and s > row["resumed_from"]
+    ]
+    newest = max(first_launch, default=None)
+    gone_or_replaced = [
+        s for s, v in sorted(first_launch.items())
+        if final.get(s) != v or not ft.intact(open_store(str(ckpts / f"step_{s}")))
+    ]  # fmt: skip
+    pruned = set(re.findall(r"removed (step_\d+)", text))
+    # Lost: complete in the killed run, newer than the checkpoint the resume picked (or the newest
+    # one when nothing was picked), and gone or replaced at the end.
+    row["checkpoints_lost"] = [
+        s for s in gone_or_replaced
+        if (row["resumed_from"] is not None and s > row["resumed_from"]) or (row["resumed_from"] is None and s == newest)
+    ]  # fmt: skip
+    row["resumed_from_the_newest_complete"] = row["resumed_from"] == newest if newest is not None else None
+    row["older_gone_to_checkpoint_keep"] = [s for s in gone_or_replaced if s not in row["checkpoints_lost"]]
+    row["pruning_said"] = sorted(pruned)
+    losses = {}
+    if (out / "metrics.jsonl").exists():
+        for line in (out / "metrics.jsonl").read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                step = json.loads(line)
+                losses[step["step"]] = step["loss"]
+    diffs = [abs(losses[s] - v) / abs(v) for s, v in want.items() if s in losses]
+    row["losses_equal"] = len(diffs) == len(want) and max(diffs, default=0.0) <= ft.TOLERANCE
+    row["max_rel_diff"] = max(diffs, default=None)
+    # A step the killed run's workers made after its driver died is in no metrics.jsonl (only that
+    # driver heard of it), though the checkpoint the resume picked includes it.
+    row["steps_missing_from_metrics"] = sorted(set(want) - set(losses))
+    row["losses_equal_where_recorded"] = max(diffs, default=0.0) <= ft.TOLERANCE
+    row["user_files_changed"] = int(user.read_text() != "the user's file\n")
+    row["checkpoints_at_end"] = sorted(p.name for p in ckpts.glob("step_*"))
+    row["said"] = [ln for ln in text.splitlines() if ln.startswith(("resume:", "error:"))][:6]
+    row["wall_s"] = round(time.time() - t0, 1)
+    return row
+
+
+def driver_kill_summary(rows: list[dict]) -> dict:
+    fired = [r for r in rows if r["fired"]]
+    return {
+        "trials": len(rows),
+        "drivers_killed": len(fired),
+        "by_when": _count(r["fault"]["when"] for r in fired),
+        "resumed_at_once_and_ended": sum(r["second_run"] in (0, "nothing_left") for r in fired),
+        "resumed_from_the_newest_complete": sum(r["resumed_from_the_newest_complete"] is True for r in fired),
+        "complete_checkpoints_of_killed_runs": sum(len(r["complete_seen_of_the_killed_run"]) for r in fired),
+        "killed_run_completed_a_save_after_the_resume_picked": sum(
+            len(r["killed_run_completed_after_the_pick"]) for r in fired
+        ),
+        "complete_checkpoints_lost": sum(len(r["checkpoints_lost"]) for r in fired),
+        "runs_whose_every_loss_equals_the_uninterrupted_run": sum(r["losses_equal"] for r in fired),
+        "runs_whose_recorded_losses_equal_the_uninterrupted_run": sum(
+            r.get("losses_equal_where_recorded", False) for r in fired
+        ),
+        "steps_missing_from_metrics_jsonl": sum(len(r.get("steps_missing_from_metrics", [])) for r in fired),
+        "killed_runs_with_processes_left_5s_after_the_kill": sum(bool(r["killed_run_processes_left"]["5s"]) for r in fired),
+        "killed_runs_with_processes_left_20s_after_the_kill": sum(
+            bool(r["killed_run_processes_left"]["20s"]) for r in fired
+        ),
+        "resumed_runs_with_processes_left_after_their_end": sum(
+            bool(r["resumed_run_processes_left_3s_after_its_end"]) for r in fired
+        ),
+        "user_files_changed": sum(r["user_files_changed"] for r in fired),
+    }
+
+
 NOT_COVERED = (
     "pruning of old checkpoints (checkpoint.keep is Ray Train's num_to_keep; runs without Ray keep all: the CLI "
     "trials with Ray, faults_ray.json, cover it); a node removed from a simulated Ray cluster; power loss (SIGKILL "
@@ -228,8 +388,15 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kinds", default="local,s3")
     p.add_argument("--ray-trials", type=int, default=0, help="trials through the CLI with Ray (~3 min each)")
+    p.add_argument(
+        "--ray-driver-kills",
+        type=int,
+        default=0,
+        help="trials through the CLI with Ray: the driver killed during a save or the step after, resumed at once",
+    )
     p.add_argument("--out", default=str(HERE / "results" / "faults.json"))
     args = p.parse_args()
+    earlier = json.loads(Path(args.out).read_text()) if Path(args.out).is_file() else {}
     ctx = fi.context()
     base = Path(tempfile.mkdtemp(prefix="faults-"))
     load_before, t0 = os.getloadavg()[0], time.time()
@@ -251,11 +418,39 @@ def main() -> None:
         "not_covered": NOT_COVERED,
         "kinds": {},
     }
+    for section, redo in (("ray_cli", args.ray_trials), ("ray_driver_kills", args.ray_driver_kills)):
+        if section in earlier and not redo:  # a section this run does not redo stays, with its command
+            made = {"command": earlier.get("command"), "date": earlier.get("date")}
+            result[section] = {**earlier[section], "from_an_earlier_run": earlier[section].get("from_an_earlier_run", made)}
     for kind in filter(None, args.kinds.split(",")):
         result["kinds"][kind] = campaign(kind, args, ctx, base)
-    if args.ray_trials:
+    if args.ray_trials or args.ray_driver_kills:
         local = result["kinds"].get("local") or {"reference": ft.reference(ctx, "local", base / "reference", {})}
-        rng, want = random.Random(f"{args.seed}-ray"), local["reference"]["losses"]
+        want = local["reference"]["losses"]
+    if args.ray_driver_kills:
+        rng = random.Random(f"{args.seed}-ray-driver")
+        rows = []
+        for i in range(args.ray_driver_kills):
+            rows.append(ray_driver_kill_trial(i, rng, base, want))
+            print(json.dumps(rows[-1]), flush=True)
+            partial = {**result, "ray_driver_kills": {"unfinished": f"{len(rows)} of {args.ray_driver_kills}",
+                                                      "summary": driver_kill_summary(rows), "trials": rows}}  # fmt: skip
+            Path(args.out).write_text(json.dumps(partial, indent=1) + "\n")  # a campaign cut short keeps its trials
+        result["ray_driver_kills"] = {
+            "driven_by": "the CLI (raytrain-hybrid train, a private local Ray, checkpoint.keep=2, run.max_failures=1, "
+            "data.path=memory, a checkpoint every step, saved in the background), its driver alone killed with "
+            "SIGKILL once the save of the sampled step had started (during_save: its staging directory there) or "
+            "was complete (step_after: the next step under way), after a seeded delay; `train --resume <run dir>` "
+            "started at once, while the killed run's workers may still run; every complete checkpoint watched "
+            "(20 ms polls of the manifests) from the start to the end of the resumed run",
+            "lost_means": "a checkpoint complete in the killed run, newer than the one the resume picked, gone or "
+            "replaced (or not intact) at the end; older ones are checkpoint.keep's to prune",
+            "extra_config": ["data.path=memory", "checkpoint.keep=2", "run.max_failures=1"],
+            "summary": driver_kill_summary(rows),
+            "trials": rows,
+        }
+    if args.ray_trials:
+        rng = random.Random(f"{args.seed}-ray")
         rows = [ray_trial(i, rng, base, want) for i in range(args.ray_trials)]
         for row in rows:
             print(json.dumps(row), flush=True)
@@ -277,11 +472,13 @@ def main() -> None:
     result["wall_s"] = round(time.time() - t0)
     result["load_average_1m"] = {"before": load_before, "after": os.getloadavg()[0]}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: v["summary"] for k, v in result["kinds"].items()}, indent=1))
+    print(json.dumps({k: v["summary"] for k, v in result.get("kinds", {}).items()}, indent=1))
     if "ray_cli" in result:
         print(json.dumps(ray_summary(result["ray_cli"]["trials"]), indent=1))
+    if "ray_driver_kills" in result:
+        print(json.dumps(result["ray_driver_kills"]["summary"], indent=1))
     shutil.rmtree(base, ignore_errors=True) if not any(
-        r.get("kept_at") for v in result["kinds"].values() for r in v["trials"]
+        r.get("kept_at") for v in result.get("kinds", {}).values() for r in v["trials"]
     ) else None
 
 
