@@ -183,7 +183,10 @@ def test_torchrun_groups_a_killed_worker_and_the_run_equals_an_uninterrupted_one
         assert got["lr"] == pytest.approx(want["lr"], rel=1e-9)
 
 
-def test_train_on_ray_refuses_fault_tolerance_and_says_how_to_launch_it(tmp_path, capsys):
+def test_a_launch_is_one_replica_group_and_says_which_before_ray_starts(tmp_path, capsys):
+    """On Ray as under torchrun, each replica group is a launch of its own (Ray Train restarts its
+    worker group alone): without its group number, or without a Lighthouse, `train` refuses
+    before Ray starts, saying what to set."""
     from raytrain_hybrid import cli
 
     sets = [
@@ -193,10 +196,20 @@ def test_train_on_ray_refuses_fault_tolerance_and_says_how_to_launch_it(tmp_path
         "fault_tolerance.enabled=true",
         f"run.output_dir={tmp_path}/r",
     ]
-    assert cli.main(["train", *[a for o in sets for a in ("--set", o)]]) == 2
-    err = capsys.readouterr().err
-    assert "fault_tolerance.enabled" in err and "torchrun --standalone --nproc-per-node 2" in err, err
-    assert "raytrain-hybrid lighthouse" in err and not (tmp_path / "r").exists()
+    env = os.environ.pop("TORCHFT_LIGHTHOUSE", None)
+    try:
+        assert cli.main(["train", *[a for o in sets for a in ("--set", o)]]) == 2
+        err = capsys.readouterr().err
+        assert "fault_tolerance.replica_group" in err and "raytrain-hybrid lighthouse" in err, err
+        assert "2 replica groups is a launch of its own (2 workers each)" in err, err
+        more = [*sets, "fault_tolerance.replica_group=1"]
+        assert cli.main(["train", *[a for o in more for a in ("--set", o)]]) == 2
+        err = capsys.readouterr().err
+        assert "fault_tolerance.lighthouse" in err and "TORCHFT_LIGHTHOUSE is not set" in err, err
+    finally:
+        if env is not None:
+            os.environ["TORCHFT_LIGHTHOUSE"] = env
+    assert not (tmp_path / "r").exists()
 
 
 def test_when_the_lighthouse_goes_the_groups_stop_saying_why(tmp_path):

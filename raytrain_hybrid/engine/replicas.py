@@ -70,7 +70,7 @@ def lighthouse_address(cfg: Config) -> str:
 class ReplicaSync:
     """This worker's side of the replica groups' quorum (one torchft Manager a worker)."""
 
-    def __init__(self, cfg: Config, trainer, group: int, device: torch.device) -> None:
+    def __init__(self, cfg: Config, trainer, group: int, device: torch.device, start: int = 0) -> None:
         from torchft import Manager, ProcessGroupGloo
         from torchft.checkpointing.pg_transport import PGTransport
 
@@ -103,6 +103,8 @@ class ReplicaSync:
             lighthouse_addr=self.lighthouse,
             checkpoint_transport=PGTransport(pg, timeout=timeout, device=device),
         )
+        if start:  # resumed from a checkpoint of that step: the quorum starts there (a group behind heals)
+            self.manager.load_state_dict({"step": start, "batches_committed": 0})
         self.healed_at: int | None = None  # the step this group was given by a live one, if it was
         self.started, self.quorum_timeout_s, self.min_replicas = False, ft.quorum_timeout_s, ft.min_replicas
 

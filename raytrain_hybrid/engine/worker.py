@@ -159,7 +159,7 @@ def replica_group_input(full: Config, trainer: Trainer, dataset_fn, origin: int,
     dims = trainer.dims
     whole = dataclasses.replace(dims, dp=dims.dp * groups)
     rank = group * dims.dp + trainer.dp_rank
-    replicas = ReplicaSync(full, trainer, group, trainer.device)
+    replicas = ReplicaSync(full, trainer, group, trainer.device, start)
     feeds: list[ReplicaFeed] = []
 
     def open_at(step: int) -> NextBatch:

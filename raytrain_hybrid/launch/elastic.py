@@ -28,6 +28,10 @@ RESIZE_CHECK_ENV = "RAYTRAIN_HYBRID_RESIZE_CHECK_S"
 def worker_counts(cfg: Config) -> list[int]:
     """The worker counts a start may have, ascending (one for a fixed run)."""
     par = cfg.parallelism
+    if cfg.fault_tolerance.enabled:  # a launch is one replica group (config.fault_tolerance)
+        from raytrain_hybrid.config.fault_tolerance import replica_groups
+
+        return [par.world_size // replica_groups(par)]
     return [dp * par.cp * par.tp * par.pp for dp in usable_dps(par)]  # a replica: cp*tp*pp workers
 
 

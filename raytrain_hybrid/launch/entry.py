@@ -120,6 +120,8 @@ def _start_layout(cfg: Config, node_id: str, hardware: dict | None) -> tuple[Con
     with layout=auto (``hardware`` given) the planner picks all of it for them (launch.autolayout)."""
     import ray.train
 
+    if cfg.fault_tolerance.enabled:  # the workers are one replica group (engine.worker sizes it)
+        return cfg, []
     if hardware is None:
         return at_world(cfg, ray.train.get_context().get_world_size()), []
     from raytrain_hybrid.launch.autolayout import group_layout

@@ -1,14 +1,18 @@
-"""[fault_tolerance]'s meeting point: the torchft Lighthouse (`raytrain-hybrid lighthouse`), and how
-a fault-tolerant run is launched.
+"""[fault_tolerance]'s launches: each replica group a launch of its own, and the torchft Lighthouse
+they meet at (`raytrain-hybrid lighthouse`).
 
-Each replica group is a torchrun launch of its own (TorchTitan's way): torchrun restarts the group's
-processes when one of them fails (--max-restarts), while the other groups go on. Ray Train 2.60's
-torchft support restarts replica groups of one worker only, so a group of several workers (tp, pp,
-cp or a shard group inside it) cannot be restarted alone there; such runs go through torchrun.
+A replica group is started like a run of its own, so that what restarts a run restarts that
+group alone while the others go on (TorchTitan's way): one `torchrun` launch per group
+(torchrun --max-restarts restarts it), or one `train` per group on a Ray cluster (Ray Train
+restarts its worker group, run.max_failures). Each keeps its records under
+run.output_dir/replica_<g>. Ray Train 2.60's own torchft support (TorchftConfig) restarts
+replica groups of one worker only, so a group of several workers (tp, pp, cp or a shard group)
+could not be restarted alone there.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import sys
 import time
@@ -29,15 +33,36 @@ def group_commands(cfg: Config, config_path: str = "CONFIG") -> list[str]:
     ]
 
 
-def refuse_on_ray(cfg: Config) -> None:
-    groups = replica_groups(cfg.parallelism)
-    raise ConfigError(
-        "fault_tolerance.enabled",
-        True,
-        f"runs each of the {groups} replica groups as a torchrun launch of its own, not on Ray (Ray Train restarts "
-        "whole worker groups); start a Lighthouse (raytrain-hybrid lighthouse), set TORCHFT_LIGHTHOUSE, then per "
-        "group: " + group_commands(cfg)[0].replace("replica_group=0", "replica_group=<g>"),
-    )
+def group_launch(cfg: Config, world: int | None, how: str, restart: int = 0) -> Config:
+    """This launch's replica group: checked, and its records in run.output_dir/replica_<g>
+    (replica_<g>_restart<n> after torchrun restarted it). ``world``: the processes torchrun
+    started (None on Ray, which starts the group's workers itself); ``how``: the launcher's way
+    to set the process count, for the messages."""
+    from raytrain_hybrid.engine.replicas import lighthouse_address
+    from raytrain_hybrid.storage import open_store
+
+    ft, par = cfg.fault_tolerance, cfg.parallelism
+    groups = replica_groups(par)
+    size = par.world_size // groups
+    if ft.replica_group < 0:
+        raise ConfigError(
+            "fault_tolerance.replica_group",
+            ft.replica_group,
+            f"is not set: each of the {groups} replica groups is a launch of its own ({size} workers each), "
+            f"restarted alone when it fails; start a Lighthouse (raytrain-hybrid lighthouse), then each group "
+            f"with --set fault_tolerance.replica_group=<0..{groups - 1}>",
+        )
+    lighthouse_address(cfg)  # refused here, before anything is built, when none is named
+    if world is not None and size != world:
+        raise ConfigError(
+            "parallelism",
+            f"dp={par.dp} cp={par.cp} tp={par.tp} pp={par.pp}",
+            f"makes replica groups of {size} ranks ({groups} groups), but {world} were started: run each group "
+            f"with {how} {size}",
+        )
+    name = f"replica_{ft.replica_group}" + (f"_restart{restart}" if restart else "")
+    out = open_store(cfg.run.output_dir).child(name).uri
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, output_dir=out))
 
 
 def serve(port: int, min_replicas: int, join_timeout_s: float, heartbeat_timeout_s: float) -> int:

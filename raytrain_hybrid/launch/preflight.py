@@ -24,6 +24,10 @@ def check_placement(
     """
     nodes = live_node_totals() if nodes is None else nodes  # the start plan's reach.live
     world, counts = predict_start(cfg, resources, nodes, counts)
+    if cfg.fault_tolerance.enabled:  # the workers are one replica group: its layout
+        from raytrain_hybrid.engine.replicas import group_config
+
+        cfg = group_config(cfg)
     dims = ParallelDims.from_config(at_world(cfg, world).parallelism)
     _check_output_dir(cfg, nodes, resources)
     if counts is not None:

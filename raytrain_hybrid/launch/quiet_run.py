@@ -21,10 +21,10 @@ def train_command(
 
     if (code := torchrun_train(cfg, resume, allow_change)) is not None:  # started by torchrun: no Ray
         return code
-    if cfg.fault_tolerance.enabled:
-        from raytrain_hybrid.launch.lighthouse import refuse_on_ray
+    if cfg.fault_tolerance.enabled:  # this launch is one replica group (launch.lighthouse)
+        from raytrain_hybrid.launch.lighthouse import group_launch
 
-        refuse_on_ray(cfg)
+        cfg = group_launch(cfg, None, "")
     ray_address(cfg)  # an address that cannot be joined is refused before the run directory is made
     with sigterm_ends_the_run():
         return _train_in(cfg, resume, verbose, allow_change)

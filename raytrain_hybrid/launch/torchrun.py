@@ -14,7 +14,6 @@ runs (parallelism.min_dp) need Ray's cluster view and are refused here.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import socket
 import sys
@@ -120,7 +119,10 @@ def _prepare(cfg: Config, resume, allow_change, use_gpu: bool, marks: dict):
         key, value = ("parallelism.layout", par.layout) if par.layout == "auto" else ("parallelism.min_dp", par.min_dp)
         raise ConfigError(key, value, "needs Ray's view of the cluster; under torchrun give a fixed layout")
     if cfg.fault_tolerance.enabled:
-        cfg = replica_group_launch(cfg, world)
+        from raytrain_hybrid.launch.lighthouse import group_launch
+
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        cfg = group_launch(cfg, world, "torchrun --nproc-per-node", restart)
     elif par.world_size != world:
         raise ConfigError(
             "parallelism",
@@ -168,38 +170,6 @@ def _prepare(cfg: Config, resume, allow_change, use_gpu: bool, marks: dict):
         )
     marks["input_checked"] = time.time()
     return {"plan": plan, "said": said}, lease
-
-
-def replica_group_launch(cfg: Config, world: int) -> Config:
-    """[fault_tolerance] under torchrun: this launch is one replica group (its world is the group's
-    shard x cp x tp x pp ranks), keeping its records in a directory of its own under run.output_dir:
-    replica_<g>, and replica_<g>_restart<n> after torchrun restarted it (--max-restarts)."""
-    from raytrain_hybrid.config.fault_tolerance import replica_groups
-    from raytrain_hybrid.engine.replicas import lighthouse_address
-    from raytrain_hybrid.storage import open_store
-
-    ft, par = cfg.fault_tolerance, cfg.parallelism
-    groups = replica_groups(par)
-    size = par.world_size // groups
-    if ft.replica_group < 0:
-        raise ConfigError(
-            "fault_tolerance.replica_group",
-            ft.replica_group,
-            f"is not set: under torchrun each of the {groups} replica groups is a launch of its own; start each "
-            f"with torchrun --nproc-per-node {size} ... --set fault_tolerance.replica_group=<0..{groups - 1}>",
-        )
-    lighthouse_address(cfg)  # refused here, before anything is built, when none is named
-    if size != world:
-        raise ConfigError(
-            "parallelism",
-            f"dp={par.dp} cp={par.cp} tp={par.tp} pp={par.pp}",
-            f"makes replica groups of {size} ranks ({groups} groups), but torchrun started {world}: run each group "
-            f"with torchrun --nproc-per-node {size}",
-        )
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    name = f"replica_{ft.replica_group}" + (f"_restart{restart}" if restart else "")
-    out = open_store(cfg.run.output_dir).child(name).uri
-    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, output_dir=out))
 
 
 def _train(rank: int, plan, prepared: dict | None, marks: dict) -> int:
