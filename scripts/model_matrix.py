@@ -120,12 +120,32 @@ def oracle(path: Path, layout: tuple[str, ...], world: int) -> None:
     _assert_oracle(result, reference_run(cfg, initial=start))
 
 
+def parallel_layout(row: dict, path: Path, tp_ok: bool) -> None:
+    """dp=2 x tp=2 x pp=2 against the reference; where tp=2 differs, dp=2 x pp=2 alone: a family
+    that passes it is recorded with tp=1 only (models.generic refuses tp > 1 with the reason)."""
+    from test_models import THREE_D
+
+    tp1 = tuple(o.replace("tp=2", "tp=1") for o in THREE_D)
+    if tp_ok:
+        try:
+            oracle(path, THREE_D, 8)
+            row["layout"] = "dp2-tp2-pp2"
+            return
+        except BaseException as exc:  # noqa: BLE001 - recorded
+            row.update(tp=False, tp_reason=f"differs from the reference at tp=2: {_short(exc)}")
+    try:
+        oracle(path, tp1, 4)
+        row["layout"] = "dp2-tp1-pp2"
+    except BaseException as exc:  # noqa: BLE001 - recorded
+        row.update(status="refused", reason=f"differs from the reference at a parallel layout: {_short(exc)}")
+
+
 def main() -> None:
     import os
 
     os.environ["RAYTRAIN_MODEL_MATRIX"] = "1"  # the recorded verdicts are what is being redone
     import transformers
-    from test_models import SINGLE, THREE_D, make_checkpoint
+    from test_models import SINGLE, make_checkpoint
 
     from raytrain_hybrid.models import generic
 
@@ -168,16 +188,7 @@ def main() -> None:
                     tp_ok = generic.refusal(mt, tp=2, recorded=False) is None
                     row["tp"] = tp_ok
                     if args.layout:
-                        layout = THREE_D if tp_ok else tuple(o.replace("tp=2", "tp=1") for o in THREE_D)
-                        world = 8 if tp_ok else 4
-                        try:
-                            oracle(path, layout, world)
-                            row["layout"] = "dp2-tp2-pp2" if tp_ok else "dp2-tp1-pp2"
-                        except BaseException as exc:  # noqa: BLE001 - recorded
-                            row.update(
-                                status="refused",
-                                reason=f"differs from the reference at a parallel layout: {_short(exc)}",
-                            )
+                        parallel_layout(row, path, tp_ok)
         except BaseException as exc:  # noqa: BLE001 - recorded per family
             if isinstance(exc, KeyboardInterrupt):
                 raise

@@ -81,3 +81,16 @@ def test_the_planner_counts_a_tiny_family_as_transformers_does(model_type, tmp_p
     cfg = load_config(None, [f"model.pretrained={tmp_path}", "data.path=memory", "model.seq_len=32", *SINGLE])
     assert param_count(cfg.model) == pytest.approx(want, rel=0.05)
     generic.verified.cache_clear()
+
+
+def test_a_family_recorded_without_tensor_parallelism_is_refused_at_tp2(monkeypatch):
+    """The matrix records a family whose dp=2 x tp=2 x pp=2 run differs but whose dp=2 x pp=2 run
+    holds (Apertus: its activation's learnt scalars see a column shard): check then refuses tp > 1,
+    naming parallelism.tp, and takes tp = 1."""
+    from raytrain_hybrid.errors import ConfigError
+
+    row = {"status": "passed", "tp": False, "tp_reason": "differs from the reference at tp=2: ..."}
+    monkeypatch.setattr(generic, "verified", lambda: {"qwen3": row})
+    assert generic.refusal("qwen3", tp=1) is None
+    with pytest.raises(ConfigError, match=r"parallelism\.tp=2: qwen3 differs from the reference at tp=2"):
+        load_config(None, ["model.arch=qwen3", "data.path=memory", "parallelism.tp=2", "parallelism.dp=1"])

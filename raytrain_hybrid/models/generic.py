@@ -107,6 +107,8 @@ def refusal(model_type: str, *, tp: int = 1, recorded: bool = True) -> str | Non
     known = verified().get(model_type) if recorded else None
     if known and known.get("status") == "refused":
         return known["reason"]
+    if tp > 1 and known and known.get("tp_reason"):
+        return f"{known['tp_reason']}; use parallelism.tp=1"
     if tp > 1:
         odd = sorted({s for s in _tp_plan_raw(model_type).values() if s not in _STYLES})
         if odd:
@@ -364,7 +366,25 @@ def spec(model_type: str) -> ArchSpec:
         attention=None,  # context parallelism: not yet held to the oracle for these families
         tied=is_tied,
         on_stage=functools.partial(on_stage, prefix, (embed, layers, norm, head)),
+        tp_adjust=learnt_activations,
     )
+
+
+def learnt_activations(block, tp: int) -> None:
+    """An activation with learnt parameters (Apertus's xIELU scalars) that runs between a
+    column-sharded projection and its row-sharded partner, in no TP plan: replicated, its input
+    the column shard, its gradient summed over tp (the engine's ``headnorm`` style)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+    mesh = next((p.device_mesh for p in block.parameters() if isinstance(p, DTensor)), None)
+    if mesh is None or tp == 1:
+        return
+    for name, module in block.named_modules():
+        learnt = any(not isinstance(p, DTensor) for p in module.parameters(recurse=False))
+        if learnt and type(module).__module__ == "transformers.activations":
+            # The column shard is the last dimension of [batch, seq, ffn / tp].
+            parallelize_module(block, mesh, {name: SequenceParallel(sequence_dim=2, use_local_output=True)})
 
 
 def _hf_model(model_type: str, config):
