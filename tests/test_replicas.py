@@ -173,6 +173,13 @@ def test_torchrun_groups_a_killed_worker_and_the_run_equals_an_uninterrupted_one
     steps_of = [r for r in rows if "loss" in r]
     assert [r["step"] for r in steps_of] == list(range(steps))
     assert all(r["replicas_in_step"] == [0, 1] for r in steps_of), [r["replicas_in_step"] for r in steps_of]
+    summary = json.loads((run / "replica_0" / "summary.json").read_text())
+    assert summary["ended"] == "completed" and summary["fault_tolerance"] == {
+        "replica_group": 0,
+        "replica_groups": 2,
+        "steps_trained_here": steps,
+        "steps_without": {},
+    }
     healed = [json.loads(line) for line in (run / "replica_1_restart1" / "metrics.jsonl").read_text().splitlines()]
     healed_steps = [r["step"] for r in healed if "loss" in r]
     assert healed_steps and healed_steps[0] >= 2 and healed_steps[-1] == steps - 1, healed_steps

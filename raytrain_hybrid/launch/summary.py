@@ -70,7 +70,8 @@ def summarize(
         "world_size": par.world_size,
         "layout": layout_dict(par, SUMMARY_LAYOUT)
         | ({"cp": par.cp} if par.cp > 1 else {})
-        | ({"ep": par.ep} if par.ep > 1 else {}),
+        | ({"ep": par.ep} if par.ep > 1 else {})
+        | ({"replicate": par.replicate} if par.replicate > 1 else {}),
         "model": {"arch": cfg.model.arch, "num_layers": cfg.model.num_layers, "hidden_size": cfg.model.hidden_size},
         "mean_tokens_per_s": (sum(h["tokens_per_s"] for h in steady) / len(steady)) if steady else None,
         "mean_step_time_s": (sum(h["step_time_s"] for h in steady) / len(steady)) if steady else None,
@@ -80,8 +81,25 @@ def summarize(
     for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "max_rss_bytes", "data_wait_fraction"):
         summary[key] = max((m[key] for m in memory if m.get(key) is not None), default=None)
     summary["per_rank"] = memory
+    if cfg.fault_tolerance.enabled:
+        summary["fault_tolerance"] = replica_record(cfg, history)
     evals = [{k: h[k] for k in h if k == "step" or k.startswith("val_")} for h in history if "val_accuracy" in h]
     if evals:  # classifiers: every evaluation, and the last one on its own
         summary["evals"] = evals
         summary["final_eval"] = evals[-1]
     return summary
+
+
+def replica_record(cfg: Config, history: list[dict]) -> dict:
+    """[fault_tolerance]: this launch's replica group, and per group the steps it missed (the
+    steps this group trained whose ``replicas_in_step`` lacks it; metrics.jsonl has every step's)."""
+    from raytrain_hybrid.config.fault_tolerance import replica_groups
+
+    groups = replica_groups(cfg.parallelism)
+    missed = {str(g): [h["step"] for h in history if g not in h.get("replicas_in_step", [g])] for g in range(groups)}
+    return {
+        "replica_group": cfg.fault_tolerance.replica_group,
+        "replica_groups": groups,
+        "steps_trained_here": len(history),
+        "steps_without": {g: steps for g, steps in missed.items() if steps},
+    }
