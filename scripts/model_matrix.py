@@ -46,10 +46,9 @@ KNOWN = {
     "states, a second stream the pipeline stages do not carry",
     "lara_mini": "a hybrid with linear-attention layers whose global layers drop positional encoding in "
     "the base model's code rather than in its config",
-    "longcat_flash": "its experts' weights include zero-computation experts (zero_expert_num) that the "
-    "checkpoint reader does not count, so not every expert's weights are read",
-    "sarvam_moe": "its checkpoints keep query, key and value in one fused tensor that transformers splits "
-    "by size on load, a conversion the checkpoint reader does not run backwards",
+    "longcat_flash": "trains at one process; at dp=2 a rank fails in data parallelism's gradient reduction "
+    "(FSDP's post-backward): its experts' weights are used only when a token is routed to a real expert "
+    "rather than a zero-computation one, so the ranks can hold gradients for different parameters",
 }
 
 

@@ -94,3 +94,19 @@ def test_a_family_recorded_without_tensor_parallelism_is_refused_at_tp2(monkeypa
     assert generic.refusal("qwen3", tp=1) is None
     with pytest.raises(ConfigError, match=r"parallelism\.tp=2: qwen3 differs from the reference at tp=2"):
         load_config(None, ["model.arch=qwen3", "data.path=memory", "parallelism.tp=2", "parallelism.dp=1"])
+
+
+def test_fused_and_stacked_tensors_are_read_as_the_model_holds_them():
+    """Sarvam-MoE's files fuse q, k and v in one tensor transformers splits by each target's size:
+    k_proj is the block after q_proj's rows. LongCat-Flash's stacked gate_up_proj also holds its
+    zero-computation experts' rows: one piece per row of the model's tensor, not per routed expert."""
+    sarvam = AutoConfig.for_model("sarvam_moe", **tiny_sizes("sarvam_moe")).to_dict()
+    q_rows = sarvam["num_attention_heads"] * sarvam["head_dim"]
+    k_rows = sarvam["num_key_value_heads"] * sarvam["head_dim"]
+    names, _, offset = generic.from_hf("sarvam_moe", "model.layers.0.self_attn.v_proj.weight", sarvam)
+    assert names[-1] == "model.layers.0.attention.query_key_value.weight" and offset == (q_rows + k_rows, 0)
+    longcat = AutoConfig.for_model("longcat_flash", **tiny_sizes("longcat_flash")).to_dict()
+    pieces = generic.from_hf("longcat_flash", "model.layers.0.mlp.experts.gate_up_proj", longcat)
+    routed, zero = longcat["n_routed_experts"], longcat["zero_expert_num"]
+    assert zero > 0 and len(pieces) == 2 * (routed + zero)
+    assert len(generic.from_hf("longcat_flash", "model.layers.0.mlp.experts.down_proj", longcat)) == routed

@@ -312,6 +312,9 @@ def from_hf(model_type: str, name: str, conf: dict):
     pieces = generic_weights.stacked(model_type, name, conf)
     if pieces is not None:
         return pieces
+    block = generic_weights.split_block(model_type, name, conf)
+    if block is not None:
+        return block
     return generic_weights.checkpoint_names(model_type, name), False, ()
 
 

@@ -13,6 +13,7 @@ read here: its tensors are not found, and loading says so naming the tensor.
 from __future__ import annotations
 
 import functools
+import json
 import re
 
 # config.json keys that count a mixture of experts' routed experts, by family.
@@ -84,10 +85,47 @@ def stacked(model_type: str, name: str, conf: dict) -> list | None:
             prefix = name[: len(name) - len(tail.lstrip("."))].rstrip(".")
             sources = list(conv.source_patterns)
             pieces = []
-            for e in range(experts(conf)):
+            # As many experts as the model's tensor stacks (LongCat-Flash's gate_up_proj also
+            # holds rows for its zero-computation experts, which the files keep too).
+            shape = _shapes(model_type, json.dumps(conf, sort_keys=True)).get(name)
+            for e in range(shape[0] if shape else experts(conf)):
                 for j, src in enumerate(sources):
                     key = f"{prefix}.{src.lstrip('.').replace('*', str(e))}"
                     rows = ("split", j, len(sources)) if len(sources) > 1 else slice(None)
                     pieces.append((checkpoint_names(model_type, key)[-1], (e, rows)))
             return pieces
     return None
+
+
+def split_block(model_type: str, name: str, conf: dict) -> tuple | None:
+    """A block of a fused checkpoint tensor that transformers splits on load by each target's size
+    (``Split`` along dim 0: Sarvam-MoE's ``query_key_value`` into q/k/v_proj): (file names, False,
+    offset), the offset the sizes of the targets before it; or None: not such a block."""
+    for conv in _mapping(model_type):
+        ops = [type(op).__name__ for op in getattr(conv, "operations", ())]
+        if type(conv).__name__ != "WeightConverter" or ops != ["Split"] or len(conv.source_patterns) != 1:
+            continue
+        source, targets = _literal(conv.source_patterns[0]), [_literal(t) for t in conv.target_patterns]
+        if conv.operations[0].dim != 0 or not source or not all(targets):
+            continue
+        hit = next((t for t in targets if f".{t}." in f".{name}"), None)
+        if hit is None:
+            continue
+        shapes = _shapes(model_type, json.dumps(conf, sort_keys=True))
+        before = sum(shapes[name.replace(hit, t)][0] for t in targets[: targets.index(hit)])
+        offset = (before,) + (0,) * (len(shapes[name]) - 1)
+        return checkpoint_names(model_type, name.replace(hit, source)), False, offset
+    return None
+
+
+@functools.lru_cache(maxsize=8)
+def _shapes(model_type: str, conf_json: str) -> dict[str, tuple[int, ...]]:
+    """Every parameter's shape in the model ``conf`` describes (built on the meta device)."""
+    import torch
+
+    from raytrain_hybrid.models.generic import _conf_keys, classes
+
+    config_cls, lm_cls = classes(model_type)
+    with torch.device("meta"):
+        model = lm_cls(config_cls(**_conf_keys(json.loads(conf_json))))
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
