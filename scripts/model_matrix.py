@@ -46,6 +46,9 @@ KNOWN = {
     "states, a second stream the pipeline stages do not carry",
     "lara_mini": "a hybrid with linear-attention layers whose global layers drop positional encoding in "
     "the base model's code rather than in its config",
+    "phi4_multimodal": "its tiny model still carries full-size vision and audio towers (a 3.3 GB "
+    "checkpoint, 7 GB to build and compare): the training run's rank was killed (signal 9, most likely "
+    "for memory) on the machine that checks the families; its forward matched transformers'",
     "longcat_flash": "trains at one process; at dp=2 a rank fails in data parallelism's gradient reduction "
     "(FSDP's post-backward): its experts' weights are used only when a token is routed to a real expert "
     "rather than a zero-computation one, so the ranks can hold gradients for different parameters",
