@@ -394,8 +394,18 @@ def main() -> None:
         default=0,
         help="trials through the CLI with Ray: the driver killed during a save or the step after, resumed at once",
     )
+    p.add_argument(
+        "--ft-trials",
+        type=int,
+        default=0,
+        help="the fault-tolerant mode instead: seeded kills of a replica group's rank under fault_tolerance.enabled "
+        "(benchmarks/bench_fault_tolerance.py, which writes results/fault_tolerance.json)",
+    )
     p.add_argument("--out", default=str(HERE / "results" / "faults.json"))
     args = p.parse_args()
+    if args.ft_trials:  # one campaign script a mode; this one hands over
+        script = str(HERE / "bench_fault_tolerance.py")
+        os.execv(sys.executable, [sys.executable, script, "--trials", str(args.ft_trials), "--seed", str(args.seed)])
     earlier = json.loads(Path(args.out).read_text()) if Path(args.out).is_file() else {}
     ctx = fi.context()
     base = Path(tempfile.mkdtemp(prefix="faults-"))

@@ -13,6 +13,7 @@ could not be restarted alone there.
 from __future__ import annotations
 
 import dataclasses
+import signal
 import socket
 import sys
 import time
@@ -83,6 +84,8 @@ def serve(port: int, min_replicas: int, join_timeout_s: float, heartbeat_timeout
     address = f"http://{socket.gethostname()}:{bound}"
     print(f"lighthouse: {address} (a step needs {min_replicas} replica group(s) or more)", flush=True)
     print(f"export TORCHFT_LIGHTHOUSE={address}", flush=True)
+    # Ctrl-C stops it even where its launcher left SIGINT ignored (a shell's background job).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with sigterm_ends_the_run():
             while True:
