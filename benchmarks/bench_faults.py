@@ -306,10 +306,10 @@ def ray_driver_kill_trial(i: int, rng: random.Random, base: Path, want: dict) ->
     pruned = set(re.findall(r"removed (step_\d+)", text))
     # Lost: complete in the killed run, newer than the checkpoint the resume picked (or the newest
     # one when nothing was picked), and gone or replaced at the end.
+    resumed = row["resumed_from"]
     row["checkpoints_lost"] = [
-        s for s in gone_or_replaced
-        if (row["resumed_from"] is not None and s > row["resumed_from"]) or (row["resumed_from"] is None and s == newest)
-    ]  # fmt: skip
+        s for s in gone_or_replaced if (resumed is not None and s > resumed) or (resumed is None and s == newest)
+    ]
     row["resumed_from_the_newest_complete"] = row["resumed_from"] == newest if newest is not None else None
     row["older_gone_to_checkpoint_keep"] = [s for s in gone_or_replaced if s not in row["checkpoints_lost"]]
     row["pruning_said"] = sorted(pruned)
@@ -351,7 +351,9 @@ def driver_kill_summary(rows: list[dict]) -> dict:
             r.get("losses_equal_where_recorded", False) for r in fired
         ),
         "steps_missing_from_metrics_jsonl": sum(len(r.get("steps_missing_from_metrics", [])) for r in fired),
-        "killed_runs_with_processes_left_5s_after_the_kill": sum(bool(r["killed_run_processes_left"]["5s"]) for r in fired),
+        "killed_runs_with_processes_left_5s_after_the_kill": sum(
+            bool(r["killed_run_processes_left"]["5s"]) for r in fired
+        ),
         "killed_runs_with_processes_left_20s_after_the_kill": sum(
             bool(r["killed_run_processes_left"]["20s"]) for r in fired
         ),
@@ -431,7 +433,8 @@ def main() -> None:
     for section, redo in (("ray_cli", args.ray_trials), ("ray_driver_kills", args.ray_driver_kills)):
         if section in earlier and not redo:  # a section this run does not redo stays, with its command
             made = {"command": earlier.get("command"), "date": earlier.get("date")}
-            result[section] = {**earlier[section], "from_an_earlier_run": earlier[section].get("from_an_earlier_run", made)}
+            made = earlier[section].get("from_an_earlier_run", made)
+            result[section] = {**earlier[section], "from_an_earlier_run": made}
     for kind in filter(None, args.kinds.split(",")):
         result["kinds"][kind] = campaign(kind, args, ctx, base)
     if args.ray_trials or args.ray_driver_kills:
@@ -443,8 +446,9 @@ def main() -> None:
         for i in range(args.ray_driver_kills):
             rows.append(ray_driver_kill_trial(i, rng, base, want))
             print(json.dumps(rows[-1]), flush=True)
-            partial = {**result, "ray_driver_kills": {"unfinished": f"{len(rows)} of {args.ray_driver_kills}",
-                                                      "summary": driver_kill_summary(rows), "trials": rows}}  # fmt: skip
+            unfinished = f"{len(rows)} of {args.ray_driver_kills}"
+            section = {"unfinished": unfinished, "summary": driver_kill_summary(rows), "trials": rows}
+            partial = {**result, "ray_driver_kills": section}
             Path(args.out).write_text(json.dumps(partial, indent=1) + "\n")  # a campaign cut short keeps its trials
         result["ray_driver_kills"] = {
             "driven_by": "the CLI (raytrain-hybrid train, a private local Ray, checkpoint.keep=2, run.max_failures=1, "

@@ -118,7 +118,8 @@ def check_entry(f, offset: int, length: int, sizes: torch.Size, dtype: torch.dty
             if tensor.shape != sizes or tensor.dtype != dtype:
                 raise NotRanged(f"describes a {tensor.dtype} tensor of {list(tensor.shape)}")
             key, stored, numel = storages[0]
-            reach = tensor.storage_offset() + sum((d - 1) * s for d, s in zip(tensor.shape, tensor.stride()) if d)
+            strides = zip(tensor.shape, tensor.stride(), strict=True)
+            reach = tensor.storage_offset() + sum((d - 1) * s for d, s in strides if d)
             if tensor.numel() and reach >= numel:
                 raise NotRanged(f"describes a tensor reaching element {reach} of a storage of {numel}")
             if zf.getinfo(f"{prefix}data/{key}").file_size != numel * stored.itemsize:
@@ -148,12 +149,14 @@ def entries_problem(store, md) -> str | None:
             for index, info in sorted(by_file[name], key=lambda item: item[1].offset):
                 chunk = chunks.get((index.fqn, tuple(index.offset or ())))
                 if chunk is None:
-                    return f"{name} holds a chunk of {index.fqn!r} at {list(index.offset or ())} that the metadata does not list"
+                    at = list(index.offset or ())
+                    return f"{name} holds a chunk of {index.fqn!r} at {at} that the metadata does not list"
                 try:
                     check_entry(f, info.offset, info.length, *chunk)
                 except NotRanged as exc:
                     shape = f"{chunk[1]} tensor of {list(chunk[0])}"
-                    return f"{name} holds {index.fqn!r} as something other than the {shape} the metadata says: {str(exc)[:300]}"
+                    why = str(exc)[:300]
+                    return f"{name} holds {index.fqn!r} as something other than the {shape} the metadata says: {why}"
         return None
 
     names = sorted(by_file)
