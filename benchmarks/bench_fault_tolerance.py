@@ -386,7 +386,8 @@ def main() -> None:
         },
     }
     record = {
-        "command": "nice -n 10 .venv/bin/python benchmarks/bench_fault_tolerance.py " + shlex.join(sys.argv[1:]),
+        "command": f"nice -n {os.nice(0)} .venv/bin/python benchmarks/bench_fault_tolerance.py "
+        + shlex.join(sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared), CPU only, gloo",
         "torch": torch.__version__,
