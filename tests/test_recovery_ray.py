@@ -49,6 +49,7 @@ def _train_worker_pids() -> list[int]:
 def test_killed_worker_recovers_from_checkpoint_with_identical_losses(ray_local, tmp_path, monkeypatch):
     from raytrain_hybrid.launch import progress
     from raytrain_hybrid.launch.driver import run
+    from raytrain_hybrid.launch.events import CheckpointEvent
 
     data = _row_id_dataset(tmp_path / "epoch", rows=ROWS)
     # train.steps beyond the epoch: data.epochs=1 ends the run (the LR schedule stays 100 steps').
@@ -67,9 +68,9 @@ def test_killed_worker_recovers_from_checkpoint_with_identical_losses(ray_local,
     reported: dict = {}
     handle = progress.RunLog.handle
 
-    def handle_and_note(run_log, kind: str, payload: dict) -> None:
-        handle(run_log, kind, payload)
-        if kind == "checkpoint" and payload["step"] == 2:
+    def handle_and_note(run_log, event) -> None:
+        handle(run_log, event)
+        if isinstance(event, CheckpointEvent) and event.step == 2:
             reported["steps_then"] = len(run_log.history)
 
     monkeypatch.setattr(progress.RunLog, "handle", handle_and_note)
