@@ -190,6 +190,10 @@ def _check(args, cfg, unverified: list[str] | None = None) -> int:
 
     for note in unverified or ():  # what could not be read here (no network, no credentials)
         _say(args)(redact(f"not verified: {note}"))
+    if cfg.fault_tolerance.enabled:  # a launch is one replica group: refused as train refuses it
+        from raytrain_hybrid.launch.lighthouse import group_launch
+
+        cfg = group_launch(cfg, None, "")
     asked = cfg
     cfg, counts, reach = check_layout(cfg, args.topology, _say(args))  # layout=auto: the planner's pick, printed
     par = cfg.parallelism

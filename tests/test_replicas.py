@@ -97,6 +97,8 @@ def test_refusals_name_the_key_and_what_works():
     msg = refused(*layout(2, 1, 1, "1F1B", 2), "fault_tolerance.min_replicas=3")
     assert "fault_tolerance.min_replicas" in msg and "2 replica groups" in msg
     assert "fault_tolerance.replica_group" in refused(*layout(2, 1, 1, "1F1B", 2), "fault_tolerance.replica_group=2")
+    with pytest.raises(ConfigError, match="fault_tolerance.min_replicas.*only with fault_tolerance.enabled=true"):
+        load_config(None, [*SHORT, *MEMORY, "fault_tolerance.min_replicas=2"])
     # zero=2/3: the groups are parallelism.replicate's
     cfg = load_config(
         None,
@@ -208,6 +210,8 @@ def test_a_launch_is_one_replica_group_and_says_which_before_ray_starts(tmp_path
         assert cli.main(["train", *[a for o in sets for a in ("--set", o)]]) == 2
         err = capsys.readouterr().err
         assert "fault_tolerance.replica_group" in err and "raytrain-hybrid lighthouse" in err, err
+        assert cli.main(["check", *[a for o in sets for a in ("--set", o)]]) == 2  # check: the same words
+        assert capsys.readouterr().err == err
         assert "2 replica groups is a launch of its own (2 workers each)" in err, err
         more = [*sets, "fault_tolerance.replica_group=1"]
         assert cli.main(["train", *[a for o in more for a in ("--set", o)]]) == 2

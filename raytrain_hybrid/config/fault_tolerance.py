@@ -8,6 +8,7 @@ go on; the group, restarted, receives the state from a live peer. Checks across 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from dataclasses import dataclass
 
@@ -57,7 +58,15 @@ def check_fault_tolerance(cfg) -> None:
     """[fault_tolerance] across keys: at least two replica groups, a data-parallel stage whose
     gradients are whole after the backward, and torchft installed."""
     ft, par = cfg.fault_tolerance, cfg.parallelism
-    if not ft.enabled:
+    if not ft.enabled:  # its keys mean nothing without it: set, they are refused rather than ignored
+        default = FaultToleranceConfig()
+        for f in dataclasses.fields(ft):
+            if getattr(ft, f.name) != getattr(default, f.name):
+                raise ConfigError(
+                    f"fault_tolerance.{f.name}",
+                    getattr(ft, f.name),
+                    "is read only with fault_tolerance.enabled=true; set that too, or leave this key out",
+                )
         return
     groups = replica_groups(par)
     if groups < 2:

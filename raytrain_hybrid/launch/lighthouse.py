@@ -23,17 +23,6 @@ from raytrain_hybrid.config.fault_tolerance import replica_groups
 from raytrain_hybrid.errors import ConfigError
 
 
-def group_commands(cfg: Config, config_path: str = "CONFIG") -> list[str]:
-    """The torchrun command of each replica group (each its own launch, restarted alone)."""
-    groups = replica_groups(cfg.parallelism)
-    size = cfg.parallelism.world_size // groups
-    return [
-        f"torchrun --standalone --nproc-per-node {size} --max-restarts 3 -m raytrain_hybrid.cli train {config_path} "
-        f"--set fault_tolerance.replica_group={g}"
-        for g in range(groups)
-    ]
-
-
 def group_launch(cfg: Config, world: int | None, how: str, restart: int = 0) -> Config:
     """This launch's replica group: checked, and its records in run.output_dir/replica_<g>
     (replica_<g>_restart<n> after torchrun restarted it). ``world``: the processes torchrun
