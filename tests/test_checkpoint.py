@@ -504,3 +504,41 @@ def test_rh_train_allow_change_is_the_clis(saved_run, tmp_path, capsys):
         rh.train(cfg, resume=str(out), allow_change=["train.lr", "train.steps", "data.path"])
     said = capsys.readouterr().out
     assert "resume: train.lr differs from the checkpoint's (allowed by --allow-change)" in said, said
+
+
+def test_steps_a_killed_driver_never_heard_of_come_from_the_checkpoints(saved_run, tmp_path, capsys):
+    """A driver killed while its workers go on: they train and save steps it never hears of, so
+    its metrics.jsonl stops short of the checkpoint a resume picks (here it heard of step 1 of
+    4). The resume takes those steps' metrics from the checkpoints' records (each keeps the steps
+    since the save before it) and says so; where no checkpoint kept them (one pruned), it says
+    which steps have no record, and summary.json lists them."""
+    from raytrain_hybrid.config import load_config
+    from raytrain_hybrid.launch.start import check_resume
+    from raytrain_hybrid.launch.summary import summarize
+
+    out, result = saved_run
+    run = tmp_path / "run"
+    shutil.copytree(out, run)
+    (run / "metrics.jsonl").write_text(json.dumps(result["history"][0]) + "\n")
+    sets = [*COMMON[1:], "train.steps=6", f"run.output_dir={run}"]
+    cfg = load_config(None, sets)
+    said: list[str] = []
+    point = check_resume(cfg, str(run), ["train.steps"], said.append)
+    assert point.step == 4 and [h["step"] for h in point.history] == [0, 1, 2, 3]
+    for got, want in zip(point.history, result["history"], strict=True):  # rank 0's metrics, as it sent them
+        assert {k: got[k] for k in ("loss", "grad_norm", "lr")} == {k: want[k] for k in ("loss", "grad_norm", "lr")}
+    taken = "resume: metrics.jsonl lacked steps 2-4 (trained after its driver stopped hearing, a driver killed?)"
+    assert said[-1].startswith(taken)
+    assert "steps_unrecorded" not in summarize(cfg, point.history, [])
+    # `check --resume` says it as `train --resume` would (and writes nothing).
+    assert (
+        cli(["check", "--resume", str(run), "--allow-change", "train.steps", *[a for s in sets for a in ("--set", s)]])
+        == 0
+    )
+    assert taken in capsys.readouterr().out
+    shutil.rmtree(run / "checkpoints" / "step_3")  # its record of step 3 gone with it
+    said.clear()
+    point = check_resume(cfg, str(run), ["train.steps"], said.append)
+    assert [h["step"] for h in point.history] == [0, 1, 3]
+    assert said[-1] == "resume: no record of steps 3 was kept (not in metrics.jsonl nor in a checkpoint here)"
+    assert summarize(cfg, point.history, [])["steps_unrecorded"] == [2]

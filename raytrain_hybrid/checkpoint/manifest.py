@@ -83,6 +83,11 @@ def manifest_problem(manifest) -> str | None:
     for name in ("trajectory", "layout", "data_position"):
         if name in manifest and not isinstance(manifest[name], dict):
             return f'"{name}" is {_shown(manifest[name])}; it must be an object'
+    for record in manifest.get("steps", []) if isinstance(manifest.get("steps", []), list) else [None]:
+        step = record.get("step") if isinstance(record, dict) else None
+        if not _whole(step, 0) or step >= manifest["step"]:
+            before = manifest["step"]
+            return f'"steps" holds {_shown(record)}; each must be a step\'s metrics with a "step" before {before}'
     return None
 
 

@@ -121,9 +121,12 @@ class CheckpointWriter:
             self.group = dist.new_group(backend="gloo")
             self.poll_group = dist.new_group(backend="gloo")
 
-    def save(self, trainer, step: int, data_position: dict | None = None) -> list[Saved]:
+    def save(
+        self, trainer, step: int, data_position: dict | None = None, steps: list[dict] | None = None
+    ) -> list[Saved]:
         """Start checkpoint ``step_<step>``; returns the save that was in flight (waited for
-        first) and, with checkpoint.async_save=false, this one too (done here)."""
+        first) and, with checkpoint.async_save=false, this one too (done here). ``steps``: the
+        metrics of the steps since the previous save (rank 0's, as metrics.jsonl has them)."""
         done = self.wait()
         t0 = time.perf_counter()
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -148,6 +151,9 @@ class CheckpointWriter:
             "data_position": data_position or {},
             "data_origin": self.data_origin,
             "trajectory": self.trajectory,
+            # The workers write the checkpoint, the driver metrics.jsonl: a driver killed while its
+            # workers go on never hears of the last steps. A resume takes their records from here.
+            "steps": steps or [],
         }
         finish = _Finish(self.root, final, staging, rank, world, self.group, manifest, t0, self.lease)
         future: Future = Future()

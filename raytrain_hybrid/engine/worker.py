@@ -300,9 +300,10 @@ class StepLoop:
 
     def start_save(self, done: int, metrics: dict) -> None:
         position = self.position()
+        since = [dict(m) for m in self.history if m["step"] >= self.last_started]  # the steps since the last save
         self.saving[done], self.last_started = metrics, done
         entry = position.manifest_entry() if position is not None else {}
-        self.completed(self.writer.save(self.trainer, done, data_position=entry))
+        self.completed(self.writer.save(self.trainer, done, data_position=entry, steps=since))
 
     def save_before_preemption(self, done: int, metrics: dict) -> None:
         """Every rank, at the step where the ranks agreed that a node is about to go: the

@@ -13,7 +13,15 @@ import dataclasses
 import json
 import time
 
-from raytrain_hybrid.checkpoint.manifest import MANIFEST, check_compatible, resolve, step_dirs, step_number, verify
+from raytrain_hybrid.checkpoint.manifest import (
+    MANIFEST,
+    check_compatible,
+    manifest_problem,
+    resolve,
+    step_dirs,
+    step_number,
+    verify,
+)
 from raytrain_hybrid.checkpoint.trajectory import check_allowed, check_trajectory, data_restarts, describe
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.config.elastic import is_elastic
@@ -101,9 +109,52 @@ def check_resume(
             say(f"resume: {p.name} is later than {path.name} but not intact; this run's save of its step replaces it")
     history = []
     metrics = out.child("metrics.jsonl")
-    if path.parent.uri == ckpt_root.uri and metrics.exists():  # continuing in place: keep the steps before
-        history = [h for h in _metrics_lines(metrics, say) if h["step"] < manifest["step"]]
+    if path.parent.uri == ckpt_root.uri:  # continuing in place: keep the steps before
+        if metrics.exists():
+            history = [h for h in _metrics_lines(metrics, say) if h["step"] < manifest["step"]]
+        history = _with_checkpoint_records(history, manifest, [p for p in existing if p.uri != path.uri], say)
     return ResumePoint(path.uri, history, describe(cfg), origin, manifest["step"])
+
+
+def _with_checkpoint_records(history: list[dict], manifest: dict, others: list[Store], say) -> list[dict]:
+    """The steps before the resumed checkpoint that metrics.jsonl lacks, from the records each
+    checkpoint keeps of the steps since the save before it: a driver killed while its workers went
+    on never heard of their last steps (nor of a save they completed, which a resume then picks).
+    Steps no checkpoint here recorded either are said, and summary.json lists them."""
+    end, have = manifest["step"], {h["step"] for h in history}
+    found: dict[int, dict] = {}
+    last = max(have, default=-1)
+    for other in others:  # the earlier checkpoints in the run directory, each with its window of steps
+        if (step := step_number(other)) is None or step > end or step <= last + 1:
+            continue  # (one whose steps metrics.jsonl has is not read)
+        try:
+            theirs = json.loads(other.child(MANIFEST).read_bytes())
+        except (OSError, ValueError, RecursionError):
+            continue
+        if manifest_problem(theirs) is None:
+            found.update({r["step"]: r for r in theirs.get("steps", [])})
+    found.update({r["step"]: r for r in manifest.get("steps", [])})  # (the one resumed is verified)
+    added = sorted(s for s in found if s not in have)
+    if added:
+        say(
+            f"resume: metrics.jsonl lacked steps {_spans(added)} (trained after its driver stopped hearing, "
+            "a driver killed?); their metrics are taken from the checkpoints' records"
+        )
+    history = sorted([*history, *(found[s] for s in added)], key=lambda h: h["step"])
+    if history and (missing := sorted(set(range(history[0]["step"], end)) - {h["step"] for h in history})):
+        say(f"resume: no record of steps {_spans(missing)} was kept (not in metrics.jsonl nor in a checkpoint here)")
+    return history
+
+
+def _spans(steps: list[int]) -> str:
+    """0-based steps as the 1-based steps a user reads (metrics.jsonl's 0 is step 1): "2-4, 7"."""
+    spans: list[list[int]] = []
+    for s in steps:
+        if spans and s == spans[-1][1] + 1:
+            spans[-1][1] = s
+        else:
+            spans.append([s, s])
+    return ", ".join(f"{a + 1}-{b + 1}" if b > a else f"{a + 1}" for a, b in spans)
 
 
 def _metrics_lines(metrics: Store, say) -> list[dict]:

@@ -81,6 +81,16 @@ def summarize(
     for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "max_rss_bytes", "data_wait_fraction"):
         summary[key] = max((m[key] for m in memory if m.get(key) is not None), default=None)
     summary["per_rank"] = memory
+    if (
+        history
+        and not cfg.fault_tolerance.enabled
+        and (  # (a replica group misses steps by design)
+            unrecorded := sorted(set(range(history[0]["step"], history[-1]["step"])) - {h["step"] for h in history})
+        )
+    ):
+        # Steps trained (the model holds them) whose metrics no one kept: a killed driver's
+        # workers went on past what it heard, and no checkpoint recorded them (the resume said so).
+        summary["steps_unrecorded"] = unrecorded
     if cfg.fault_tolerance.enabled:
         summary["fault_tolerance"] = replica_record(cfg, history)
     evals = [{k: h[k] for k in h if k == "step" or k.startswith("val_")} for h in history if "val_accuracy" in h]
