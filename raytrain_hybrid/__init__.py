@@ -117,6 +117,10 @@ def train(cfg: Config, resume: str | None = None, allow_change: list[str] | None
     """
     from raytrain_hybrid.launch.driver import run
 
+    if cfg.fault_tolerance.enabled:  # one replica group, as a `train` with its group number is
+        from raytrain_hybrid.launch.lighthouse import group_launch
+
+        cfg = group_launch(cfg, None, "")
     return run(cfg, resume=resume, allow_change=allow_change)
 
 

@@ -190,10 +190,14 @@ def _check(args, cfg, unverified: list[str] | None = None) -> int:
 
     for note in unverified or ():  # what could not be read here (no network, no credentials)
         _say(args)(redact(f"not verified: {note}"))
-    if cfg.fault_tolerance.enabled:  # a launch is one replica group: refused as train refuses it
+    if cfg.fault_tolerance.enabled:  # a launch is one replica group, or every group: checked as train does
+        from raytrain_hybrid.launch.ft_groups import describe
         from raytrain_hybrid.launch.lighthouse import group_launch
 
-        cfg = group_launch(cfg, None, "")
+        every = cfg.fault_tolerance.replica_group < 0
+        if every:
+            _say(args)(describe(cfg))
+        cfg = group_launch(cfg, None, "", every=every)
     asked = cfg
     cfg, counts, reach = check_layout(cfg, args.topology, _say(args))  # layout=auto: the planner's pick, printed
     par = cfg.parallelism
@@ -253,10 +257,10 @@ def _check(args, cfg, unverified: list[str] | None = None) -> int:
     return 0
 
 
-def _train(cfg, resume: str | None = None, verbose: bool = False, allow_change: list[str] | None = None) -> int:
+def _train(cfg, resume: str | None = None, verbose: bool = False, allow_change: list[str] | None = None, source=None):
     from raytrain_hybrid.launch.quiet_run import train_command  # under torchrun: without Ray
 
-    return train_command(cfg, resume, verbose, allow_change)
+    return train_command(cfg, resume, verbose, allow_change, source)
 
 
 def _plan(args, cfg) -> int:
@@ -371,7 +375,9 @@ def _command_run(args) -> int:
         return _plan(args, cfg)
     if args.command == "sweep":
         return _sweep(args, cfg)
-    return _train(cfg, args.resume, args.verbose, args.allow_change)
+    from raytrain_hybrid.launch.ft_groups import Source  # a fault-tolerant run's groups are launched from it
+
+    return _train(cfg, args.resume, args.verbose, args.allow_change, Source(args.config, tuple(overrides)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -108,6 +108,8 @@ BACKGROUND = {
     # The README's quick start as pasted (its own local Ray, 8 workers): last, in the cores the
     # single-process modules at the end of a run leave.
     "test_quick_start": "test_jobs_ray",
+    # Fault tolerance on a cluster of its own: a node, the Lighthouse and two workers lost.
+    "test_replicas_ray": "test_quick_start",
 }
 # Background modules held back until the main thread reaches a module (when that module is
 # selected): the submitted jobs' head (~160 s of CPU, much of it drivers waiting) started with

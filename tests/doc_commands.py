@@ -354,7 +354,8 @@ def _why_not(step: Shown, args, made: dict, skipped: dict, setups: dict) -> str:
         uris = [a for a in step.args if "://" in a]
         if uris:
             return f"reads or writes object storage ({uris[0].split('=', 1)[-1]}): a bucket and its credentials"
-        if str(_key(args, config, "fault_tolerance.enabled", "")).lower() == "true":
+        ft = str(_key(args, config, "fault_tolerance.enabled", "")).lower() == "true"
+        if ft and str(_key(args, config, "fault_tolerance.replica_group", "-1")) != "-1":
             return "one replica group of several launches meeting at a Lighthouse (tests/test_replicas.py runs them)"
         if str(_key(args, config, "cluster.use_gpu", "")).lower() == "true":
             return f"needs GPUs (cluster.use_gpu = true in {getattr(args, 'config', '') or '--set'})"

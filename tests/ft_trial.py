@@ -37,6 +37,7 @@ def group_job(rank: int, world: int, job: dict, marker: str, name: str, role: di
         return metrics
 
     Trainer.train_step = stamped
+    replicas.BUCKET_BYTES = role.get("bucket_bytes", replicas.BUCKET_BYTES)
     if "dies_at" in role:
         combine = replicas.ReplicaSync.combine
 

@@ -109,3 +109,24 @@ def test_a_preemption_notice_its_save_and_the_restart_are_recorded_as_summary_js
     assert log.restarts == 1 and log.restarted_from == [2]
     with pytest.raises(TypeError, match="not an event of a run"):
         log.handle(("step", {"step": 3}))
+
+
+def test_a_group_restarted_from_step_0_that_receives_a_live_groups_state_keeps_the_steps_it_trained(tmp_path):
+    """Fault tolerance: a replica group restarted without a checkpoint (step 0) is given the
+    live group's state at step 2 and redoes nothing; its records keep steps 0 and 1."""
+    import json
+
+    from raytrain_hybrid.launch.events import StartEvent, StepEvent
+    from raytrain_hybrid.launch.progress import RunLog
+
+    log = RunLog(tmp_path, steps=4, progress=False, tensorboard=False)
+    log.handle(StartEvent(0))
+    for step in range(2):
+        log.handle(StepEvent({"step": step, "loss": 1.0}))
+    log.handle(StartEvent(0))
+    for step in range(2, 4):
+        log.handle(StepEvent({"step": step, "loss": 2.0}))
+    log.close()
+    assert log.restarts == 1 and log.restarted_from == [0]
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [0, 1, 2, 3] and [m["loss"] for m in lines] == [1.0, 1.0, 2.0, 2.0]

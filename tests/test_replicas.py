@@ -53,13 +53,15 @@ def test_a_group_dies_and_rejoins_and_the_survivor_matches_the_replayed_referenc
     common = (*FT, f"fault_tolerance.lighthouse={lighthouse.address()}", "fault_tolerance.step_timeout_s=20")
     cfgs = [load_config(None, [*common, f"fault_tolerance.replica_group={g}"]) for g in (0, 1)]
     ctx = context()
-    survivor = Group(ctx, cfgs[0], marker, "survivor", {"waits_at": WAIT_FROM})
-    doomed = Group(ctx, cfgs[1], marker, "doomed", {"dies_at": DIE_AT})
+    # Buckets of 64 KiB: the groups' gradients go in several all-reduces, as a real model's do.
+    small = {"bucket_bytes": 64 * 1024}
+    survivor = Group(ctx, cfgs[0], marker, "survivor", {"waits_at": WAIT_FROM, **small})
+    doomed = Group(ctx, cfgs[1], marker, "doomed", {"dies_at": DIE_AT, **small})
     assert wait_until(doomed.died), "group 1 did not die at its step"
     doomed.kill()
     # Group 1 comes back once group 0 has trained on alone (committed the step group 1 died in).
     assert wait_until(lambda: reached(marker, "survivor", DIE_AT + 1))
-    rejoined = Group(ctx, cfgs[1], marker, "rejoined", {"rejoins": True})
+    rejoined = Group(ctx, cfgs[1], marker, "rejoined", {"rejoins": True, **small})
     try:
         first, second = survivor.result(), rejoined.result()
     finally:
@@ -192,10 +194,13 @@ def test_torchrun_groups_a_killed_worker_and_the_run_equals_an_uninterrupted_one
         assert got["lr"] == pytest.approx(want["lr"], rel=1e-9)
 
 
-def test_a_launch_is_one_replica_group_and_says_which_before_ray_starts(tmp_path, capsys):
-    """On Ray as under torchrun, each replica group is a launch of its own (Ray Train restarts its
-    worker group alone): without its group number, or without a Lighthouse, `train` refuses
-    before Ray starts, saying what to set."""
+def test_a_launch_of_every_group_or_of_one_is_checked_before_ray_starts(tmp_path, capsys):
+    """On Ray, `train` without fault_tolerance.replica_group starts every group and their
+    Lighthouse (tests/test_replicas_ray.py runs it): `check` says so. A launch of one group needs
+    a Lighthouse named; a resume of every group needs their replica_<g> records; the Python API,
+    which launches one group, needs its number. Each is refused before Ray starts, saying what
+    to set, and leaves nothing behind."""
+    import raytrain_hybrid as rh
     from raytrain_hybrid import cli
 
     sets = [
@@ -207,16 +212,21 @@ def test_a_launch_is_one_replica_group_and_says_which_before_ray_starts(tmp_path
     ]
     env = os.environ.pop("TORCHFT_LIGHTHOUSE", None)
     try:
-        assert cli.main(["train", *[a for o in sets for a in ("--set", o)]]) == 2
+        assert cli.main(["check", *[a for o in sets for a in ("--set", o)]]) == 0
+        out = capsys.readouterr().out
+        assert "fault tolerance: 2 replica groups of 2 workers, each a Ray Train run restarted alone" in out, out
+        assert "a Lighthouse started as a Ray actor on this driver's node" in out, out
+        (tmp_path / "old").mkdir()
+        args = ["train", *[a for o in sets for a in ("--set", o)], "--resume", str(tmp_path / "old")]
+        assert cli.main(args) == 2
         err = capsys.readouterr().err
-        assert "fault_tolerance.replica_group" in err and "raytrain-hybrid lighthouse" in err, err
-        assert cli.main(["check", *[a for o in sets for a in ("--set", o)]]) == 2  # check: the same words
-        assert capsys.readouterr().err == err
-        assert "2 replica groups is a launch of its own (2 workers each)" in err, err
+        assert "--resume" in err and "has no replica_0/" in err, err
         more = [*sets, "fault_tolerance.replica_group=1"]
         assert cli.main(["train", *[a for o in more for a in ("--set", o)]]) == 2
         err = capsys.readouterr().err
         assert "fault_tolerance.lighthouse" in err and "TORCHFT_LIGHTHOUSE is not set" in err, err
+        with pytest.raises(ConfigError, match="replica_group.*without it starts every group"):
+            rh.train(load_config(None, sets))
     finally:
         if env is not None:
             os.environ["TORCHFT_LIGHTHOUSE"] = env

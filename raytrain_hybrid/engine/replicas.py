@@ -67,6 +67,35 @@ def lighthouse_address(cfg: Config) -> str:
     return addr if "://" in addr else f"http://{addr}"
 
 
+# The gradients' all-reduce across groups goes in flat fp32 buckets of this size (DDP's default).
+BUCKET_BYTES = 25 * 2**20
+
+
+def _buckets(grads: list[torch.Tensor]):
+    """Consecutive runs of ``grads`` of at most BUCKET_BYTES in fp32 (a larger tensor alone)."""
+    bucket, size = [], 0
+    for g in grads:
+        if bucket and size + 4 * g.numel() > BUCKET_BYTES:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(g)
+        size += 4 * g.numel()
+    if bucket:
+        yield bucket
+
+
+def _unpack(bucket: list[torch.Tensor], flat: torch.Tensor, work) -> None:
+    """A bucket's all-reduce waited for, its sums copied back into the gradients."""
+    work.wait()
+    with torch.no_grad():
+        for g, part in zip(bucket, flat.split([g.numel() for g in bucket]), strict=True):
+            g.copy_(part.view_as(g))
+
+
+# How long one quorum request waits before it is asked again (ReplicaSync._quorum).
+QUORUM_ASK_S = 15.0
+
+
 class ReplicaSync:
     """This worker's side of the replica groups' quorum (one torchft Manager a worker)."""
 
@@ -195,14 +224,26 @@ class ReplicaSync:
             self._quorum()
 
     def _quorum(self) -> None:
-        try:
-            self.manager.start_quorum()
-        except Exception as exc:  # the Lighthouse gone, or unreachable: nothing decides who is in
-            raise RuntimeError(
-                f"no quorum from the Lighthouse at {self.lighthouse} within {self.quorum_timeout_s:.0f} s "
-                f"(fault_tolerance.quorum_timeout_s): {exc}. If the Lighthouse is gone, start it again and "
-                "--resume each replica group from its newest checkpoint"
-            ) from exc
+        """One quorum, asked again every QUORUM_ASK_S until fault_tolerance.quorum_timeout_s: a
+        Lighthouse whose process died takes the request it held with it and never answers it;
+        started again at the same address (Ray restarts the Lighthouse actor a launch of every
+        group starts), it answers the request asked again."""
+        deadline = time.monotonic() + self.quorum_timeout_s
+        while True:
+            ask = max(1.0, min(QUORUM_ASK_S, deadline - time.monotonic()))
+            try:
+                self.manager.start_quorum(timeout=timedelta(seconds=ask))
+                return
+            except Exception as exc:
+                if time.monotonic() + 1.0 >= deadline:  # the Lighthouse gone, or unreachable
+                    raise RuntimeError(
+                        f"no quorum from the Lighthouse at {self.lighthouse} within {self.quorum_timeout_s:.0f} s "
+                        f"(fault_tolerance.quorum_timeout_s): {exc}. If the Lighthouse is gone, start it again and "
+                        "--resume each replica group from its newest checkpoint"
+                    ) from exc
+                # torchft's next start_quorum would raise this failed request's error again first.
+                self.manager._quorum_future = None
+                time.sleep(1.0)
 
     def combine(self, loss: torch.Tensor, tokens: int) -> tuple[torch.Tensor, list[int]]:
         """The groups' gradients weighted by their tokens, in place; returns the step's loss over
@@ -217,12 +258,17 @@ class ReplicaSync:
         for p in params:
             if p.grad is None:  # a parameter this group's rows did not reach: zero, as the others see it
                 p.grad = torch.zeros_like(p)
-        grads = [_local(p.grad) for p in params]
-        flat = torch.cat([g.reshape(-1).float() for g in grads]) * (tokens / present).float()
-        self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
-        with torch.no_grad():
-            for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-                g.copy_(part.view_as(g))
+        scale = (tokens / present).float()
+        # In buckets of BUCKET_BYTES, two in flight: one flat copy of every gradient would double
+        # the gradients' memory for the length of the all-reduce.
+        pending: list[tuple[list[torch.Tensor], torch.Tensor, object]] = []
+        for bucket in _buckets([_local(p.grad) for p in params]):
+            flat = torch.cat([g.reshape(-1).float() for g in bucket]) * scale
+            pending.append((bucket, flat, self.manager.allreduce(flat, reduce_op=ReduceOp.SUM)))
+            if len(pending) > 1:
+                _unpack(*pending.pop(0))
+        for done in pending:
+            _unpack(*done)
         groups = [i for i in range(self.groups) if stats[2 + i] > 0.5]
         return (stats[0] / present).float(), groups
 

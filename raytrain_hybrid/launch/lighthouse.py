@@ -23,24 +23,28 @@ from raytrain_hybrid.config.fault_tolerance import replica_groups
 from raytrain_hybrid.errors import ConfigError
 
 
-def group_launch(cfg: Config, world: int | None, how: str, restart: int = 0) -> Config:
+def group_launch(cfg: Config, world: int | None, how: str, restart: int = 0, every: bool = False) -> Config:
     """This launch's replica group: checked, and its records in run.output_dir/replica_<g>
     (replica_<g>_restart<n> after torchrun restarted it). ``world``: the processes torchrun
     started (None on Ray, which starts the group's workers itself); ``how``: the launcher's way
-    to set the process count, for the messages."""
+    to set the process count, for the messages. ``every``: a Ray launch of every group
+    (launch.ft_groups), checked here as its group 0, which needs no Lighthouse named."""
     from raytrain_hybrid.engine.replicas import lighthouse_address
-    from raytrain_hybrid.storage import open_store
 
     ft, par = cfg.fault_tolerance, cfg.parallelism
     groups = replica_groups(par)
     size = par.world_size // groups
+    if ft.replica_group < 0 and every:
+        cfg = dataclasses.replace(cfg, fault_tolerance=dataclasses.replace(ft, replica_group=0))
+        return _in(cfg, 0)
     if ft.replica_group < 0:
         raise ConfigError(
             "fault_tolerance.replica_group",
             ft.replica_group,
             f"is not set: each of the {groups} replica groups is a launch of its own ({size} workers each), "
             f"restarted alone when it fails; start a Lighthouse (raytrain-hybrid lighthouse), then each group "
-            f"with --set fault_tolerance.replica_group=<0..{groups - 1}>",
+            f"with --set fault_tolerance.replica_group=<0..{groups - 1}>"
+            + ("" if how else "; on Ray, `raytrain-hybrid train` without it starts every group and their Lighthouse"),
         )
     lighthouse_address(cfg)  # refused here, before anything is built, when none is named
     if world is not None and size != world:
@@ -50,7 +54,13 @@ def group_launch(cfg: Config, world: int | None, how: str, restart: int = 0) -> 
             f"makes replica groups of {size} ranks ({groups} groups), but {world} were started: run each group "
             f"with {how} {size}",
         )
-    name = f"replica_{ft.replica_group}" + (f"_restart{restart}" if restart else "")
+    return _in(cfg, ft.replica_group, restart)
+
+
+def _in(cfg: Config, group: int, restart: int = 0) -> Config:
+    from raytrain_hybrid.storage import open_store
+
+    name = f"replica_{group}" + (f"_restart{restart}" if restart else "")
     out = open_store(cfg.run.output_dir).child(name).uri
     return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, output_dir=out))
 

@@ -238,19 +238,15 @@ class RunLog:
         )
 
     def _restarted(self, step: int) -> None:
-        """The worker group restarted from a checkpoint: drop the steps it will redo."""
+        """The worker group restarted from a checkpoint: the steps it redoes are dropped when
+        their first comes (_step), not here: a fault-tolerant group restarted from step 0 may
+        receive a live group's state at step 2 and redo nothing."""
         after = self.preemptions[-1] if self.preemptions and "restarted_from" not in self.preemptions[-1] else None
         if after is not None:  # the first start after a notice (Ray Train counts it apart from failures)
             after["restarted_from"] = step
         self.restarts += 1
         self.restarted_from.append(step)
-        kept = [h for h in self.history if h["step"] < step]
         self.checkpoints = [c for c in self.checkpoints if c["step"] <= step]  # later ones are redone
-        self.file.close()
-        self.file = create_new(self.path)
-        self.history = []
-        for h in kept:
-            self._record(h)
         why = " after the preemption" if after is not None else ""
         self._say(f"restart {self.restarts}{why}: the worker group continues from step {step}")
 
@@ -260,6 +256,13 @@ class RunLog:
         self.file.flush()
 
     def _step(self, m: dict) -> None:
+        if self.history and self.history[-1]["step"] >= m["step"]:  # a restarted group redoes these
+            kept = [h for h in self.history if h["step"] < m["step"]]
+            self.file.close()
+            self.file = create_new(self.path)
+            self.history = []
+            for h in kept:
+                self._record(h)
         self._record(m)
         step = m["step"]
         if self.bar is not None:

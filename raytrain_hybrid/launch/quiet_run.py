@@ -13,17 +13,29 @@ from raytrain_hybrid.errors import ConfigError, LayoutError, redact
 
 
 def train_command(
-    cfg: Config, resume: str | None = None, verbose: bool = False, allow_change: list[str] | None = None
+    cfg: Config,
+    resume: str | None = None,
+    verbose: bool = False,
+    allow_change: list[str] | None = None,
+    source=None,
 ) -> int:
+    """``source`` (launch.ft_groups.Source): the config file and overrides given, from which a
+    fault-tolerant run on Ray without fault_tolerance.replica_group launches every group."""
     from raytrain_hybrid.launch.driver import sigterm_ends_the_run
     from raytrain_hybrid.launch.session import ray_address
     from raytrain_hybrid.launch.torchrun import torchrun_train
 
     if (code := torchrun_train(cfg, resume, allow_change)) is not None:  # started by torchrun: no Ray
         return code
-    if cfg.fault_tolerance.enabled:  # this launch is one replica group (launch.lighthouse)
+    if cfg.fault_tolerance.enabled:  # this launch is one replica group (launch.lighthouse), or all
         from raytrain_hybrid.launch.lighthouse import group_launch
 
+        if source is not None and cfg.fault_tolerance.replica_group < 0:
+            from raytrain_hybrid.launch.ft_groups import train_groups
+
+            group_launch(cfg, None, "", every=True)  # group 0's checks stand for each group's
+            ray_address(cfg)
+            return train_groups(cfg, source, resume, verbose, allow_change)
         cfg = group_launch(cfg, None, "")
     ray_address(cfg)  # an address that cannot be joined is refused before the run directory is made
     with sigterm_ends_the_run():
