@@ -290,35 +290,60 @@ def test_check_refuses_an_unknown_arch_naming_the_key():
         load_config(None, ["model.arch=not_a_model"])
 
 
+# Export, family by family: tied with per-head norms and sliding layers (Gemma 3), per-head query/key
+# norms (Qwen3), fused projections in the files (Phi-3), norms over the whole projected width (OLMo 2),
+# and a source whose config.json sets dropout, which training turns off (Seed-OSS).
+EXPORT_FAMILIES = ("gemma3_text", "qwen3", "phi3", "olmo2", "seed_oss")
+
+
+def _safetensors_keys(path: Path) -> set[str]:
+    from safetensors import safe_open
+
+    keys: set[str] = set()
+    for file in path.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            keys |= set(f.keys())
+    return keys
+
+
 def test_export_writes_the_source_names_and_loads_as_the_same_class(checkpoints, tmp_path):
-    """Trained at a vanishing learning rate, exported, loaded by transformers: the same class and
-    key names as the source, and the source's logits (1e-5)."""
-    from gloo_harness import run_gloo
+    """Trained at a vanishing learning rate (one single-rank launch for every family), exported
+    (the CLI for the first, rh.export for the others), loaded by transformers: the source's
+    safetensors key names and config.json (every key), the same class, and the source's logits
+    (1e-5)."""
+    from gloo_harness import run_gloo_jobs
     from transformers import AutoModelForCausalLM
 
-    src = checkpoints["gemma3_text"]  # tied, with per-head norms and sliding layers
-    out = tmp_path / "run"
-    overrides = [*_overrides(src, SINGLE), "train.lr=1e-12", "checkpoint.interval=3", f"run.output_dir={out}"]
-    overrides = [o for o in overrides if not o.startswith("train.lr=1e-3")]
-    run_gloo(overrides)
-    exported = tmp_path / "hf"
-    done = subprocess.run(
-        [str(Path(sys.executable).parent / "raytrain-hybrid"), "export", str(out), str(exported)],
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    want = json.loads((src / "config.json").read_text())
-    got = json.loads((exported / "config.json").read_text())
-    assert got["model_type"] == want["model_type"] and got["architectures"] == want["architectures"]
-    assert got["tie_word_embeddings"] == want["tie_word_embeddings"]
-    a = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, local_files_only=True).eval()
-    b = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32, local_files_only=True).eval()
-    assert type(a) is type(b)
+    import raytrain_hybrid as rh
+
+    sources = {mt: checkpoints.get(mt) or make_checkpoint(tmp_path, mt) for mt in EXPORT_FAMILIES}
+    jobs = {}
+    for mt, src in sources.items():
+        overrides = [o for o in _overrides(src, SINGLE) if not o.startswith("train.lr=")]
+        jobs[mt] = [*overrides, "train.lr=1e-12", "checkpoint.interval=3", f"run.output_dir={tmp_path / mt}-run"]
+    run_gloo_jobs(1, jobs)
     ids = torch.randint(3, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        la, lb = a(input_ids=ids).logits, b(input_ids=ids).logits
-    assert ((la - lb).norm() / la.norm()).item() <= 1e-5
+    for mt, src in sources.items():
+        exported = tmp_path / f"{mt}-hf"
+        if mt == EXPORT_FAMILIES[0]:
+            cli = str(Path(sys.executable).parent / "raytrain-hybrid")
+            done = subprocess.run(
+                [cli, "export", f"{tmp_path / mt}-run", str(exported)], capture_output=True, text=True
+            )
+            assert done.returncode == 0, done.stderr[-2000:]
+        else:
+            rh.export(f"{tmp_path / mt}-run", exported)
+        want = json.loads((src / "config.json").read_text())
+        got = json.loads((exported / "config.json").read_text())
+        assert got == want, (mt, {k: (want.get(k), got.get(k)) for k in {*want, *got} if want.get(k) != got.get(k)})
+        assert _safetensors_keys(exported) == _safetensors_keys(src), mt
+        a = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, local_files_only=True).eval()
+        b = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32, local_files_only=True).eval()
+        assert type(a) is type(b), mt
+        with torch.no_grad():
+            la, lb = a(input_ids=ids).logits, b(input_ids=ids).logits
+        assert ((la - lb).norm() / la.norm()).item() <= 1e-5, mt
+    assert json.loads((sources["seed_oss"] / "config.json").read_text())["residual_dropout"] > 0  # kept, not zeroed
 
 
 def test_the_planner_counts_what_transformers_builds(checkpoints):

@@ -2,8 +2,10 @@
 
 A model fine-tuned from ``model.pretrained`` keeps that checkpoint's settings (its config.json
 through the spec's hf_config), tokenizer files, chat template and generation_config.json, so
-``transformers.pipeline("text-generation", model=OUT_DIR)`` runs on it. The head is written
-untied (``tie_word_embeddings`` false): the engine trains embedding and head as two matrices.
+``transformers.pipeline("text-generation", model=OUT_DIR)`` runs on it. A family on the generic path
+keeps its own tying (the engine's head copy equals the embedding: engine.tied); the hand-written specs
+write the head untied (they train embedding and head as two matrices). Dropout probabilities, off
+while training, are the source's again (``source_dropout``).
 
 Runs in one process without a process group: DCP assembles every parameter whole from the
 shards of whatever layout wrote them; the architecture's ``to_hf`` maps the project's names
@@ -27,6 +29,7 @@ from raytrain_hybrid.config import Config, validate
 from raytrain_hybrid.errors import ConfigError
 from raytrain_hybrid.models import get_arch, hf_checkpoint, hub
 from raytrain_hybrid.models.common import build_stage
+from raytrain_hybrid.models.generic import DROPOUT_KEYS
 from raytrain_hybrid.storage import Store, as_store, private_dir
 
 
@@ -161,12 +164,26 @@ def export_hf(source: str | Path, out_dir: str | Path, merge: bool = False) -> s
             f"checkpoint does not map onto {type(model).__name__}: missing {missing}, extra {unexpected}"
         )
 
+    source_dropout(model.config, cfg)
+
     def write(tmp: Path) -> str:
         model.config.use_cache = True  # generation wants its KV cache (training turned it off)
         model.save_pretrained(tmp, safe_serialization=True)
         return "config.json"
 
     return _publish(target, write, cfg, spec)
+
+
+def source_dropout(config, cfg: Config) -> None:
+    """The source checkpoint's dropout probabilities back on the exported config: training set them
+    to 0 (every layout must draw the same masks), but the model given back is the source's, which a
+    later fine-tune elsewhere would train with its own settings."""
+    if not hf_checkpoint.is_set(cfg.model.pretrained):
+        return
+    source = hf_checkpoint.read_config_json(cfg.model.pretrained, cfg.model.pretrained_revision)
+    for key, value in source.items():
+        if isinstance(value, float) and key.endswith(DROPOUT_KEYS) and hasattr(config, key):
+            setattr(config, key, value)
 
 
 def _publish(target: Store, write, cfg: Config, spec) -> str:

@@ -50,7 +50,7 @@ _STYLES = {
 # Model types whose layers are not all attention blocks, or that are not decoders: refused by name.
 _NOT_DECODERS = ("mamba", "rwkv", "xlstm", "linear", "hybrid", "recurrent", "ssm", "t5", "bart", "encoder")
 # Dropout probabilities are set to 0: layouts would draw different masks.
-_DROPOUT_KEYS = ("dropout", "pdrop", "dropout_prob")
+DROPOUT_KEYS = ("dropout", "pdrop", "dropout_prob")
 _VERIFIED = Path(__file__).parents[1] / "assets" / "generic_families.json"
 
 
@@ -178,7 +178,7 @@ def dropout_off(config) -> None:
     """Every dropout probability of a transformers config set to 0 (the engine's; and the oracle's
     reference, which must draw no masks either)."""
     for key, value in config.to_dict().items():
-        if isinstance(value, float) and any(key.endswith(s) for s in _DROPOUT_KEYS):
+        if isinstance(value, float) and key.endswith(DROPOUT_KEYS):
             setattr(config, key, 0.0)
 
 
