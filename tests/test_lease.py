@@ -252,3 +252,88 @@ def _running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def _session(sid: int) -> list[int]:
+    """The processes of a session this test started: a CLI run and the local Ray it started."""
+    import psutil
+
+    return [p.pid for p in psutil.process_iter() if _sid(p.pid) == sid]
+
+
+def _sid(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return None
+
+
+def test_a_ray_run_whose_lease_is_taken_over_stops_writing_and_ends_saying_so(tmp_path):
+    """From the user's side: `train` on Ray (a local Ray of its own) is stalled whole (SIGSTOP of
+    its session: a suspended machine, a driver cut off) for longer than its lease lives, and
+    `train --resume` of its directory, under torchrun, takes the lease over and trains on. The
+    stalled run, woken, stops at once: exit 1 naming the run that took the directory, no checkpoint
+    of its own completed after the takeover, and summary.json and metrics.jsonl are the other run's,
+    every step recorded once."""
+    import signal
+
+    out = tmp_path / "run"
+    tiny = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.seq_len=32",
+            "train.global_batch_size=4", "parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=1",
+            "parallelism.microbatches=1", "data.path=memory", "train.steps=30", f"run.output_dir={out}"]  # fmt: skip
+    sets = [a for kv in tiny for a in ("--set", kv)]
+    bin_dir = Path(sys.executable).parent
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local Ray, stalled with it
+    first = subprocess.Popen(
+        [str(bin_dir / "raytrain-hybrid"), "train", *sets, "--set", "checkpoint.interval=1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+    )  # fmt: skip
+    second = None
+    try:
+        deadline = time.time() + 300
+        while not (out / "checkpoints" / "step_2" / "manifest.json").exists():
+            assert first.poll() is None and time.time() < deadline, first.communicate(timeout=60)
+            time.sleep(0.05)
+        stalled = _session(first.pid)
+        for pid in stalled:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        ours = json.loads((out / LEASE).read_text())
+        before = {p.name: json.loads((p / "manifest.json").read_text())["launch_id"]
+                  for p in (out / "checkpoints").glob("step_*") if (p / "manifest.json").exists()}  # fmt: skip
+        # Its lease lives 120 s after a renewal: the stall that long is the renewal moved back.
+        (out / "stale").write_text(json.dumps({**ours, "renewed_at": ours["renewed_at"] - 1000}))
+        os.replace(out / "stale", out / LEASE)
+        second = subprocess.Popen(
+            [str(bin_dir / "torchrun"), "--standalone", "--nproc-per-node", "1", "-m", "raytrain_hybrid.cli", "train",
+             "--resume", str(out), *sets, "--set", "checkpoint.interval=10"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**env, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+        while json.loads((out / LEASE).read_text())["holder"]["token"] == ours["holder"]["token"]:
+            assert second.poll() is None and time.time() < deadline, second.communicate(timeout=60)
+            time.sleep(0.05)
+        for pid in stalled:  # taken over: the first run wakes up
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        _, err = first.communicate(timeout=120)
+        assert first.returncode == 1, err
+        assert f"error: run.output_dir={out} was taken over by another run (host {socket.gethostname()}" in err, err
+        assert "Traceback" not in err, err
+        second_out, second_err = second.communicate(timeout=300)
+        assert second.returncode == 0, second_err[-3000:]
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+        for pid in _session(first.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    launch = set(before.values())
+    after = {p.name: json.loads((p / "manifest.json").read_text())["launch_id"]
+             for p in (out / "checkpoints").glob("step_*") if (p / "manifest.json").exists()}  # fmt: skip
+    assert {n for n, who in after.items() if who in launch} <= set(before), (before, after)  # none completed after
+    assert "step_30" in after and after["step_30"] not in launch
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(30))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 30 and "steps_unrecorded" not in summary and not (out / LEASE).exists()

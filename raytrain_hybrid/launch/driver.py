@@ -284,7 +284,9 @@ def watch(trainer, sink, run_log: RunLog, watchdog: StartupWatchdog, marks: dict
         run_log.handle(event)
     thread.join()
     if "error" in outcome:
-        raise outcome["error"]
+        # A run whose lease another run took over fails in its workers too (their saves are
+        # refused): the takeover is the cause, and is what the run ends saying.
+        raise lost() or outcome["error"]
 
 
 class Terminated(KeyboardInterrupt):
