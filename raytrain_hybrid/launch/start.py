@@ -112,15 +112,17 @@ def check_resume(
     if path.parent.uri == ckpt_root.uri:  # continuing in place: keep the steps before
         if metrics.exists():
             history = [h for h in _metrics_lines(metrics, say) if h["step"] < manifest["step"]]
-        history = _with_checkpoint_records(history, manifest, [p for p in existing if p.uri != path.uri], say)
+        others = [p for p in existing if p.uri != path.uri]
+        history = _with_checkpoint_records(history, manifest, others, say, gaps=not cfg.fault_tolerance.enabled)
     return ResumePoint(path.uri, history, describe(cfg), origin, manifest["step"])
 
 
-def _with_checkpoint_records(history: list[dict], manifest: dict, others: list[Store], say) -> list[dict]:
+def _with_checkpoint_records(history: list[dict], manifest: dict, others: list[Store], say, gaps=True) -> list[dict]:
     """The steps before the resumed checkpoint that metrics.jsonl lacks, from the records each
     checkpoint keeps of the steps since the save before it: a driver killed while its workers went
     on never heard of their last steps (nor of a save they completed, which a resume then picks).
-    Steps no checkpoint here recorded either are said, and summary.json lists them."""
+    Steps no checkpoint here recorded either are said (``gaps``; a replica group of a fault-tolerant
+    run misses steps by design), and summary.json lists them."""
     end, have = manifest["step"], {h["step"] for h in history}
     found: dict[int, dict] = {}
     last = max(have, default=-1)
@@ -141,7 +143,7 @@ def _with_checkpoint_records(history: list[dict], manifest: dict, others: list[S
             "a driver killed?); their metrics are taken from the checkpoints' records"
         )
     history = sorted([*history, *(found[s] for s in added)], key=lambda h: h["step"])
-    if history and (missing := sorted(set(range(history[0]["step"], end)) - {h["step"] for h in history})):
+    if gaps and history and (missing := sorted(set(range(history[0]["step"], end)) - {h["step"] for h in history})):
         say(f"resume: no record of steps {_spans(missing)} was kept (not in metrics.jsonl nor in a checkpoint here)")
     return history
 
