@@ -96,3 +96,23 @@ FIXED_CRASHES = {
 def test_a_crash_fuzzing_found_is_refused_clearly(name):
     target, case = FIXED_CRASHES[name]
     assert run_case(target, case) == "refused"
+
+
+def test_the_fuzzing_benchmark_fails_past_its_time_bound(tmp_path):
+    """benchmarks/bench_fuzz.py times every input in CPU seconds and exits 1 when one is over its
+    bound (run again first, so that a first-time cost such as an import is not the input's): with
+    a bound of 0 every input is over it."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "fuzz.json"
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_fuzz.py"
+    done = subprocess.run(
+        [sys.executable, str(bench), "--examples", "3", "--target", "set_values", "--bound", "0", "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 1 and "0 crashed, 3 inputs over 0.0 CPU s" in done.stderr, done.stderr[-2000:]
+    totals = json.loads(out.read_text())["totals"]
+    assert totals["tried"] == 3 and totals["inputs_over_bound"] == 3 and totals["slowest_input_cpu_s"] > 0
