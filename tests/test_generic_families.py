@@ -6,6 +6,8 @@ sublayers). scripts/model_matrix.py holds each family to the training oracle."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from test_models import SINGLE, tiny_sizes
@@ -110,3 +112,49 @@ def test_fused_and_stacked_tensors_are_read_as_the_model_holds_them():
     routed, zero = longcat["n_routed_experts"], longcat["zero_expert_num"]
     assert zero > 0 and len(pieces) == 2 * (routed + zero)
     assert len(generic.from_hf("longcat_flash", "model.layers.0.mlp.experts.down_proj", longcat)) == routed
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "words"),
+    [
+        (["model.arch=gemma2", "parallelism.cp=2"], "parallelism.cp", "gemma2 runs only transformers' eager attention"),
+        (["model.arch=qwen3_next", "parallelism.cp=2"], "parallelism.cp", "qwen3_next has linear_attention layers"),
+        (["model.arch=deepseek_v2", "parallelism.cp=2"], "parallelism.cp", "deepseek_v2 has latent attention"),
+        (["model.arch=qwen2_moe", "parallelism.ep=2"], "parallelism.ep", "qwen2_moe's mixture of experts runs in"),
+        (["model.arch=qwen2_moe", "model.router_aux_loss_coef=0.01"], "model.router_aux_loss_coef", "num_experts="),
+        (["model.arch=qwen3", "parallelism.ep=2"], "parallelism.ep", "qwen3's model has no experts"),
+    ],
+)
+def test_check_names_the_family_and_key_it_cannot_parallelise_so(overrides, key, words):
+    """Context parallelism where the family's attention is not plain SDPA-able multi-head attention,
+    expert parallelism and the router's loss on transformers' own mixtures of experts: refused before
+    workers start, naming the key, the model_type and why (tp=1 and dp=2: the layout is otherwise valid)."""
+    from raytrain_hybrid.errors import ConfigError
+
+    layout = ["parallelism.tp=1", "parallelism.pp=1", "parallelism.dp=2", "data.path=memory", "model.seq_len=32"]
+    with pytest.raises(ConfigError, match=re.escape(words)) as err:
+        load_config(None, [*layout, *overrides])
+    assert err.value.key == key
+
+
+def test_experts_skipped_by_every_token_still_get_a_gradient():
+    """LongCat-Flash's zero-computation experts: a batch routed to them alone leaves the real
+    experts' weights out of the graph, and data parallelism's reduction then sees different
+    gradients on different ranks (a dp=2 run failed so). The generic build keeps them in the graph
+    with zero gradients; transformers' own module, without it, gives none (the negative control)."""
+    from transformers import AutoModelForCausalLM
+
+    config = AutoConfig.for_model("longcat_flash", **tiny_sizes("longcat_flash"))
+    routed = config.n_routed_experts
+    ours = AutoModelForCausalLM.from_config(config)
+    generic._experts_always_used(ours, config)
+    theirs = AutoModelForCausalLM.from_config(config)
+    hidden = torch.randn(5, config.hidden_size)
+    index = torch.full((5, config.moe_topk), routed)  # every token to the first zero-computation expert
+    weights = torch.ones(5, config.moe_topk)
+    for model, want in ((ours, True), (theirs, False)):
+        experts = model.model.layers[0].mlp.experts
+        out = experts(hidden.clone().requires_grad_(), index, weights)
+        out.sum().backward()
+        assert (experts.gate_up_proj.grad is not None) is want
+    assert torch.count_nonzero(ours.model.layers[0].mlp.experts.down_proj.grad) == 0

@@ -189,12 +189,19 @@ LORA_FAMILIES = ("qwen3", "gemma3_text")
 LORA = ("lora.rank=4", "lora.alpha=8", "lora.targets=all-linear", "train.lr=1e-2")
 
 
+# Context parallelism (cp=2 beside tp=2 and pp=2) on a plain family and on one with sliding layers,
+# a tied head, per-head norms and its own attention scaling, in the same launch.
+CP_FAMILIES = ("qwen3", "gemma3_text")
+CP_3D = ("parallelism.dp=1", "parallelism.cp=2", "parallelism.tp=2", "parallelism.pp=2", "parallelism.microbatches=2")
+
+
 @pytest.fixture(scope="module")
 def three_d_runs(checkpoints):
     from gloo_harness import run_gloo_jobs
 
     jobs = _jobs(checkpoints, THREE_D)
     jobs |= {f"{mt}-lora": [*_overrides(checkpoints[mt], THREE_D), *LORA] for mt in LORA_FAMILIES}
+    jobs |= {f"{mt}-cp": _overrides(checkpoints[mt], CP_3D) for mt in CP_FAMILIES}
     return run_gloo_jobs(8, jobs)
 
 
@@ -265,6 +272,14 @@ def test_single_process_matches_transformers(model_type, single_runs, references
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_dp_tp_pp_matches_transformers(model_type, three_d_runs, references):
     _assert_oracle(three_d_runs[model_type], references[model_type])
+
+
+@pytest.mark.parametrize("model_type", CP_FAMILIES)
+def test_context_parallel_generic_family_matches_transformers(model_type, three_d_runs, references):
+    """cp=2 x tp=2 x pp=2: each rank attends from its half of every row over the whole row (the
+    sliding layers' window and the causal mask built over the whole sequence), against the same
+    one-process reference."""
+    _assert_oracle(three_d_runs[f"{model_type}-cp"], references[model_type])
 
 
 def test_the_oracle_notices_a_wrong_family(checkpoints, single_runs, references):

@@ -26,7 +26,7 @@ from raytrain_hybrid.config.parallelism import (  # noqa: F401  (re-exported: th
     layout_dict,
 )
 from raytrain_hybrid.errors import ConfigError
-from raytrain_hybrid.models import ARCH_NAMES, is_arch
+from raytrain_hybrid.models import ARCH_NAMES, arch_refusal, is_arch
 
 # The architectures of the registry (raytrain_hybrid.models).
 ARCHS = ARCH_NAMES
@@ -82,11 +82,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if not is_arch(self.arch):
-            raise ConfigError(
-                "model.arch",
-                self.arch,
-                f"must be one of {choices(ARCHS)} or a transformers decoder model_type (docs/models.md)",
-            )
+            # A transformers family the generic path refuses gets its reason (docs/models.md) with the list.
+            why = arch_refusal(self.arch) or "is not one"
+            raise ConfigError("model.arch", self.arch, why)
         for key in ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_len", "num_experts"):
             value = getattr(self, key)
             if value < 1:

@@ -162,7 +162,10 @@ def _validate_cp(cfg: Config, spec: ArchSpec) -> None:
         return
     if spec.attention is None:
         raise ConfigError(
-            "parallelism.cp", cp, f"model.arch={model.arch} has no context-parallel attention; use cp=1 (Llama family)"
+            "parallelism.cp",
+            cp,
+            f"model.arch={model.arch} has no context-parallel attention; use cp=1 (cp runs on the Llama family and "
+            "the transformers families docs/models.md marks)",
         )
     if model.seq_len % cp:
         fits = [d for d in divisors(model.seq_len) if d <= 64]

@@ -20,6 +20,7 @@ in torch 2.13, so it cannot run or be tested on CPU: this path is the one that r
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -81,6 +82,9 @@ def cp_attention(module, query, key, value, attention_mask, dropout: float = 0.0
     if r > 1:
         key, value = key.repeat_interleave(r, dim=1), value.repeat_interleave(r, dim=1)
     q, k, v = (seq_to_heads(t, group, cp) for t in (query, key, value))
+    # What SDPA does not do: a family that adds it is refused before workers start (models.generic_cp).
+    if kwargs.get("softcap") or kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        raise RuntimeError(f"{type(module).__name__} soft-caps or adds sinks, which context parallelism does not")
     mask = attention_mask
     if mask is not None and mask.shape[-1] != q.shape[-2]:  # built from this rank's slice only
         mask = whole_sequence_mask(kwargs["position_ids"], group, cp)
@@ -96,9 +100,14 @@ def whole_sequence_mask(position_ids: torch.Tensor, group, cp: int) -> torch.Ten
     """Packed rows (data.packing): the stage built its document mask from its own slice's
     position ids; attention over the whole sequence needs the whole rows' ([rows, 1, s, s]),
     made the same way from every cp rank's position ids."""
+    return document_mask(gather_positions(position_ids, group, cp))
+
+
+def gather_positions(position_ids: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """The whole rows' position ids ([rows, s]) from every cp rank's slice ([rows, s/cp]), in order."""
     parts = [torch.empty_like(position_ids) for _ in range(cp)]
     dist.all_gather(parts, position_ids.contiguous(), group=group)
-    return document_mask(torch.cat(parts, dim=1))
+    return torch.cat(parts, dim=1)
 
 
 def use_cp_attention(hf_config) -> None:
@@ -118,6 +127,8 @@ def apply_cp(stage, spec, cp_mesh) -> None:
         attn = block.get_submodule(spec.attention)
         attn.cp_group, attn.cp_size = group, cp
     stage.seq_chunk = cp_mesh.get_local_rank()
+    # For a stage that builds its masks per layer type (models.generic_forward): the whole rows' positions.
+    stage.whole_positions = functools.partial(gather_positions, group=group, cp=cp)
 
 
 def local_slice(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:

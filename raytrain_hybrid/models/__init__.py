@@ -38,22 +38,31 @@ def is_arch(name: str) -> bool:
     return generic.is_generic(name)
 
 
-@functools.cache
-def get_arch(name: str) -> ArchSpec:
+def arch_refusal(name: str) -> str | None:
+    """Why ``name`` is no architecture here (the family's own reason where transformers has it), with
+    what would work; None: it is one."""
     if name in _MODULES:
-        return importlib.import_module(f"raytrain_hybrid.models.{_MODULES[name]}").SPEC
+        return None
     from raytrain_hybrid.models import generic
 
     try:
         why = generic.refusal(name)
     except Exception:  # noqa: BLE001 - not a name transformers knows
         why = "is not a transformers model_type"
+    if not why:
+        return None
+    return f"{why}; use one of {sorted(_MODULES)} or a transformers decoder model_type (docs/models.md)"
+
+
+@functools.cache
+def get_arch(name: str) -> ArchSpec:
+    if name in _MODULES:
+        return importlib.import_module(f"raytrain_hybrid.models.{_MODULES[name]}").SPEC
+    why = arch_refusal(name)
     if why:
-        raise ConfigError(
-            "model.arch",
-            name,
-            f"{why}; use one of {sorted(_MODULES)} or a transformers decoder model_type (docs/models.md)",
-        )
+        raise ConfigError("model.arch", name, why)
+    from raytrain_hybrid.models import generic
+
     return generic.spec(name)
 
 
@@ -62,4 +71,4 @@ def arch_names(task: str) -> tuple[str, ...]:
     return tuple(name for name in ARCH_NAMES if get_arch(name).task == task)
 
 
-__all__ = ["ARCH_NAMES", "ArchSpec", "arch_names", "get_arch", "is_arch"]
+__all__ = ["ARCH_NAMES", "ArchSpec", "arch_names", "arch_refusal", "get_arch", "is_arch"]

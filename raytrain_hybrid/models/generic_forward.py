@@ -121,7 +121,12 @@ def stage_forward(stage, x: torch.Tensor, position_ids: torch.Tensor | None = No
         positions = torch.arange(start, start + seq, device=h.device).unsqueeze(0)
     ids = [int(i) for i in layers.keys()]
     kinds = {layer_type(config, i) for i in ids}
-    masks = {k: _mask(k, config, positions, packed, h.dtype) for k in kinds}
+    # Context parallelism: the attention sees the whole sequence, so its masks (sliding windows,
+    # packed documents) are the whole sequence's, from every cp rank's positions (``whole_positions``,
+    # set by distributed.context_parallel); RoPE takes this rank's own positions.
+    whole = getattr(stage, "whole_positions", None)
+    mask_positions = whole(positions) if whole is not None else positions
+    masks = {k: _mask(k, config, mask_positions, packed, h.dtype) for k in kinds}
     tables = _rotary(inner, h, positions, kinds)
     for i, block in zip(ids, layers.values(), strict=True):
         kind = layer_type(config, i)
