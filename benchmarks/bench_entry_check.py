@@ -120,6 +120,22 @@ def main() -> None:
         md = mf._check_metadata(step, manifest["files"], "--resume")  # (its imports are not a check's)
         entries = len(md.storage_data)
 
+        from raytrain_hybrid.checkpoint import entry_ranges
+
+        reads = [0]  # the entry check's reads of a shard: each a request on object storage
+        fetch = entry_ranges._Window._fetch
+
+        def counted(window, start: int, end: int) -> bytes:
+            reads[0] += 1
+            return fetch(window, start, end)
+
+        entry_ranges._Window._fetch = counted
+        mf._check_entries(step, md, "--resume")
+        entry_reads = reads[0]
+        block, entry_ranges.BLOCK = entry_ranges.BLOCK, 0  # every read a request of its own, as before BLOCK
+        unblocked = measured(lambda: mf._check_entries(step, md, "--resume"), repeats=1)
+        unblocked["reads_per_entry"] = round((reads[0] - entry_reads) / entries, 2)
+        entry_ranges.BLOCK = block
         checks = {
             # sizes, manifest and .metadata against them: what a resume asks of a later checkpoint
             "sizes_and_metadata": measured(lambda: mf.verify(step, digests=False)),
@@ -127,6 +143,8 @@ def main() -> None:
             "entries": measured(lambda: mf._check_entries(step, md, "--resume")),
             # all of the driver's check of a checkpoint under 64 GiB: every file's SHA-256 too
             "whole_verify_with_digests": measured(lambda: mf.verify(step, digests=True)),
+            # the entry check without read blocks (checkpoint.entry_ranges.BLOCK = 0), once
+            "entries_without_blocks": unblocked,
         }
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         wall = time.perf_counter()
@@ -160,6 +178,9 @@ def main() -> None:
         "checks": checks,
         "entries_bytes_read_over_checkpoint": round(checks["entries"]["bytes_read"] / total, 6),
         "entries_bytes_read_per_entry": round(checks["entries"]["bytes_read"] / entries),
+        # the entry check's reads of a shard (each a request on object storage), per entry
+        "entries_reads_per_entry": round(entry_reads / entries, 2),
+        "block_bytes": block,
         "note": "each check run 3 times in a row (wall_s, cpu_s: each run's); bytes_read: rchar of "
         "/proc/self/io around the last run (page cache or disk alike). The entry "
         "check reads each entry's archive directory, data.pkl and one local header; the digests read every "
