@@ -261,6 +261,14 @@ def _session(sid: int) -> list[int]:
     return [p.pid for p in psutil.process_iter() if _sid(p.pid) == sid]
 
 
+def psutil_cmdline(pid: int) -> str:
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        return " ".join(psutil.Process(pid).cmdline())[:200]
+    return f"{pid} (gone)"
+
+
 def _sid(pid: int) -> int | None:
     try:
         return os.getsid(pid)
@@ -272,9 +280,9 @@ def test_a_ray_run_whose_lease_is_taken_over_stops_writing_and_ends_saying_so(tm
     """From the user's side: `train` on Ray (a local Ray of its own) is stalled whole (SIGSTOP of
     its session: a suspended machine, a driver cut off) for longer than its lease lives, and
     `train --resume` of its directory, under torchrun, takes the lease over and trains on. The
-    stalled run, woken, stops at once: exit 1 naming the run that took the directory, no checkpoint
-    of its own completed after the takeover, and summary.json and metrics.jsonl are the other run's,
-    every step recorded once."""
+    stalled run, woken, stops at once: exit 1 naming the run that took the directory, no process of
+    its own left, no checkpoint of its own completed after the takeover, and summary.json and
+    metrics.jsonl are the other run's, every step recorded once."""
     import signal
 
     out = tmp_path / "run"
@@ -319,6 +327,10 @@ def test_a_ray_run_whose_lease_is_taken_over_stops_writing_and_ends_saying_so(tm
         assert first.returncode == 1, err
         assert f"error: run.output_dir={out} was taken over by another run (host {socket.gethostname()}" in err, err
         assert "Traceback" not in err, err
+        gone = time.time() + 30  # and it leaves no process of its own (its local Ray included)
+        while _session(first.pid) and time.time() < gone:
+            time.sleep(0.2)
+        assert not _session(first.pid), [psutil_cmdline(p) for p in _session(first.pid)]
         second_out, second_err = second.communicate(timeout=300)
         assert second.returncode == 0, second_err[-3000:]
     finally:
