@@ -189,9 +189,10 @@ LORA_FAMILIES = ("qwen3", "gemma3_text")
 LORA = ("lora.rank=4", "lora.alpha=8", "lora.targets=all-linear", "train.lr=1e-2")
 
 
-# Context parallelism (cp=2 beside tp=2 and pp=2) on a plain family and on one with sliding layers,
-# a tied head, per-head norms and its own attention scaling, in the same launch.
-CP_FAMILIES = ("qwen3", "gemma3_text")
+# Context parallelism (cp=2 beside tp=2 and pp=2) on a family with sliding layers, a tied head, per-head
+# norms and its own attention scaling, in the same launch (an 8-rank job costs ~16 s of CPU; the plainer
+# families are held at cp=2 by scripts/model_matrix.py --cp).
+CP_FAMILIES = ("gemma3_text",)
 CP_3D = ("parallelism.dp=1", "parallelism.cp=2", "parallelism.tp=2", "parallelism.pp=2", "parallelism.microbatches=2")
 
 
