@@ -147,7 +147,7 @@ def test_experts_skipped_by_every_token_still_get_a_gradient():
     config = AutoConfig.for_model("longcat_flash", **tiny_sizes("longcat_flash"))
     routed = config.n_routed_experts
     ours = AutoModelForCausalLM.from_config(config)
-    generic._experts_always_used(ours, config)
+    generic_forward.experts_always_used(ours, config)
     theirs = AutoModelForCausalLM.from_config(config)
     hidden = torch.randn(5, config.hidden_size)
     index = torch.full((5, config.moe_topk), routed)  # every token to the first zero-computation expert

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from raytrain_hybrid.errors import ConfigError
-from raytrain_hybrid.models import generic_counts, generic_cp
-from raytrain_hybrid.models.generic_forward import on_stage, stage_forward
+from raytrain_hybrid.models import generic_check, generic_counts, generic_cp
+from raytrain_hybrid.models.generic_forward import experts_always_used, on_stage, stage_forward
 from raytrain_hybrid.models.spec import ArchSpec
 
 if TYPE_CHECKING:
@@ -51,8 +51,6 @@ _STYLES = {
 _NOT_DECODERS = ("mamba", "rwkv", "xlstm", "linear", "hybrid", "recurrent", "ssm", "t5", "bart", "encoder")
 # Dropout probabilities are set to 0: layouts would draw different masks.
 DROPOUT_KEYS = ("dropout", "pdrop", "dropout_prob")
-# A mixture of experts' expert count, by the names transformers' configs give it.
-_EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
 _VERIFIED = Path(__file__).parents[1] / "assets" / "generic_families.json"
 
 
@@ -292,24 +290,8 @@ def build(model_type: str, hf_config):
     with _params_on_meta():
         model = lm_cls(config)
     model.config = hf_config  # the head's forward reads the family's settings (soft-capping, scales)
-    _experts_always_used(model, hf_config)
+    experts_always_used(model, hf_config)
     return model
-
-
-def _experts_always_used(model, hf_config) -> None:
-    """LongCat-Flash routes tokens to zero-computation experts too: a step whose tokens all go there
-    leaves a layer's expert weights without a gradient on that rank, while data parallelism's
-    gradient reduction (FSDP) needs the same gradients on every rank. A zero-weighted term of the
-    weights keeps them in every step's graph: values and gradients are unchanged."""
-    if not getattr(hf_config, "zero_expert_num", None):
-        return
-
-    def hook(module, args, out):
-        return out + sum(p.sum() for p in module.parameters(recurse=False)) * 0
-
-    for module in model.modules():
-        if type(module).__name__.endswith("Experts"):
-            module.register_forward_hook(hook)
 
 
 # ----------------------------------------------------------------- checkpoints and counts
@@ -339,42 +321,6 @@ def from_hf(model_type: str, name: str, conf: dict):
 
 def to_hf(sd: dict) -> dict:
     return dict(sd)
-
-
-def check(model_type: str, cfg) -> None:
-    """Refusals before workers start: a family the engine cannot run at this layout."""
-    par = cfg.parallelism
-    why = refusal(model_type, tp=par.tp)
-    if why:
-        key = "parallelism.tp" if "parallelism.tp" in why else "model.arch"
-        raise ConfigError(key, par.tp if key == "parallelism.tp" else model_type, f"{model_type} {why}")
-    if par.cp > 1:
-        # The model matrix's cp=2 verdict where it has one (scripts/model_matrix.py --cp), else the rule.
-        why = (verified().get(model_type) or {}).get("cp_reason")
-        why = why or generic_cp.cp_refusal(model_type, hf_config(model_type, cfg))
-        if why:
-            raise ConfigError("parallelism.cp", par.cp, f"{model_type} {why}; use parallelism.cp=1")
-    m, defaults = cfg.model, type(cfg.model)()
-    moe_keys = [
-        k for k in ("num_experts", "experts_per_token", "router_aux_loss_coef") if getattr(m, k) != getattr(defaults, k)
-    ]
-    if par.ep == 1 and not moe_keys:
-        return
-    config = hf_config(model_type, cfg)
-    experts = next((k for k in _EXPERT_KEYS if getattr(config, k, None)), None)
-    if par.ep > 1:
-        what = "mixture of experts runs in transformers' own code" if experts else "model has no experts"
-        raise ConfigError(
-            "parallelism.ep", par.ep, f"{model_type}'s {what}: expert parallelism is not applied to it; use ep=1"
-        )
-    key = moe_keys[0]
-    where = f"{experts}={getattr(config, experts)}" if experts else "none: it has no experts"
-    raise ConfigError(
-        f"model.{key}",
-        getattr(m, key),
-        f"{model_type} takes its experts from its transformers config ({where}) and adds no router "
-        "auxiliary loss; leave the key out",
-    )
 
 
 def spec(model_type: str) -> ArchSpec:
@@ -412,22 +358,14 @@ def spec(model_type: str) -> ArchSpec:
         # Vocab-parallel embedding and head: a tied pair is sharded alike (engine.tied sums them).
         tp_plan_outer={f"{prefix}.{embed}": "embedding", head: "head"},
         stage_forward=stage_forward,
-        check=functools.partial(check, model_type),
+        check=functools.partial(generic_check.check, model_type),
         # Context parallelism where the family's attention allows it (models.generic_cp; check refines
         # it with the checkpoint's own config: soft-capping, latent attention, linear layers).
-        attention=None if _cp_static(model_type) else generic_cp.attention_path(model_type),
+        attention=None if generic_check.cp_static(model_type) else generic_cp.attention_path(model_type),
         tied=is_tied,
         on_stage=functools.partial(on_stage, prefix, (embed, layers, norm, head)),
         tp_adjust=learnt_activations,
     )
-
-
-def _cp_static(model_type: str) -> bool:
-    """Refused context parallelism whatever the checkpoint's config: no query projection in the
-    plan, eager attention only, attention sinks (the planner then proposes no cp)."""
-    lm_cls = classes(model_type)[1]
-    path = generic_cp.attention_path(model_type)
-    return path is None or not getattr(lm_cls, "_supports_sdpa", False) or generic_cp.adds_sinks(model_type)
 
 
 def learnt_activations(block, tp: int) -> None:

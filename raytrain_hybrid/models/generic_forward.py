@@ -158,3 +158,19 @@ def on_stage(prefix: str, names: tuple[str, str, str, str], stage, model) -> Non
     stage._generic_prefix = prefix
     stage._generic_names = names  # (embedding, block list, final norm) of the base model, the head
     stage._generic_lm = [model]
+
+
+def experts_always_used(model, hf_config) -> None:
+    """LongCat-Flash routes tokens to zero-computation experts too: a step whose tokens all go there
+    leaves a layer's expert weights without a gradient on that rank, while data parallelism's
+    gradient reduction (FSDP) needs the same gradients on every rank. A zero-weighted term of the
+    weights keeps them in every step's graph: values and gradients are unchanged."""
+    if not getattr(hf_config, "zero_expert_num", None):
+        return
+
+    def hook(module, args, out):
+        return out + sum(p.sum() for p in module.parameters(recurse=False)) * 0
+
+    for module in model.modules():
+        if type(module).__name__.endswith("Experts"):
+            module.register_forward_hook(hook)

@@ -1,0 +1,60 @@
+"""What ``check`` refuses of a generic decoder family (models.generic) before workers start: the
+family itself, tensor parallelism where its plan or the model matrix says so, context parallelism
+where its attention does not allow it (models.generic_cp), and expert parallelism and the expert
+keys, which transformers' own mixtures of experts do not take (their experts run in its code)."""
+
+from __future__ import annotations
+
+from raytrain_hybrid.errors import ConfigError
+from raytrain_hybrid.models import generic_cp
+
+# A mixture of experts' expert count, by the names transformers' configs give it.
+_EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+
+
+def check(model_type: str, cfg) -> None:
+    """Refusals before workers start: a family the engine cannot run at this layout."""
+    from raytrain_hybrid.models import generic
+
+    par = cfg.parallelism
+    why = generic.refusal(model_type, tp=par.tp)
+    if why:
+        key = "parallelism.tp" if "parallelism.tp" in why else "model.arch"
+        raise ConfigError(key, par.tp if key == "parallelism.tp" else model_type, f"{model_type} {why}")
+    if par.cp > 1:
+        # The model matrix's cp=2 verdict where it has one (scripts/model_matrix.py --cp), else the rule.
+        why = (generic.verified().get(model_type) or {}).get("cp_reason")
+        why = why or generic_cp.cp_refusal(model_type, generic.hf_config(model_type, cfg))
+        if why:
+            raise ConfigError("parallelism.cp", par.cp, f"{model_type} {why}; use parallelism.cp=1")
+    m, defaults = cfg.model, type(cfg.model)()
+    moe_keys = [
+        k for k in ("num_experts", "experts_per_token", "router_aux_loss_coef") if getattr(m, k) != getattr(defaults, k)
+    ]
+    if par.ep == 1 and not moe_keys:
+        return
+    config = generic.hf_config(model_type, cfg)
+    experts = next((k for k in _EXPERT_KEYS if getattr(config, k, None)), None)
+    if par.ep > 1:
+        what = "mixture of experts runs in transformers' own code" if experts else "model has no experts"
+        raise ConfigError(
+            "parallelism.ep", par.ep, f"{model_type}'s {what}: expert parallelism is not applied to it; use ep=1"
+        )
+    key = moe_keys[0]
+    where = f"{experts}={getattr(config, experts)}" if experts else "none: it has no experts"
+    raise ConfigError(
+        f"model.{key}",
+        getattr(m, key),
+        f"{model_type} takes its experts from its transformers config ({where}) and adds no router "
+        "auxiliary loss; leave the key out",
+    )
+
+
+def cp_static(model_type: str) -> bool:
+    """Refused context parallelism whatever the checkpoint's config: no query projection in the
+    plan, eager attention only, attention sinks (the planner then proposes no cp)."""
+    from raytrain_hybrid.models import generic
+
+    lm_cls = generic.classes(model_type)[1]
+    path = generic_cp.attention_path(model_type)
+    return path is None or not getattr(lm_cls, "_supports_sdpa", False) or generic_cp.adds_sinks(model_type)
