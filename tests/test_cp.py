@@ -91,6 +91,7 @@ def test_cp_with_packing_matches_each_example_alone(chat_dir):
     from reference import _buffer_shuffle
     from reference_chat import chat_examples
     from reference_packing import packed_reference_run, packed_steps
+    from test_models import make_checkpoint
 
     from raytrain_hybrid.config import load_config
 
@@ -108,11 +109,18 @@ def test_cp_with_packing_matches_each_example_alone(chat_dir):
         f"model.vocab_size={VOCAB}",
         "data.shuffle_buffer=16",
     ]
-    run = run_gloo_jobs(4, {"1x2x1x2": [*sets, *cp_layout(1, 2, 1, 2)]})["1x2x1x2"]
-    cfg = load_config(None, sets)
-    steps = packed_steps(cfg, chat_examples(chat_dir / "tok", chat_dir / "chat.parquet", seq), _buffer_shuffle)
-    # From the run's own initial state (the init rule is tests/test_oracle.py's to check).
-    assert_oracle(run, packed_reference_run(cfg, steps, run["probe"]["initial"]))
+    # And a transformers family on the generic path, from its checkpoint: Gemma 3's sliding layers
+    # masked over the whole packed rows (models.generic_forward), in the same launch.
+    gemma = make_checkpoint(chat_dir, "gemma3_text", vocab=VOCAB)
+    generic = [*(s for s in sets if not s.startswith("model.")), f"model.seq_len={seq}", f"model.pretrained={gemma}"]
+    jobs = {"1x2x1x2": [*sets, *cp_layout(1, 2, 1, 2)], "gemma3_text": [*generic, *cp_layout(1, 2, 1, 2)]}
+    runs = run_gloo_jobs(4, jobs)
+    examples = chat_examples(chat_dir / "tok", chat_dir / "chat.parquet", seq)
+    for name, overrides in (("1x2x1x2", sets), ("gemma3_text", generic)):
+        cfg = load_config(None, overrides)
+        steps = packed_steps(cfg, examples, _buffer_shuffle)
+        # From the run's own initial state (the init rule is tests/test_oracle.py's to check).
+        assert_oracle(runs[name], packed_reference_run(cfg, steps, runs[name]["probe"]["initial"]))
 
 
 @pytest.mark.parametrize(

@@ -69,12 +69,12 @@ TINY_EXTRAS = {
 }
 
 
-def tiny_sizes(model_type: str) -> dict:
+def tiny_sizes(model_type: str, vocab: int = VOCAB) -> dict:
     """The config keywords of a tiny ``model_type`` (a few layers, grouped-query attention)."""
     from transformers import AutoConfig
 
     sizes = {
-        "vocab_size": VOCAB,
+        "vocab_size": vocab,
         "hidden_size": 64,
         "intermediate_size": 128,
         "num_hidden_layers": 4,
@@ -103,12 +103,12 @@ def tiny_sizes(model_type: str) -> dict:
     return sizes
 
 
-def make_checkpoint(root: Path, model_type: str) -> Path:
+def make_checkpoint(root: Path, model_type: str, vocab: int = VOCAB) -> Path:
     """A tiny checkpoint of ``model_type`` written by transformers."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(sum(map(ord, model_type)))
-    sizes = tiny_sizes(model_type)
+    sizes = tiny_sizes(model_type, vocab)
     # A family whose own defaults disagree with these sizes (latent attention: as many key/value
     # heads as heads; per-layer head widths) gets the first variant transformers itself can run.
     variants = [{}, {"head_dim": None}, {"num_key_value_heads": 4}, {"head_dim": None, "num_key_value_heads": 4}]
@@ -123,7 +123,7 @@ def make_checkpoint(root: Path, model_type: str) -> Path:
             # eager: the reference's attention, which (unlike SDPA) refuses mismatched key/value heads
             model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
             with torch.no_grad():
-                model(input_ids=torch.randint(3, VOCAB, (1, 16)))
+                model(input_ids=torch.randint(3, vocab, (1, 16)))
             break
         except Exception:
             if i == len(variants) - 1:
