@@ -2,24 +2,29 @@
 
 Used by test_replicas_ray.py in a subprocess (the test session has a Ray of its own):
 
-    python tests/ft_cluster_driver.py '{"out": DIR, "sets": [...], "faults": {"node": 2, "lighthouse": 6, "both": 10}}'
+    python tests/ft_cluster_driver.py '{"out": URI, "sets": [...], "faults": {"node": 2, "lighthouse": 6, "both": 10}}'
 
 A head with no CPUs (the drivers, Ray Train's controllers and the Lighthouse actor live there,
 as on a real cluster) and two nodes of 2 CPUs, one replica group on each. One `train --address`
-starts both groups and the Lighthouse. Once group 0 has trained the step a fault names:
+starts both groups and the Lighthouse; their records go to ``out`` (object storage). Once the
+launch has printed that group 0 trained the step a fault names:
 
 - "node": the node holding group 1's workers is removed and a fresh node joins;
 - "lighthouse": the Lighthouse actor's process is killed (SIGKILL);
-- "both": one worker of each group is killed at once.
+- "both": one worker of each group is killed at once;
+- "head": the head node is lost (the launch's driver killed, the cluster shut down, the
+  Lighthouse with it); on a new cluster the run is submitted again with --resume.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,12 +33,20 @@ from ray._private import state
 from ray.cluster_utils import Cluster
 
 
-def steps_done(run: Path, group: int) -> int:
-    metrics = run / f"replica_{group}" / "metrics.jsonl"
-    try:
-        return sum('"loss"' in line for line in metrics.read_text().splitlines())
-    except OSError:
-        return 0
+class Lines:
+    """The launch's terminal, read as it is printed: `[group g] step N/...` says how far g is."""
+
+    def __init__(self, stream) -> None:
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            self.lines.append(line)
+
+    def steps_done(self, group: int) -> int:
+        found = (re.match(rf"\[group {group}\] step (\d+)/", line) for line in list(self.lines))
+        return max((int(m.group(1)) for m in found if m), default=0)
 
 
 def live(class_name: str) -> list[dict]:
@@ -61,9 +74,7 @@ def group_drivers(parent: int) -> dict[int, int]:
     return found
 
 
-def main() -> None:
-    spec = json.loads(sys.argv[1])
-    out = Path(spec["out"])
+def start_cluster():
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     nodes = {}
     for _ in range(2):
@@ -71,26 +82,40 @@ def main() -> None:
         nodes[node.node_id] = node
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
+    return cluster, nodes
+
+
+def main() -> None:
+    from raytrain_hybrid.storage import open_store
+
+    spec = json.loads(sys.argv[1])
+    cluster, nodes = start_cluster()
     cli = str(Path(sys.executable).parent / "raytrain-hybrid")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RAY_ADDRESS", None)
     sets = [a for s in spec["sets"] for a in ("--set", s)]
-    proc = subprocess.Popen(
-        [cli, "train", "--address", cluster.address, *sets],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
+
+    def launch(*more: str):
+        proc = subprocess.Popen(
+            [cli, "train", "--address", cluster.address, *sets, *more],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        return proc, Lines(proc.stdout)
+
+    proc, seen = launch()
+    earlier = []  # the lines of a launch the head's loss ended
     faults, t0 = [], time.time()
     try:
         for fault, at in sorted(spec["faults"].items(), key=lambda kv: kv[1]):
-            while steps_done(out, 0) < at and proc.poll() is None and time.time() - t0 < 400:
+            while seen.steps_done(0) < at and proc.poll() is None and time.time() - t0 < 400:
                 time.sleep(0.05)
             if proc.poll() is not None:
                 break
             drivers = group_drivers(proc.pid)
-            record = {"fault": fault, "group0_steps": steps_done(out, 0), "t": round(time.time() - t0, 1)}
+            record = {"fault": fault, "group0_steps": seen.steps_done(0), "t": round(time.time() - t0, 1)}
             if fault == "node":
                 where = {a["Address"]["NodeID"] for a in workers_of(drivers[1])}
                 record["removed"] = len(where)
@@ -102,16 +127,41 @@ def main() -> None:
                 pids = [a["Pid"] for a in live("LighthouseServerActor")]
                 record["killed"] = pids
                 os.kill(pids[0], signal.SIGKILL)
-            else:
+            elif fault == "both":
                 victims = [workers_of(drivers[g])[-1]["Pid"] for g in (0, 1)]
                 record["killed"] = victims
                 for pid in victims:
                     os.kill(pid, signal.SIGKILL)
+            else:  # "head": the driver's node, and with it the Lighthouse, Ray's head and the cluster
+                os.kill(proc.pid, signal.SIGKILL)
+                ray.shutdown()
+                cluster.shutdown()
+                proc.wait(60)
+                time.sleep(0.5)
+                earlier += seen.lines
+                record["returncode"] = proc.returncode
+                run = open_store(spec["out"])  # what the lost launch left on storage, per group: its steps
+                for g in (0, 1):
+                    metrics = run.child(f"replica_{g}", "metrics.jsonl")
+                    lines = metrics.read_text().splitlines() if metrics.exists() else []
+                    record[f"steps_{g}"] = [json.loads(line).get("step") for line in lines if '"loss"' in line]
+                cluster, nodes = start_cluster()  # a new cluster; the run submitted again
+                proc, seen = launch("--resume", spec["out"])
             faults.append(record)
-        stdout, _ = proc.communicate(timeout=max(60, 480 - (time.time() - t0)))
+        proc.wait(timeout=max(60, 600 - (time.time() - t0)))
     finally:
         proc.kill()
-    result = {"returncode": proc.returncode, "stdout": stdout, "faults": faults, "seconds": round(time.time() - t0, 1)}
+    time.sleep(0.5)  # the reader's last lines
+    result = {"returncode": proc.returncode, "stdout": "".join(seen.lines), "faults": faults}
+    result["earlier"] = "".join(earlier)
+    result["seconds"] = round(time.time() - t0, 1)
+    # The records, from the output URI (the nodes' disks hold none of them).
+    run = open_store(spec["out"])
+    for g in (0, 1):
+        own = run.child(f"replica_{g}")
+        result[f"metrics_{g}"] = [json.loads(line) for line in own.child("metrics.jsonl").read_text().splitlines()]
+        result[f"summary_{g}"] = json.loads(own.child("summary.json").read_text())
+    result["summary"] = json.loads(run.child("summary.json").read_text())
     ray.shutdown()
     cluster.shutdown()
     print("RESULT " + json.dumps(result))

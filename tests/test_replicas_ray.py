@@ -8,7 +8,12 @@ head). Then, in turn (tests/ft_cluster_driver.py):
 2. the Lighthouse's process is killed: Ray starts it again at the same address and the groups'
    next quorum finds it there (no restart);
 3. a worker of each group is killed at once: no live copy is left, so each group restarts from
-   its newest checkpoint and they go on together.
+   its newest checkpoint and they go on together;
+4. the head node is lost (the driver, the Lighthouse and Ray's head with it): the cluster is
+   gone; on a new one, the same `train` with `--resume` of its output continues each group from
+   its newest checkpoint.
+
+The run's records and checkpoints are on S3 (the local server), which the restarted groups read.
 
 fault_tolerance.min_replicas=2 keeps the groups in step, so every committed step has both
 groups' rows: the run must train what one uninterrupted process trains (losses, gradient norms,
@@ -29,6 +34,7 @@ pytest.importorskip("torchft")
 from background import on_stop  # noqa: E402
 from background import result as background_result  # noqa: E402
 from conftest import reference_history  # noqa: E402
+from s3_server import fresh_buckets  # noqa: E402
 from test_oracle import MEMORY, RTOL, SHORT, layout  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -36,11 +42,11 @@ STEPS = 14
 # AdamW turns the fp32 rounding of two summation orders into differences above 1e-4 after about
 # six steps at the default learning rate; at 1e-5 they stay below it for these 14.
 MODEL = (*SHORT, *MEMORY, f"train.steps={STEPS}", "train.lr=1e-5", *layout(2, 2, 1, "1F1B", 2))
-FAULTS = {"node": 2, "lighthouse": 6, "both": 10}  # each once group 0 has trained that many steps
+FAULTS = {"node": 2, "lighthouse": 6, "both": 9, "head": 12}  # each once group 0 has trained that many steps
+OUT = "s3://ftruns/run"
 
 
 def background(workdir: Path, env: dict, wanted: set[str] | None = None) -> dict:
-    run = workdir / "run"
     sets = [
         *MODEL,
         "fault_tolerance.enabled=true",
@@ -49,11 +55,11 @@ def background(workdir: Path, env: dict, wanted: set[str] | None = None) -> dict
         "fault_tolerance.quorum_timeout_s=120",
         "checkpoint.interval=2",
         "run.max_failures=3",
-        "run.shared_fs=true",  # the simulated nodes share this disk
-        f"run.output_dir={run}",
+        f"run.output_dir={OUT}",  # each group's records and checkpoints, read back from there
     ]
-    spec = {"out": str(run), "sets": sets, "faults": FAULTS}
+    spec = {"out": OUT, "sets": sets, "faults": FAULTS}
     argv = [sys.executable, str(HERE / "ft_cluster_driver.py"), json.dumps(spec)]
+    env = {**env, **fresh_buckets("ftruns")}  # the S3 endpoint and keys reach every node by the environment
     proc = subprocess.Popen(argv, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     on_stop(proc.kill)
     try:
@@ -62,13 +68,7 @@ def background(workdir: Path, env: dict, wanted: set[str] | None = None) -> dict
         proc.kill()
     lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, stderr[-4000:]
-    result = json.loads(lines[-1][len("RESULT ") :])
-    for g in (0, 1):
-        own = run / f"replica_{g}"
-        result[f"metrics_{g}"] = [json.loads(line) for line in (own / "metrics.jsonl").read_text().splitlines()]
-        result[f"summary_{g}"] = json.loads((own / "summary.json").read_text())
-    result["summary"] = json.loads((run / "summary.json").read_text())
-    return result
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 @pytest.fixture(scope="module")
@@ -78,35 +78,57 @@ def faults():
 
 
 def test_each_fault_fired_and_the_launch_ended_well(faults):
-    out = faults["stdout"]
+    out, first = faults["stdout"], faults["earlier"]
     assert faults["returncode"] == 0, out[-3000:]
-    assert [f["fault"] for f in faults["faults"]] == ["node", "lighthouse", "both"], faults["faults"]
-    node, lighthouse, both = faults["faults"]
+    assert [f["fault"] for f in faults["faults"]] == ["node", "lighthouse", "both", "head"], faults["faults"]
+    node, lighthouse, both, head = faults["faults"]
     assert node["removed"] == 1 and lighthouse["killed"] and len(both["killed"]) == 2, faults["faults"]
-    assert "fault tolerance: 2 replica groups of 2 workers" in out and "lighthouse: http://" in out, out[:2000]
+    assert head["returncode"] == -9, head
+    assert "fault tolerance: 2 replica groups of 2 workers" in first and "lighthouse: http://" in first, first[:2000]
     assert "done: replica group(s) 0, 1 trained every step" in out, out[-2000:]
     assert faults["summary"]["ended"] == "completed"
     assert [r["exit_code"] for r in faults["summary"]["replica_groups"]] == [0, 0]
 
 
 def test_only_the_failed_group_restarted_and_the_lighthouse_cost_no_restart(faults):
-    """Group 0 restarted once (the worker killed in 3); group 1 twice (its node in 1, its worker
-    in 3). The Lighthouse's death (2) restarted neither."""
-    s0, s1 = faults["summary_0"], faults["summary_1"]
-    assert s0["restarts"] == 1 and s1["restarts"] == 2, (s0.get("restarted_from"), s1.get("restarted_from"))
+    """Before the head's loss: group 0 restarted once (the worker killed in 3); group 1 twice (its
+    node in 1, its worker in 3). The Lighthouse's death (2) restarted neither."""
+    first = faults["earlier"]
+    restarts = [[line for line in first.splitlines() if line.startswith(f"[group {g}] restart ")] for g in (0, 1)]
+    assert [len(r) for r in restarts] == [1, 2], restarts
+    assert restarts[1][0] == "[group 1] restart 1: the worker group continues from step 0", restarts
     # 3 found every group gone: each continued from a checkpoint it had saved before it.
     both_at = faults["faults"][2]["group0_steps"]
-    assert 0 < s0["restarted_from"][-1] <= both_at and 0 < s1["restarted_from"][-1] <= both_at
-    assert "[group 1] restart 1: the worker group continues from step 0" in faults["stdout"]
+    for line in (restarts[0][0], restarts[1][1]):
+        assert 0 < int(line.rsplit(" ", 1)[1]) <= both_at, line
+
+
+def test_the_resume_after_the_heads_loss_continued_each_group_from_its_checkpoint(faults):
+    head_at = faults["faults"][3]["group0_steps"]
+    for g in (0, 1):
+        start = next(line for line in faults["stdout"].splitlines() if line.startswith(f"[group {g}] start:"))
+        assert f"resumed from {OUT}/replica_{g}/checkpoints/step_" in start, start
+        resumed = int(start.rsplit(" at step ", 1)[1].split()[0].rstrip(";"))
+        assert 0 < resumed <= head_at and resumed % 2 == 0, start  # checkpoint.interval=2
 
 
 def test_every_step_once_with_both_groups_and_the_losses_of_an_uninterrupted_process(faults):
+    """Each group's records have each step at most once, every one with both groups and the
+    reference's numbers; together they have every step. (A group resumed from an older checkpoint
+    than the other's receives the other's state: the steps between are in the other's records,
+    its own driver having died before it recorded them on storage.)"""
     reference = reference_history(MODEL)
+    seen = set()
     for g in (0, 1):
         steps = [r for r in faults[f"metrics_{g}"] if "loss" in r]
-        assert [r["step"] for r in steps] == list(range(STEPS)), g
+        numbers = [r["step"] for r in steps]
+        assert numbers == sorted(set(numbers)), (g, numbers)
+        assert numbers[0] == 0 and numbers[-1] == STEPS - 1, (g, numbers)
         assert all(r["replicas_in_step"] == [0, 1] and r["committed"] for r in steps), g
-        for got, want in zip(steps, reference, strict=True):
+        for got in steps:
+            want = reference[got["step"]]
             for key in ("loss", "grad_norm"):
                 assert got[key] == pytest.approx(want[key], rel=RTOL), (g, key, got["step"])
             assert got["lr"] == pytest.approx(want["lr"], rel=1e-9)
+        seen |= set(numbers)
+    assert seen == set(range(STEPS)), (sorted(seen), faults["faults"][-1])

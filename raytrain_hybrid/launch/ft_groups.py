@@ -188,9 +188,14 @@ def _group_command(source: Source, group, lighthouse, address, resume, verbose, 
     return command + (["--verbose"] if verbose else [])
 
 
+# Looked up here, not between fork and exec, where loading a library could wait on a lock that
+# another of this process's threads (Ray's) held at the fork.
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+
 def _die_with_parent() -> None:  # in the child, before exec: a group outlives no driver (kill -9 included)
     PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _spawn(command: list[str], group: int, out) -> subprocess.Popen:
@@ -202,7 +207,7 @@ def _spawn(command: list[str], group: int, out) -> subprocess.Popen:
         stdin=subprocess.DEVNULL,
         text=True,
         env=env,
-        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        preexec_fn=_die_with_parent if _PRCTL is not None else None,
     )
 
     def relay() -> None:
