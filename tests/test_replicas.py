@@ -273,3 +273,21 @@ def test_when_the_lighthouse_goes_the_groups_stop_saying_why(tmp_path):
         status, message = group.outcome(limit=120)
         assert status == "error", "trained on without a Lighthouse"
         assert "no quorum from the Lighthouse" in message and "fault_tolerance.quorum_timeout_s" in message, message
+
+
+def test_ray_init_leaves_the_clis_sigterm_handler_in_place():
+    """ray.init sets a SIGTERM handler of its own (exit at once, killing the local Ray): joining
+    Ray puts back the one the CLI had set, so that SIGTERM still ends a run, or a launch of every
+    replica group, with its records written and each group told (exit 143)."""
+    import signal
+
+    from raytrain_hybrid.launch.driver import Terminated, sigterm_ends_the_run
+    from raytrain_hybrid.launch.session import _sigterm_kept
+
+    with sigterm_ends_the_run():
+        ours = signal.getsignal(signal.SIGTERM)
+        with _sigterm_kept():
+            signal.signal(signal.SIGTERM, lambda signum, frame: None)  # what ray.init does
+        assert signal.getsignal(signal.SIGTERM) is ours
+        with pytest.raises(Terminated):
+            os.kill(os.getpid(), signal.SIGTERM)  # its handler runs before the next line

@@ -143,6 +143,7 @@ def _stop(cfg: Config, children: list[subprocess.Popen], exc: KeyboardInterrupt,
         except subprocess.TimeoutExpired:
             child.kill()
     said = "terminated (SIGTERM)" if how == signal.SIGTERM else "interrupted (Ctrl-C)"
+    _write_summary(cfg, [child.returncode for child in children], said)
     print(f"{said}: every group stopped; what they wrote is in {cfg.run.output_dir}", file=err, flush=True)
     return 143 if how == signal.SIGTERM else 130
 
@@ -218,11 +219,10 @@ def _spawn(command: list[str], group: int, out) -> subprocess.Popen:
     return child
 
 
-def _outcome(cfg: Config, codes: list[int], out, err) -> int:
-    """summary.json of the launch (each group's own is in replica_<g>/), one line, the exit code."""
+def _write_summary(cfg: Config, codes: list[int | None], ended: str | None = None) -> list[dict]:
+    """The launch's summary.json (each group's own is in replica_<g>/); returns its groups' rows."""
     from raytrain_hybrid.storage import open_store
 
-    time.sleep(0.2)  # the relays' last lines first
     top = open_store(cfg.run.output_dir)
     rows = []
     for g, code in enumerate(codes):
@@ -235,15 +235,23 @@ def _outcome(cfg: Config, codes: list[int], out, err) -> int:
             except (ValueError, OSError):
                 pass
         rows.append(row)
-    if all(code == 2 for code in codes):
-        return 2  # each refused, and said why
     done = [r for r in rows if r["exit_code"] == 0]
-    lost = [r for r in rows if r["exit_code"] != 0]
-    summary = {"ended": "completed" if done else "failed", "replica_groups": rows}
+    summary = {"ended": ended or ("completed" if done else "failed"), "replica_groups": rows}
     if done:
         summary |= {"steps": done[0].get("steps"), "final_loss": done[0].get("final_loss")}
     top.makedirs()
     top.child("summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return rows
+
+
+def _outcome(cfg: Config, codes: list[int], out, err) -> int:
+    """The launch's summary.json, one line, the exit code."""
+    time.sleep(0.2)  # the relays' last lines first
+    if all(code == 2 for code in codes):
+        return 2  # each refused, and said why
+    rows = _write_summary(cfg, codes)
+    done = [r for r in rows if r["exit_code"] == 0]
+    lost = [r for r in rows if r["exit_code"] != 0]
     for r in lost:
         said = f"warning: replica group {r['replica_group']} ended with exit code {r['exit_code']}"
         print(redact(f"{said}; its records: {r['output_dir']}"), file=err)

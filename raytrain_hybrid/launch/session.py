@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import signal
+import threading
 
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.config.validate import RAY_ADDRESS_FORM
@@ -45,21 +48,36 @@ def join_ray(address: str, need_cpus: int = 0) -> None:
 
     if ray.is_initialized():
         return
-    # No runtime env of ours: the workers need no variable of this package's (a runtime env
-    # would also start each worker process twice, see use_train_v2).
-    if address:
-        ray.init(address=address, log_to_driver=False)
-        return
-    ray.init(
-        address="local",
-        num_cpus=max(need_cpus, os.cpu_count() or 1),
-        log_to_driver=False,
-        include_dashboard=False,
-    )
+    with _sigterm_kept():
+        # No runtime env of ours: the workers need no variable of this package's (a runtime env
+        # would also start each worker process twice, see use_train_v2).
+        if address:
+            ray.init(address=address, log_to_driver=False)
+            return
+        ray.init(
+            address="local",
+            num_cpus=max(need_cpus, os.cpu_count() or 1),
+            log_to_driver=False,
+            include_dashboard=False,
+        )
     # Its processes end with this one however it ends, kill -9 included (launch.reaper).
     from raytrain_hybrid.launch import reaper
 
     reaper.start()
+
+
+@contextlib.contextmanager
+def _sigterm_kept():
+    """ray.init replaces this process's SIGTERM handler with its own (which exits at once, and
+    kills the local Ray it started): a handler set before it (the CLI's, which ends a run with its
+    records written and each replica group told) is put back."""
+    main = threading.current_thread() is threading.main_thread()
+    held = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if callable(held):
+            signal.signal(signal.SIGTERM, held)
 
 
 def ray_address(cfg: Config) -> str:
