@@ -147,7 +147,7 @@ def test_check_refuses_what_train_refuses_before_ray(case, tmp_path, capsys, mon
 
     sets, extra, said = CASES[case]
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(start, "open_session", lambda *a, **k: (_ for _ in ()).throw(RayStarted()))
+    monkeypatch.setattr(start, "join_ray", lambda *a, **k: (_ for _ in ()).throw(RayStarted()))
     d = tmp_path / "in"  # the case's files; the run's output goes beside it
     d.mkdir()
     files = {
@@ -196,7 +196,7 @@ def test_check_refuses_what_train_refuses_before_ray(case, tmp_path, capsys, mon
 def test_a_crowded_machine_is_said_by_check_and_by_train_before_ray(tmp_path, capsys, monkeypatch):
     """Far more workers than cores: a warning with the fix, by both, before Ray starts."""
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    monkeypatch.setattr(start, "open_session", lambda *a, **k: (_ for _ in ()).throw(RayStarted()))
+    monkeypatch.setattr(start, "join_ray", lambda *a, **k: (_ for _ in ()).throw(RayStarted()))
     sets = ["parallelism.dp=4", "data.path=memory", f"run.output_dir={tmp_path / 'run'}"]
     argv = [a for s in sets for a in ("--set", s)]
     code, out, _ = _run(capsys, ["check", *argv])
@@ -204,5 +204,8 @@ def test_a_crowded_machine_is_said_by_check_and_by_train_before_ray(tmp_path, ca
     assert code == 0 and "2 CPU cores" in line and "--set parallelism.dp=1" in line, out
     code, out, _ = _run(capsys, ["train", *argv])
     assert code is None and line in out.splitlines(), out  # said, then Ray would start
+    # The run plan is derived and said before Ray starts, as check prints it (launch.start.plan_run).
+    (start_line,) = [x for x in out.splitlines() if x.startswith("start: ")]
+    assert start_line.startswith("start: dp=4 tp=2 pp=2, 16 workers (1 CPU each) on nodes holding [16]"), out
     code, out, _ = _run(capsys, ["check", *argv[:-2], "--set", "parallelism.dp=2", *argv[-2:]])
     assert code == 0 and "warning: " not in out

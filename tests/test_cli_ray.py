@@ -113,7 +113,7 @@ def test_raw_text_parquet_trains_at_2x1x1_as_the_single_process_reference_and_th
         # Where the start went: the wall clock per phase, and rank 0's worker CPU beside it (Ray's
         # own part before the train function, then ours: imports with transformers', and so on).
         phases = ["worker_imports", "process_group", "mesh", "model_build", "first_batch", "first_step"]
-        assert list(summary["startup_s"]) == ["ray_init", "input_check", "worker_start", *phases,
+        assert list(summary["startup_s"]) == ["plan", "ray_init", "input_check", "worker_start", *phases,
                                               "total_to_first_step"], summary["startup_s"]  # fmt: skip
         cpu = summary["startup_cpu_s"]
         assert list(cpu) == ["ray_worker", *phases, "total_to_first_step"], cpu

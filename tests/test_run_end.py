@@ -54,7 +54,8 @@ def test_a_run_ended_early_leaves_its_log_and_a_summary_saying_how(
             raise end()
         end()
 
-    monkeypatch.setattr(start, "open_session", lambda cfg, marks, say: (cfg, Reach([{"CPU": 4.0}]), None))
+    monkeypatch.setattr(start, "run_nodes", lambda cfg: Reach([{"CPU": 4.0}]))
+    monkeypatch.setattr(start, "join_ray", lambda *a, **k: None)
     monkeypatch.setattr(ray.util.queue, "Queue", _Queue)
     monkeypatch.setattr(driver, "sink_options", dict)
     monkeypatch.setattr(driver, "make_trainer", lambda plan, **kw: None)

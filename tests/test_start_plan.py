@@ -74,11 +74,12 @@ def test_check_prints_the_drivers_start_line(sets, topology, line, tmp_path, cap
     # The driver's plan for nodes holding those workers: Ray's totals of each node, a GPU a worker.
     nodes = [{"CPU": float(n), "GPU": float(n)} for n in map(int, topology.split(","))]
     asked = load_config(None, [*sets, f"run.output_dir={out}"])
-    cfg, point = start.prepare_run_dir(asked, None)
-    monkeypatch.setattr(start, "open_session", lambda cfg, marks, say: (cfg, Reach(nodes), None))
     said: list[str] = []
-    plan = start.plan_start(cfg, point, {}, said.append, asked=asked)
-    assert plan.lines() == [shown] and out.is_dir()  # the driver's start made the output directory
+    cfg, point = start.prepare_run_dir(asked, None)
+    cfg, data = start.check_before_ray(cfg, said.append)
+    monkeypatch.setattr(start, "run_nodes", lambda cfg: Reach(nodes))
+    plan = start.plan_run(cfg, point, said.append, data=data, asked=asked)
+    assert plan.lines() == [shown] and not out.exists()  # planned before Ray starts, nothing made yet
     assert all(line in text.splitlines() for line in said)  # and check printed what else it said
     # check --json's plan is the one train runs, but for what only a run has: its lease, taken, and the
     # trajectory its checkpoints record (check reads no data to digest it).
@@ -98,8 +99,8 @@ def test_train_hands_every_worker_the_plan_read_only(tmp_path, monkeypatch):
 
     asked = load_config(None, [*ONE_NODE, "checkpoint.interval=2", f"run.output_dir={tmp_path / 'run'}"])
     cfg, point = start.prepare_run_dir(asked, None)
-    monkeypatch.setattr(start, "open_session", lambda cfg, marks, say: (cfg, Reach([{"CPU": 8.0}]), None))
-    plan = start.plan_start(cfg, point, {}, lambda line: None, asked=asked)
+    monkeypatch.setattr(start, "run_nodes", lambda cfg: Reach([{"CPU": 8.0}]))
+    plan = start.plan_run(cfg, point, data=start.check_before_ray(cfg)[1], asked=asked)
     got = {}
     monkeypatch.setattr(driver, "make_torch_trainer", lambda plan, **kw: got.update(kw))
     driver.make_trainer(plan, sink="queue")
@@ -115,8 +116,8 @@ def test_train_hands_every_worker_the_plan_read_only(tmp_path, monkeypatch):
     # An elastic run: Ray Train is asked for the plan's range of worker counts.
     asked = load_config(None, [*ELASTIC, f"run.output_dir={tmp_path / 'elastic'}"])
     cfg, point = start.prepare_run_dir(asked, None)
-    monkeypatch.setattr(start, "open_session", lambda cfg, marks, say: (cfg, Reach([{"CPU": 16.0}]), None))
-    plan = start.plan_start(cfg, point, {}, lambda line: None, asked=asked)
+    monkeypatch.setattr(start, "run_nodes", lambda cfg: Reach([{"CPU": 16.0}]))
+    plan = start.plan_run(cfg, point, data=start.check_before_ray(cfg)[1], asked=asked)
     driver.make_trainer(plan, sink="queue")
     assert plan.counts == [2, 4, 6, 8] and got["scaling_config"].num_workers == (2, 8)
 

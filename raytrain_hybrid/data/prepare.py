@@ -160,9 +160,9 @@ def prepare_data(
     return {"out_dir": out.uri, "tokens": tokens, "rows": rows}
 
 
-def builtin_dataset(cfg, make: bool = True) -> str | None:
-    """The shipped corpus as token Parquet, prepared once per corpus+tokenizer into a cache
-    (``make=False``: None when it has not been prepared yet)."""
+def builtin_path(cfg) -> Path:
+    """Where the shipped corpus is prepared for ``cfg``'s tokenizer: a cache named by what makes it,
+    known before it is made (a run's plan names it before Ray starts)."""
     import hashlib
 
     from raytrain_hybrid.data.tokenizer import DEFAULT_CORPUS
@@ -171,14 +171,20 @@ def builtin_dataset(cfg, make: bool = True) -> str | None:
     # The output's format is part of the name: a cache made before prepare-data wrote its marker
     # is made again, not taken for an incomplete output.
     made = DEFAULT_CORPUS.read_bytes() + Path(tokenizer).read_bytes() + eos.encode() + MARKER.encode()
-    digest = hashlib.sha256(made).hexdigest()[:16]
-    cache = cache_dir()
-    out = cache / f"builtin-{digest}"
+    return cache_dir() / f"builtin-{hashlib.sha256(made).hexdigest()[:16]}"
+
+
+def builtin_dataset(cfg, make: bool = True) -> str | None:
+    """The shipped corpus as token Parquet, prepared once per corpus+tokenizer into a cache
+    (builtin_path; ``make=False``: None when it has not been prepared yet)."""
+    from raytrain_hybrid.data.tokenizer import DEFAULT_CORPUS
+
+    out = builtin_path(cfg)
     if not (out / MARKER).exists():
         if not make:
             return None
-        tmp = cache / f"builtin-{digest}.tmp{os.getpid()}"
-        prepare_data(str(DEFAULT_CORPUS), str(tmp), tokenizer=tokenizer, eos=eos)
+        tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+        prepare_data(str(DEFAULT_CORPUS), str(tmp), tokenizer=resolve_tokenizer(cfg), eos=end_of_text(cfg))
         try:
             tmp.rename(out)
         except OSError:  # another process (a run, a test beside it) put its copy there first

@@ -31,7 +31,7 @@ from raytrain_hybrid.launch.preflight import waiting_for
 from raytrain_hybrid.launch.progress import RunLog
 from raytrain_hybrid.launch.rundir import RunDir
 from raytrain_hybrid.launch.session import use_train_v2
-from raytrain_hybrid.launch.start import ResumePoint, RunPlan, check_before_ray, plan_start, prepare_run_dir
+from raytrain_hybrid.launch.start import RunPlan, check_before_ray, plan_run, prepare_run_dir, start_run
 from raytrain_hybrid.launch.summary import startup_breakdown, startup_cpu, summarize
 from raytrain_hybrid.launch.tracking import TrackedRun, check_tracking
 from raytrain_hybrid.launch.waiting import Waiting
@@ -74,10 +74,11 @@ def run(
     try:
         cfg, point = prepare_run_dir(cfg, resume, allow_change, say)
         lease.start_renewing()
-        # What can be refused without Ray is refused before its start (seconds), as `check` refuses it.
-        cfg, input_whole = check_before_ray(cfg, say)
-        plan = functools.partial(plan_start, cfg, point, marks, say, input_whole=input_whole, asked=asked)
-        return _run_leased(plan, point, marks, say, said, stream, driver_log, lease.held)
+        # The plan, derived before Ray starts as `check` derives it: a refusal comes in seconds.
+        cfg, data = check_before_ray(cfg, say)
+        plan = plan_run(cfg, point, say, data=data, asked=asked)
+        marks["planned"] = time.time()
+        return _run_leased(plan, marks, say, said, stream, driver_log, lease.held)
     finally:
         lease.release()
         if fresh and out.local:  # a run refused after the lease leaves no empty directory behind
@@ -85,19 +86,16 @@ def run(
                 os.rmdir(out.path)
 
 
-def _run_leased(
-    make_plan, point: ResumePoint, marks: dict, say, said: list[str], stream, driver_log, held=lambda: True
-) -> dict:
-    """The run, once its checks passed and it holds run.output_dir's lease (``held``: whether it
-    still does; a run that lost it to another run writes nothing more there). ``make_plan()``:
-    joins Ray and makes the run's plan (launch.start.plan_start)."""
+def _run_leased(plan: RunPlan, marks: dict, say, said: list[str], stream, driver_log, held=lambda: True) -> dict:
+    """``plan`` run, once it holds run.output_dir's lease (``held``: whether it still does; a run
+    that lost it to another run writes nothing more there): said, then Ray started for it."""
     import ray
     from ray.util.queue import Queue
 
-    plan = make_plan()
-    cfg = plan.cfg
+    cfg, point = plan.cfg, plan.point
     for line in plan.lines():
         say(line)
+    start_run(plan, marks, say)
     sink = Queue(actor_options=sink_options())  # rank 0's events, see the module docstring
     tracked = TrackedRun()  # run.tracking: its run is opened before any worker starts
     tracking = tracked.open(cfg)

@@ -13,7 +13,9 @@ import os
 
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.data.checks import check_tokenizer, schema_check
-from raytrain_hybrid.data.prepare import builtin_dataset
+from raytrain_hybrid.data.files import open_parquet
+from raytrain_hybrid.data.prepare import builtin_dataset, builtin_path
+from raytrain_hybrid.launch.plan import DataSource
 
 # Ray Data's Parquet reader (datasource V2) starts RAY_DATA_PARQUET_FOOTER_NUM_ACTORS (32)
 # footer-reading actors, a Python process each, every time a dataset is executed, i.e. once
@@ -22,14 +24,16 @@ from raytrain_hybrid.data.prepare import builtin_dataset
 _FOOTER_ACTORS = "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS"
 
 
-def reader_env(cfg: Config) -> dict[str, str]:
+def reader_env(cfg: Config, files: int | None = None) -> dict[str, str]:
+    """Ray Data's readers' environment for data.path's ``files`` (None: listed here)."""
     if cfg.data.path == "memory":
         return {}
     if _FOOTER_ACTORS in os.environ:
         return {_FOOTER_ACTORS: os.environ[_FOOTER_ACTORS]}
-    import pyarrow.dataset as pads
+    if files is None:
+        import pyarrow.dataset as pads
 
-    files = len(pads.dataset(cfg.data.path, format="parquet").files)
+        files = len(pads.dataset(cfg.data.path, format="parquet").files)
     return {_FOOTER_ACTORS: str(min(32, max(1, math.ceil(files / 64))))}
 
 
@@ -61,25 +65,28 @@ def _environment(env: dict[str, str]):
 def prepare_input(cfg: Config, say=print) -> Config:
     """Resolve data.path ("builtin" is prepared once) and check the files before workers start;
     ``say`` gets the check's warnings (rows of chat / prompt_completion data cut or dropped)."""
-    return finish_input(*check_input(cfg, say), say)
-
-
-def finish_input(cfg: Config, whole: bool, say=print) -> Config:
-    """What check_input left for Ray (``whole``: nothing): the shipped corpus prepared, the rows checked."""
-    if whole:
-        return cfg
-    if cfg.data.path == "builtin":
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=builtin_dataset(cfg)))
-    schema_check(cfg, say)
+    cfg, source = check_input(cfg, say)
+    finish_input(cfg, source, say)
     return cfg
 
 
-def check_input(cfg: Config, say=print) -> tuple[Config, bool]:
+def finish_input(cfg: Config, source: DataSource, say=print) -> None:
+    """What check_input left for Ray (``source.checked``: nothing): the shipped corpus prepared
+    into the path the plan names (data.prepare.builtin_path), the rows checked."""
+    if source.checked:
+        return
+    if source.shipped:
+        builtin_dataset(cfg)
+    schema_check(cfg, say)
+
+
+def check_input(cfg: Config, say=print) -> tuple[Config, DataSource]:
     """The input's checks that need no Ray, the same for `check` and for `train` before Ray starts:
     data.path resolved (a classifier's "builtin": the shipped rows), its files, columns and types,
-    the tokenizer. Returns the config and whether the check is whole; what is left needs Ray: the
-    shipped corpus prepared the first time (its tokenizer is checked here), or the rows of a chat
-    data set too large to encode in this process (its columns and tokenizer are checked here)."""
+    the tokenizer. Returns the config and the input as checked; what is left needs Ray
+    (``checked`` false): the shipped corpus prepared the first time (its tokenizer is checked
+    here, and data.path is already where it goes), or the rows of a chat data set too large to
+    encode in this process (its columns and tokenizer are checked here)."""
     if cfg.data.text_columns and cfg.data.path in ("builtin", "memory"):  # a classifier: the shipped rows
         from raytrain_hybrid.data.rows import BUILTIN_TRAIN, BUILTIN_VAL
 
@@ -88,14 +95,21 @@ def check_input(cfg: Config, say=print) -> tuple[Config, bool]:
         if not cfg.data.val_path:
             cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, val_path=str(BUILTIN_VAL)))
     if cfg.data.path == "memory":
-        return cfg, True
+        return cfg, DataSource("memory", cfg.data.format)
     if cfg.data.path == "builtin":
         check_tokenizer(cfg)  # the corpus is tokenized with it
         made = builtin_dataset(cfg, make=False)
         if made is None:
-            return cfg, False
+            # Prepared into its cache once Ray is up (Ray Data tokenizes it); one Ray Data write of
+            # the shipped corpus (650 KB) is one Parquet file.
+            path = str(builtin_path(cfg))
+            cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=path))
+            return cfg, DataSource(path, cfg.data.format, files=1, checked=False, shipped=True)
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=made))
-    return cfg, schema_check(cfg, say, encode_here=False) is not None
+    rows = schema_check(cfg, say, encode_here=False)
+    dataset = open_parquet("data.path", cfg.data.path)  # its footers read by the check just made
+    columns = tuple(dataset.schema.names)
+    return cfg, DataSource(cfg.data.path, cfg.data.format, columns, rows, len(dataset.files), rows is not None)
 
 
 def steps_to_train(cfg: Config) -> int:

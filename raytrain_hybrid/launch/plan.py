@@ -29,6 +29,32 @@ class ResumePoint:
 
 
 @dataclasses.dataclass(frozen=True)
+class DataSource:
+    """The run's input as `train` checked it before Ray starts (launch.inputs.check_input): where its
+    rows are (data.path resolved), and what the check read of them."""
+
+    path: str  # data.path resolved: "memory", a Parquet file, a directory of them, a URI
+    format: str  # data.format: text, chat, prompt_completion
+    columns: tuple[str, ...] = ()  # the Parquet schema's columns (empty: "memory", or not read yet)
+    rows: int | None = None  # the rows the check counted (None: not counted before the run)
+    files: int | None = None  # the Parquet files (sizes Ray Data's footer readers: launch.inputs.reader_env)
+    # The check is whole; False: what is left is done once Ray is up (launch.start.start_run): the
+    # shipped corpus prepared into ``path`` the first time, chat rows too many to encode on the driver.
+    checked: bool = True
+    shipped: bool = False  # the shipped corpus (data.path "builtin"), tokenized into its cache
+
+    def line(self) -> str:
+        """The input as `check` prints it."""
+        if self.path == "memory":
+            return "data memory (random tokens made on the workers)"
+        read = f"{len(self.columns)} columns ({', '.join(self.columns)})" if self.columns else "columns not read yet"
+        rows = f"{self.rows:,} rows" if self.rows is not None else "rows counted when the run starts"
+        files = f" in {self.files} file{'s' * (self.files != 1)}" if self.files is not None else ""
+        left = "" if self.checked else "; the rest of its check when the run starts, on Ray"
+        return f"data {self.path}: {self.format}, {rows}{files}, {read}{left}"
+
+
+@dataclasses.dataclass(frozen=True)
 class RunPlan:
     """A run, derived once on the driver from the config as loaded (``asked``, never replaced), the
     cluster's reach and the resume point: `check` prints it, `train` runs it, and its workers get
@@ -50,6 +76,7 @@ class RunPlan:
     unverified: tuple[str, ...] = ()  # what `check` could not read here (no network, no credentials)
     # Written into every manifest of this launch: a restart tells its own checkpoints apart.
     launch_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
+    data: DataSource | None = None  # the input as checked before Ray starts (None: not checked, `check` offline)
 
     def for_workers(self) -> WorkerPlan:
         """What every worker is given, read-only (Ray Train's train_loop_config, torchrun's broadcast)."""
@@ -85,6 +112,7 @@ class RunPlan:
             "resolved": self.resolved(),
             "unverified": list(self.unverified),
             "history_kept": len(self.point.history),
+            "data": dataclasses.asdict(self.data) if self.data is not None else None,
             "worker_plan": worker,
         }
 
@@ -138,7 +166,7 @@ class RunPlan:
         d, m = self.cfg.data, self.cfg.model
         data = f"plan: data {d.path}" + (f", validation {d.val_path}" if d.val_path else "")
         data += f"; model {m.arch}" + (f" from {m.pretrained}" if m.pretrained else " (initialised)")
-        lines = [data]
+        lines = [data] + ([f"plan: {self.data.line()}"] if self.data is not None else [])
         if self.point.path and self.point.data_origin:
             lines.append(f"plan: the data began at step {self.point.data_origin + 1}")
         for key, (asked, planned) in self.resolved().items():

@@ -2,15 +2,17 @@
 reach, its layout, the workers' count and resources, where they are placed, the steps it trains.
 
 Every check and the launch read this one plan (launch.plan.RunPlan) instead of each working the
-same facts out again; the driver says it before the workers start (``RunPlan.lines``), and the
-checks that need no cluster (the resume, the trajectory, the output directory) come first, so a
-refused run has not started Ray.
+same facts out again. It is derived before Ray starts (plan_run; a private local Ray is planned as
+the node it will be, a named cluster is read), the driver says it, and only then is Ray started for
+it (start_run): a refused run has not started Ray, and `check` derives the same plan the same way.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import sys
 import time
 
 from raytrain_hybrid.checkpoint.manifest import (
@@ -26,17 +28,17 @@ from raytrain_hybrid.checkpoint.trajectory import check_allowed, check_trajector
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.config.elastic import is_elastic
 from raytrain_hybrid.errors import ConfigError
-from raytrain_hybrid.launch.autolayout import choose_layout, use_gpu_for
+from raytrain_hybrid.launch.autolayout import choose_layout, held_nodes, use_gpu_for
 from raytrain_hybrid.launch.elastic import start_line, worker_counts
-from raytrain_hybrid.launch.inputs import check_input, finish_input, prepare_input, reader_env, steps_to_train
+from raytrain_hybrid.launch.inputs import check_input, finish_input, reader_env, steps_to_train
 from raytrain_hybrid.launch.placement import worker_resources
-from raytrain_hybrid.launch.plan import ResumePoint, RunPlan
+from raytrain_hybrid.launch.plan import DataSource, ResumePoint, RunPlan
 from raytrain_hybrid.launch.preflight import check_placement, check_weights, crowded, predict_start
 from raytrain_hybrid.launch.reach import Reach, cluster_reach
-from raytrain_hybrid.launch.session import ensure_ray, ray_address, resolve_use_gpu
+from raytrain_hybrid.launch.session import join_ray, local_cpus, ray_address, resolve_use_gpu
 from raytrain_hybrid.models.custom import registered
 from raytrain_hybrid.planner.hardware import Hardware
-from raytrain_hybrid.storage import Store, is_uri, open_store
+from raytrain_hybrid.storage import Store, open_store
 
 
 def check_resume(
@@ -207,52 +209,73 @@ def prepare_run_dir(
     return cfg, check_resume(cfg, resume, allow_change, say, out=reader(out), dry=True)
 
 
-def open_session(cfg: Config, marks: dict, say=print) -> tuple[Config, Reach, Hardware | None]:
-    """Join or start Ray and pick the layout (parallelism.layout="auto") for the nodes the cluster
-    may reach: (the config at its layout, the reach, the profile the pick was priced on)."""
-    ensure_ray(cfg, cfg.parallelism.world_size)
-    marks["ray_ready"] = time.time()
-    # The live nodes and those an autoscaler may add; the planner's pick for them, said with its runner-up.
-    reach = cluster_reach(bool(ray_address(cfg)), cfg.cluster.accelerator_type)
-    cfg, layout_hw = choose_layout(cfg, say, reach, use_gpu_for(cfg, reach.nodes))
-    return cfg, reach, layout_hw
+def run_nodes(cfg: Config, topology: list[int] | None = None) -> Reach:
+    """The nodes a run's plan is for, known before Ray starts: ``topology``'s (`check --topology`),
+    the named cluster's or the one this process has joined (read: a cluster that is up is a fact
+    the plan needs), or the one node of the private local Ray that `train` starts here once the
+    plan is made (start_run: its CPUs local_cpus, this machine's GPUs)."""
+    if topology:
+        return Reach(held_nodes(cfg, topology))
+    ray = sys.modules.get("ray")  # (not imported for a local run: Ray's import alone is seconds)
+    if ray_address(cfg) or ray is not None and ray.is_initialized():  # (a sweep's trial has joined one)
+        join_ray(ray_address(cfg))
+        return cluster_reach(bool(ray_address(cfg)), cfg.cluster.accelerator_type)
+    gpus = local_gpus()
+    node = {"CPU": float(local_cpus(cfg, cfg.parallelism.world_size)), **({"GPU": float(gpus)} if gpus else {})}
+    return Reach([node])
 
 
-def check_before_ray(cfg: Config, say=print) -> tuple[Config, bool]:
+def local_gpus() -> int:
+    """This machine's NVIDIA GPUs as Ray counts them (CUDA_VISIBLE_DEVICES, else the driver's list),
+    without importing torch or Ray."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
+def check_before_ray(cfg: Config, say=print) -> tuple[Config, DataSource]:
     """The checks `train` makes before Ray starts, and `check` makes the same: the pretrained
     checkpoint's weights, a machine given far more workers than cores (said), the input
-    (launch.inputs.check_input). Returns the config with data.path resolved and whether the
-    input's check is whole (what is left needs Ray: launch.inputs.finish_input)."""
+    (launch.inputs.check_input). Returns the config with data.path resolved and the input as
+    checked (what is left needs Ray: launch.inputs.finish_input)."""
     check_weights(cfg)
     if warning := crowded(cfg):
         say(warning)
     return check_input(cfg, say)
 
 
-def plan_start(
+def plan_run(
     cfg: Config,
     point: ResumePoint,
-    marks: dict,
     say=print,
     *,
-    input_whole: bool | None = None,
+    data: DataSource,
     asked: Config | None = None,
 ) -> RunPlan:
-    """Ray joined, the layout picked, the placement checked against the live nodes, the output
-    directory made and the input checked: the run's RunPlan (ConfigError/LayoutError if none).
-    ``input_whole``: ``cfg``'s input was checked before Ray started (check_before_ray), whole or
-    not; None: not yet. ``asked``: the config as loaded (default ``cfg``)."""
-    cfg, reach, layout_hw = open_session(cfg, marks, say)
+    """`train`'s plan, derived before Ray starts (ConfigError/LayoutError if there is none): the
+    nodes it is for (run_nodes), layout=auto's pick for them, and derive_plan, the derivation
+    `check` shares. ``data``: ``cfg``'s input as checked (check_before_ray); what its check left
+    is done once Ray is up (start_run). ``asked``: the config as loaded."""
+    reach = run_nodes(cfg)
+    cfg, layout_hw = choose_layout(cfg, say, reach, use_gpu_for(cfg, reach.nodes))
+    return derive_plan(cfg, point, reach, layout_hw, say, data=data, asked=asked)
 
-    def ready(cfg: Config) -> Config:
-        open_store(cfg.run.output_dir).makedirs()  # only now: a refused run leaves nothing behind
-        if input_whole is None:
-            return prepare_input(cfg, say=say)
-        return finish_input(cfg, input_whole, say)
 
-    plan = derive_plan(cfg, point, reach, layout_hw, say, ready=ready, asked=asked)
+def start_run(plan: RunPlan, marks: dict, say=print) -> None:
+    """Ray for ``plan``: the cluster it names joined, else the private local Ray of the node it was
+    planned for started; then the output directory made (only now: a refused run leaves nothing
+    behind) and what the input's check left for Ray done (launch.inputs.finish_input: the shipped
+    corpus prepared into the plan's data.path the first time, chat rows too many to encode here)."""
+    cfg = plan.cfg
+    join_ray(ray_address(cfg), need_cpus=0 if ray_address(cfg) else int(sum(n["CPU"] for n in plan.reach.live)))
+    marks["ray_ready"] = time.time()
+    open_store(cfg.run.output_dir).makedirs()
+    finish_input(cfg, plan.data, say)
     marks["input_checked"] = time.time()
-    return plan
 
 
 def derive_plan(
@@ -262,7 +285,7 @@ def derive_plan(
     layout_hw: Hardware | None,
     say=print,
     *,
-    ready=None,
+    data: DataSource | None,
     placement: list[int] | None = None,
     checked: bool = True,
     lease: str = RunPlan.lease,
@@ -270,12 +293,13 @@ def derive_plan(
     asked: Config | None = None,
 ) -> RunPlan:
     """The plan of ``cfg`` (at its layout) on the nodes of ``reach``, the one derivation `train`
-    and `check` share: the worker counts, whether they use GPUs, what each asks of Ray, where
-    they are placed and the steps trained. ``placement``: None, predicted for the live nodes and,
-    ``checked``, checked against them (check_placement); else the workers per node given
-    (`check --topology`). ``ready``: makes the output directory and prepares the input (the
-    driver's; `check` writes nothing). ``unverified`` (`check`): rows that cannot be counted here
-    are noted there, not refused. ``asked``: the config as loaded (default ``cfg``)."""
+    and `check` share, made before Ray starts and writing nothing: the worker counts, whether they
+    use GPUs, what each asks of Ray, where they are placed and the steps trained. ``data``: the
+    input as checked (check_before_ray; None: `check` could not read it here). ``placement``:
+    None, predicted for the live nodes and, ``checked``, checked against them (check_placement);
+    else the workers per node given (`check --topology`). ``unverified`` (`check`): rows that
+    cannot be counted here are noted there, not refused. ``asked``: the config as loaded (default
+    ``cfg``)."""
     counts = worker_counts(cfg)
     use_gpu = resolve_use_gpu(cfg, counts[0], reach.nodes)  # an elastic run starts on fewer
     resources = worker_resources(cfg, use_gpu)
@@ -283,8 +307,6 @@ def derive_plan(
         placement = check_placement(cfg, resources, reach.live, counts)
     elif placement is None:  # `check`: the prediction alone (the weights and the output directory are not read)
         placement = predict_start(cfg, resources, reach.live, counts)[1]
-    if ready is not None:
-        cfg = ready(cfg)
     try:
         end = steps_to_train(cfg)
     except (OSError, ValueError) as exc:  # pyarrow's errors: a bucket out of reach, files not Parquet
@@ -293,12 +315,8 @@ def derive_plan(
         unverified.append(f"data.path={cfg.data.path!r}: its rows were not counted here ({exc})")
         end = cfg.train.steps
     data_env = {}  # `check` lists no bucket again (its check of the input has read what it could)
-    if ready is not None or not (is_uri(cfg.data.path) and not cfg.data.path.startswith("file://")):
-        try:
-            data_env = reader_env(cfg)
-        except (OSError, ValueError):  # `check`: files not there yet (train prepares them) or said as not verified
-            if unverified is None:
-                raise
+    if data is not None:
+        data_env = reader_env(cfg, data.files)
     if end < cfg.train.steps:
         say(
             f"data.epochs={cfg.data.epochs}: the rows hold {end} global batches of {cfg.train.global_batch_size}; "
@@ -321,4 +339,5 @@ def derive_plan(
         data_env=data_env,
         registered_models=tuple(registered()),
         unverified=tuple(unverified or ()),
+        data=data,
     )

@@ -15,19 +15,26 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import os
 
 import pyarrow.fs as pafs
 
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.config.elastic import is_elastic
 from raytrain_hybrid.errors import ConfigError
-from raytrain_hybrid.launch.autolayout import held_nodes, pick_for_check
+from raytrain_hybrid.launch.autolayout import pick_for_check
 from raytrain_hybrid.launch.lease import LEASE, describe, expired, in_use
+from raytrain_hybrid.launch.plan import DataSource
 from raytrain_hybrid.launch.preflight import _check_output_dir
 from raytrain_hybrid.launch.reach import Reach
-from raytrain_hybrid.launch.session import join_ray, live_workers_per_node, local_cpus, ray_address, use_train_v2
-from raytrain_hybrid.launch.start import ResumePoint, RunPlan, check_before_ray, derive_plan, prepare_run_dir
+from raytrain_hybrid.launch.session import live_workers_per_node, ray_address, use_train_v2
+from raytrain_hybrid.launch.start import (
+    ResumePoint,
+    RunPlan,
+    check_before_ray,
+    derive_plan,
+    prepare_run_dir,
+    run_nodes,
+)
 from raytrain_hybrid.launch.tracking import check_tracking
 from raytrain_hybrid.models.hub import Unreadable
 from raytrain_hybrid.storage import Store, is_uri, open_store
@@ -46,7 +53,7 @@ def check_layout(cfg: Config, topology: list[int] | None, say=print) -> tuple[Co
     if cfg.parallelism.layout == "auto":
         reach = None
         if not topology and ray_address(cfg):
-            reach = _reach(cfg, topology)  # read once: the pick and the start plan share it
+            reach = run_nodes(cfg, topology)  # read once: the pick and the start plan share it
         return (*pick_for_check(cfg, topology, say, reach), reach)
     world = cfg.parallelism.world_size
     if not topology:
@@ -94,15 +101,16 @@ def check_plan(
         point, lease = ResumePoint(None, [], {}), "not checked (run.output_dir could not be read here)"
     else:
         cfg, point = prepare_run_dir(cfg, resume, allow_change, say, reader=quick)
-    cfg = _inputs(cfg, say, unverified)
+    cfg, data = _inputs(cfg, say, unverified)
     placement = topology if topology else None
-    reach = reach or _reach(cfg, topology)
+    reach = reach or run_nodes(cfg, topology)
     plan = derive_plan(
         cfg,
         point,
         reach,
         None,
         say,
+        data=data,
         placement=placement,
         checked=False,
         lease=lease,
@@ -117,11 +125,11 @@ def check_plan(
     return plan
 
 
-def _inputs(cfg: Config, say, unverified: list[str]) -> Config:
+def _inputs(cfg: Config, say, unverified: list[str]) -> tuple[Config, DataSource | None]:
     """`train`'s checks before Ray starts (launch.start.check_before_ray), refusing what it refuses;
-    a data set or model in storage out of reach here is said as not verified."""
+    a data set or model in storage out of reach here is said as not verified (no DataSource)."""
     try:
-        cfg, whole = check_before_ray(cfg, say)
+        cfg, data = check_before_ray(cfg, say)
     except (OSError, ConfigError) as exc:
         where = str(exc.value) if isinstance(exc, ConfigError) else ""
         remote = is_uri(where) and not where.startswith("file://")
@@ -131,37 +139,10 @@ def _inputs(cfg: Config, say, unverified: list[str]) -> Config:
         ):
             raise
         unverified.append(f"{exc} (the input's checks could not be made here)")
-        return cfg
-    if not whole and cfg.data.path != "builtin":  # the shipped corpus, prepared when train first starts
+        return cfg, None
+    if not data.checked and not data.shipped:  # the shipped corpus, prepared when train first starts
         unverified.append(f"data.path={cfg.data.path!r}: its rows are encoded and checked by train, on the cluster")
-    return cfg
-
-
-def _reach(cfg: Config, topology: list[int] | None) -> Reach:
-    """The nodes the plan is for: ``topology``'s, the named cluster's (check has joined it), or
-    the one node of the private local Ray `train` would start here (launch.session.ensure_ray)."""
-    if topology:
-        return Reach(held_nodes(cfg, topology))
-    if ray_address(cfg):
-        from raytrain_hybrid.launch.reach import cluster_reach
-
-        join_ray(ray_address(cfg))
-        return cluster_reach(True, cfg.cluster.accelerator_type)
-    gpus = _local_gpus()
-    node = {"CPU": float(local_cpus(cfg, cfg.parallelism.world_size)), **({"GPU": float(gpus)} if gpus else {})}
-    return Reach([node])
-
-
-def _local_gpus() -> int:
-    """This machine's NVIDIA GPUs as Ray counts them (CUDA_VISIBLE_DEVICES, else the driver's list),
-    without importing torch or Ray."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip()])
-    try:
-        return len(os.listdir("/proc/driver/nvidia/gpus"))
-    except OSError:
-        return 0
+    return cfg, data
 
 
 def lease_state(out: Store) -> str:

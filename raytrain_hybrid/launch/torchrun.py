@@ -14,6 +14,7 @@ runs (parallelism.min_dp) need Ray's cluster view and are refused here.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import socket
 import sys
@@ -142,15 +143,18 @@ def _prepare(cfg: Config, resume, allow_change, use_gpu: bool, marks: dict):
     try:
         cfg, point = prepare_run_dir(cfg, resume, allow_change, say)
         lease.start_renewing()
-        cfg, whole = check_before_ray(cfg, say)
-        if not whole and cfg.data.path != "builtin":  # "builtin" unprepared: tokenized in the leaders
-            cfg = finish_input(cfg, whole, say)
+        cfg, data = check_before_ray(cfg, say)
+        if data.shipped and not data.checked:  # the shipped corpus unprepared: tokenized in the leaders (no Ray Data)
+            cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path="builtin"))
+            data = dataclasses.replace(data, path="builtin")
+        else:
+            finish_input(cfg, data, say)
         open_store(cfg.run.output_dir).makedirs()
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         placement = [local] * (world // local)
         end = steps_to_train(cfg)
         resources = worker_resources(cfg, use_gpu)
-        plan = RunPlan(cfg, point, None, use_gpu, resources, [world], placement, None, end, asked=asked)
+        plan = RunPlan(cfg, point, None, use_gpu, resources, [world], placement, None, end, asked=asked, data=data)
     except BaseException:
         lease.release()
         if fresh and out.local:  # a refused run leaves no empty directory behind
