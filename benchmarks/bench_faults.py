@@ -322,8 +322,8 @@ def ray_driver_kill_trial(i: int, rng: random.Random, base: Path, want: dict) ->
     diffs = [abs(losses[s] - v) / abs(v) for s, v in want.items() if s in losses]
     row["losses_equal"] = len(diffs) == len(want) and max(diffs, default=0.0) <= ft.TOLERANCE
     row["max_rel_diff"] = max(diffs, default=None)
-    # A step the killed run's workers made after its driver died is in no metrics.jsonl (only that
-    # driver heard of it), though the checkpoint the resume picked includes it.
+    # A step the killed run's workers made after its driver died: that driver never heard of it,
+    # and the resume takes its metrics from the checkpoints' records; missing here, no record kept it.
     row["steps_missing_from_metrics"] = sorted(set(want) - set(losses))
     row["losses_equal_where_recorded"] = max(diffs, default=0.0) <= ft.TOLERANCE
     row["user_files_changed"] = int(user.read_text() != "the user's file\n")
