@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 import pyarrow as pa
@@ -197,6 +198,8 @@ def test_a_crowded_machine_is_said_by_check_and_by_train_before_ray(tmp_path, ca
     """Far more workers than cores: a warning with the fix, by both, before Ray starts."""
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     monkeypatch.setattr(start, "join_ray", lambda *a, **k: (_ for _ in ()).throw(RayStarted()))
+    if "ray" in sys.modules:  # a local run, as from a shell: not the Ray this test process may have joined
+        monkeypatch.setattr(sys.modules["ray"], "is_initialized", lambda: False)
     sets = ["parallelism.dp=4", "data.path=memory", f"run.output_dir={tmp_path / 'run'}"]
     argv = [a for s in sets for a in ("--set", s)]
     code, out, _ = _run(capsys, ["check", *argv])

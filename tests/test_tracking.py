@@ -38,8 +38,10 @@ def test_a_tracker_that_is_not_installed_is_refused_before_ray_starts(monkeypatc
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # what importing it finds: not installed
     started: list = []  # Ray may run already (other tests in this process): record any start or join
-    monkeypatch.setattr(start, "ensure_ray", lambda *a, **k: started.append("ensure_ray"))
+    monkeypatch.setattr(start, "join_ray", lambda *a, **k: started.append("join_ray"))
     monkeypatch.setattr(ray, "init", lambda *a, **k: started.append("ray.init"))
+    # A local run, as from a shell: not the Ray this test process may have joined already.
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
     out = tmp_path / "run"
     assert cli.main(["train", "--set", "run.tracking=wandb", "--set", f"run.output_dir={out}"]) == 2
     err = capsys.readouterr().err
