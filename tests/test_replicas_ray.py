@@ -7,9 +7,7 @@ head). Then, in turn (tests/ft_cluster_driver.py):
    which receives the state from group 0; group 0's workers go on (no restart);
 2. the Lighthouse's process is killed: Ray starts it again at the same address and the groups'
    next quorum finds it there (no restart);
-3. a worker of each group is killed at once: no live copy is left, so each group restarts from
-   its newest checkpoint and they go on together;
-4. the head node is lost (the driver, the Lighthouse and Ray's head with it): the cluster is
+3. the head node is lost (the driver, the Lighthouse and Ray's head with it): the cluster is
    gone; on a new one, the same `train` with `--resume` of its output continues each group from
    its newest checkpoint.
 
@@ -38,11 +36,11 @@ from s3_server import fresh_buckets  # noqa: E402
 from test_oracle import MEMORY, RTOL, SHORT, layout  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-STEPS = 14
+STEPS = 12
 # AdamW turns the fp32 rounding of two summation orders into differences above 1e-4 after about
-# six steps at the default learning rate; at 1e-5 they stay below it for these 14.
+# six steps at the default learning rate; at 1e-5 they stay below it for these 12.
 MODEL = (*SHORT, *MEMORY, f"train.steps={STEPS}", "train.lr=1e-5", *layout(2, 2, 1, "1F1B", 2))
-FAULTS = {"node": 2, "lighthouse": 6, "both": 9, "head": 12}  # each once group 0 has trained that many steps
+FAULTS = {"node": 2, "lighthouse": 6, "head": 10}  # each once group 0 has trained that many steps
 OUT = "s3://ftruns/run"
 
 
@@ -80,9 +78,9 @@ def faults():
 def test_each_fault_fired_and_the_launch_ended_well(faults):
     out, first = faults["stdout"], faults["earlier"]
     assert faults["returncode"] == 0, out[-3000:]
-    assert [f["fault"] for f in faults["faults"]] == ["node", "lighthouse", "both", "head"], faults["faults"]
-    node, lighthouse, both, head = faults["faults"]
-    assert node["removed"] == 1 and lighthouse["killed"] and len(both["killed"]) == 2, faults["faults"]
+    assert [f["fault"] for f in faults["faults"]] == ["node", "lighthouse", "head"], faults["faults"]
+    node, lighthouse, head = faults["faults"]
+    assert node["removed"] == 1 and lighthouse["killed"], faults["faults"]
     assert head["returncode"] == -9, head
     assert "fault tolerance: 2 replica groups of 2 workers" in first and "lighthouse: http://" in first, first[:2000]
     assert "done: replica group(s) 0, 1 trained every step" in out, out[-2000:]
@@ -91,20 +89,16 @@ def test_each_fault_fired_and_the_launch_ended_well(faults):
 
 
 def test_only_the_failed_group_restarted_and_the_lighthouse_cost_no_restart(faults):
-    """Before the head's loss: group 0 restarted once (the worker killed in 3); group 1 twice (its
-    node in 1, its worker in 3). The Lighthouse's death (2) restarted neither."""
+    """Before the head's loss: group 1 restarted once (its node, in 1), group 0 never; the
+    Lighthouse's death (2) restarted neither."""
     first = faults["earlier"]
     restarts = [[line for line in first.splitlines() if line.startswith(f"[group {g}] restart ")] for g in (0, 1)]
-    assert [len(r) for r in restarts] == [1, 2], restarts
+    assert [len(r) for r in restarts] == [0, 1], restarts
     assert restarts[1][0] == "[group 1] restart 1: the worker group continues from step 0", restarts
-    # 3 found every group gone: each continued from a checkpoint it had saved before it.
-    both_at = faults["faults"][2]["group0_steps"]
-    for line in (restarts[0][0], restarts[1][1]):
-        assert 0 < int(line.rsplit(" ", 1)[1]) <= both_at, line
 
 
 def test_the_resume_after_the_heads_loss_continued_each_group_from_its_checkpoint(faults):
-    head_at = faults["faults"][3]["group0_steps"]
+    head_at = faults["faults"][2]["group0_steps"]
     for g in (0, 1):
         start = next(line for line in faults["stdout"].splitlines() if line.startswith(f"[group {g}] start:"))
         assert f"resumed from {OUT}/replica_{g}/checkpoints/step_" in start, start
