@@ -191,12 +191,13 @@ def _check(args, cfg, unverified: list[str] | None = None) -> int:
     for note in unverified or ():  # what could not be read here (no network, no credentials)
         _say(args)(redact(f"not verified: {note}"))
     if cfg.fault_tolerance.enabled:  # a launch is one replica group, or every group: checked as train does
-        from raytrain_hybrid.launch.ft_groups import describe
+        from raytrain_hybrid.launch.ft_groups import describe, group_resume
         from raytrain_hybrid.launch.lighthouse import group_launch
 
         every = cfg.fault_tolerance.replica_group < 0
         if every:
             _say(args)(describe(cfg))
+            args.resume = group_resume(args.resume, 0)  # group 0's, as train gives it (refused as there)
         cfg = group_launch(cfg, None, "", every=every)
     asked = cfg
     cfg, counts, reach = check_layout(cfg, args.topology, _say(args))  # layout=auto: the planner's pick, printed

@@ -221,6 +221,8 @@ def test_a_launch_of_every_group_or_of_one_is_checked_before_ray_starts(tmp_path
         assert cli.main(args) == 2
         err = capsys.readouterr().err
         assert "--resume" in err and "has no replica_0/" in err, err
+        assert cli.main(["check", *args[1:]]) == 2  # check: the same words
+        assert capsys.readouterr().err == err
         more = [*sets, "fault_tolerance.replica_group=1"]
         assert cli.main(["train", *[a for o in more for a in ("--set", o)]]) == 2
         err = capsys.readouterr().err

@@ -53,8 +53,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+def named_lighthouse(cfg: Config) -> str:
+    """The Lighthouse the config or TORCHFT_LIGHTHOUSE names ("" for none)."""
+    return cfg.fault_tolerance.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
+
+
 def lighthouse_address(cfg: Config) -> str:
-    addr = cfg.fault_tolerance.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
+    addr = named_lighthouse(cfg)
     if not addr:
         from raytrain_hybrid.errors import ConfigError
 

@@ -47,13 +47,12 @@ class Source:
 
 def describe(cfg: Config) -> str:
     """The line `check` and `train` print for a launch of every group."""
+    from raytrain_hybrid.engine.replicas import named_lighthouse
+
     par, ft = cfg.parallelism, cfg.fault_tolerance
     groups = replica_groups(par)
-    where = (
-        f"the Lighthouse at {ft.lighthouse or os.environ['TORCHFT_LIGHTHOUSE']}"
-        if ft.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
-        else "a Lighthouse started as a Ray actor on this driver's node"
-    )
+    named = named_lighthouse(cfg)
+    where = f"the Lighthouse at {named}" if named else "a Lighthouse started as a Ray actor on this driver's node"
     return (
         f"fault tolerance: {groups} replica groups of {par.world_size // groups} workers, each a Ray Train run "
         f"restarted alone (run.max_failures={cfg.run.max_failures}), meeting at {where}; at least "
@@ -118,7 +117,9 @@ def _run_groups(cfg, source, resumes, verbose, allow_change, children, out) -> l
     groups = len(resumes)
     # Every group's workers and its Ray Train controller on a private local Ray.
     ensure_ray(cfg, cfg.parallelism.world_size + groups - 1)
-    lighthouse = cfg.fault_tolerance.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
+    from raytrain_hybrid.engine.replicas import named_lighthouse
+
+    lighthouse = named_lighthouse(cfg)
     if not lighthouse:
         _actor, lighthouse = _start_lighthouse(cfg)
         print(f"lighthouse: {lighthouse} (a Ray actor; Ray restarts it at this address)", file=out, flush=True)
