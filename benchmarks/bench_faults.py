@@ -283,11 +283,11 @@ def ray_driver_kill_trial(i: int, rng: random.Random, base: Path, want: dict) ->
     watcher.close()
     row["first_run"], row["second_run"] = proc.returncode, second.returncode
     text = log.read_text()
-    if second.returncode == 2 and f"has done {ft.STEPS} steps already" in text:
+    if second.returncode == 0 and "resume: nothing left to train" in text:
         row["second_run"] = "nothing_left"  # the kill came after the last step's checkpoint was complete
     picked = re.findall(r"resumed from \S+/step_(\d+) at step", text)
-    if row["second_run"] == "nothing_left":  # it picked the last step's checkpoint, and had nothing to do
-        picked = re.findall(rf"checkpoint \S+/step_(\d+) has done {ft.STEPS} steps already", text)
+    if row["second_run"] == "nothing_left":  # it picked the last step's checkpoint, and completed the records
+        picked = re.findall(rf"checkpoint \S+/step_(\d+) has done all {ft.STEPS} steps", text)
     row["resumed_from"] = int(picked[-1]) if picked else None
     # The killed run's checkpoints: those of its launch (seen complete before the resume could have
     # saved any: its Ray takes far longer than 10 s to start).

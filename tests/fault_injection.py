@@ -193,8 +193,13 @@ def _driver(overrides: list[str], resume: str | None, env: dict, queue, release)
     try:  # the lease first, as the driver takes it: then the checkpoint the resume picks
         lease = acquire(load_config(None, overrides).run.output_dir)
         point = restart_point(overrides, resume)
-        lease.start_renewing()
-        queue.put(("start", -1, point))
+        if point["finished"]:  # nothing left to train: the CLI completes the run's records, exits 0
+            lease.release()
+            del lease
+            queue.put(("nothing_left", -1, point))
+        else:
+            lease.start_renewing()
+            queue.put(("start", -1, point))
     except ConfigError as exc:
         if "lease" in locals():
             lease.release()
@@ -251,9 +256,10 @@ def run(ctx, overrides: list[str], world: int, trial: str, *, resume: str | None
         env: dict | None = None, proxy=None, limit: float = 300.0) -> dict:  # fmt: skip
     """One start of a run (a driver and ``world`` ranks) until it ends or a fault kills it.
 
-    ``status``: ``ok``, ``refused`` (the driver's checks said no: ``error`` says why), ``killed``
-    (a process died of SIGKILL; the survivors are killed as a worker group is torn down),
-    ``failed`` (a rank raised: ``error``) or ``hung``."""
+    ``status``: ``ok``, ``nothing_left`` (a resume of a run that has done all its steps),
+    ``refused`` (the driver's checks said no: ``error`` says why), ``killed`` (a process died of
+    SIGKILL; the survivors are killed as a worker group is torn down), ``failed`` (a rank raised:
+    ``error``) or ``hung``."""
     import uuid
 
     import torch.distributed as dist
@@ -269,6 +275,9 @@ def run(ctx, overrides: list[str], world: int, trial: str, *, resume: str | None
     started = _drain_one(queue, driver, limit)
     if started is not None:
         kind, _, point = started
+    if kind == "nothing_left":
+        driver.join(30)
+        return {"status": "nothing_left", "resumed_from": point["path"]}
     if kind != "start":
         driver.join(30)
         return {"status": "refused" if kind == "refused" else "failed", "error": point}

@@ -154,7 +154,7 @@ def trial(ctx, kind: str, trial: Path, fault: dict, calib: dict, env: dict, *, p
         ):
             row["restart"], row["resume_refused"] = "fresh", second["error"][:300]  # nothing to resume: train again
             second = fi.run(ctx, args, WORLD, str(trial), env=env, proxy=proxy)
-        if second["status"] == "refused" and f"has done {steps} steps already" in second["error"]:
+        if second["status"] == "nothing_left":
             row["restart"] = "none_left"  # the fault came after the last step's checkpoint was complete
         row["second_run"] = second["status"]
         if second["status"] != "ok":
@@ -170,7 +170,9 @@ def trial(ctx, kind: str, trial: Path, fault: dict, calib: dict, env: dict, *, p
     if row["restart"] == "none_left":
         row["losses_equal"] = None  # no step left to compare (the killed run's steps are not reported)
     row["max_rel_diff"] = max(diffs, default=None)
-    row["resumed_from_newest_complete"] = start >= max(complete, default=0) if row.get("second_run") == "ok" else None
+    row["resumed_from_newest_complete"] = (
+        start >= max(complete, default=0) if row.get("second_run") in ("ok", "nothing_left") else None
+    )
     lost_at_end = [n for n in complete if not intact(ckpts.child(f"step_{n}"))]
     row["checkpoints_lost"] = sorted(set(lost_at_fault) | set(lost_at_end))
     row["final_checkpoint_intact"] = intact(ckpts.child(f"step_{steps}"))

@@ -206,12 +206,52 @@ def test_checkpoint_of_another_model_is_refused_by_the_cli(saved_run, tmp_path):
     assert "model.hidden_size=256: the checkpoint" in done.stderr and "model.hidden_size=128" in done.stderr
 
 
-def test_a_finished_run_or_an_earlier_runs_directory_is_not_overwritten(saved_run, capsys):
+def test_an_earlier_runs_directory_is_not_overwritten(saved_run, capsys):
     out, _ = saved_run
     assert cli(["train", "--set", f"run.output_dir={out}"]) == 2  # a fresh run into a dir with checkpoints
     assert "holds checkpoints of an earlier run (step_4); continue it with --resume" in capsys.readouterr().err
-    sets = [f"run.output_dir={out}", f"train.steps={STEPS}", "model.seq_len=32"]
-    code = cli(["train", "--resume", str(out), *[a for s in sets for a in ("--set", s)]])
+
+
+def test_a_finished_runs_resume_completes_its_records_or_is_refused(saved_run, tmp_path, capsys, monkeypatch):
+    """A driver killed as its workers completed the last step and its checkpoint: metrics.jsonl
+    lacks that step and summary.json is not written. A resume has nothing left to train: it
+    writes both from the checkpoints' records, says so in one line and exits 0, without Ray
+    (and leaves the killed driver's log as it was). `check --resume` says the same and writes
+    nothing. Once the records are whole, a resume is refused as a finished run's."""
+    from raytrain_hybrid.launch import driver
+
+    out, result = saved_run
+    run = tmp_path / "run"
+    shutil.copytree(out, run)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in result["history"][:3]))
+    (run / "driver.log").write_text("the killed driver's log\n")
+    sets = [a for s in [*COMMON, f"run.output_dir={run}"] for a in ("--set", s)]
+    said = (
+        f"the checkpoint {run}/checkpoints/step_4 has done all 4 steps; "
+        "metrics.jsonl lacked steps 4 and summary.json its end: "
+    )
+    assert cli(["check", "--resume", str(run), *sets]) == 0
+    assert "resume: nothing left to train: " + said + "train --resume writes" in capsys.readouterr().out
+    assert not (run / "summary.json").exists() and len((run / "metrics.jsonl").read_text().splitlines()) == 3
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray started for a run with nothing left to train")
+
+    monkeypatch.setattr(driver, "start_run", no_ray)
+    assert cli(["train", "--resume", str(run), *sets]) == 0
+    told = capsys.readouterr()
+    assert told.out.splitlines() == [f"resume: nothing left to train: {said}written from the checkpoints' records"], (
+        told
+    )
+    assert not told.err
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert [r["loss"] for r in records] == [h["loss"] for h in result["history"]]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["ended"] == "completed" and summary["steps"] == 4 and "steps_unrecorded" not in summary
+    assert summary["final_loss"] == result["history"][-1]["loss"]
+    assert (run / "driver.log").read_text() == "the killed driver's log\n"
+    code = cli(["train", "--resume", str(run), *sets])
     assert code == 2 and "has done 4 steps already; raise train.steps" in capsys.readouterr().err
 
 
@@ -444,6 +484,7 @@ def test_the_skipped_stream_stands_where_the_checkpoint_recorded(tmp_path):
     import numpy as np
     import pyarrow as pa
 
+    from raytrain_hybrid.data.sources import TokenDocuments
     from raytrain_hybrid.data.stream import ReplicaStream
 
     class Rows:
@@ -458,7 +499,8 @@ def test_the_skipped_stream_stands_where_the_checkpoint_recorded(tmp_path):
     docs = [rng.integers(0, 100, rng.integers(5, 40)).tolist() for _ in range(200)]
 
     def stream(d, skip):
-        return ReplicaStream(Rows(d), "input_ids", 16, 100, global_batch=4, dp=1, dp_rank=0, seed=0, skip_steps=skip)
+        source = TokenDocuments(Rows(d), "input_ids", seq_len=16, vocab_size=100)
+        return ReplicaStream(source, global_batch=4, dp=1, dp_rank=0, seed=0, skip_steps=skip)
 
     full = stream(docs, 0)
     recorded = [full.position.manifest_entry() for _ in zip(range(3), full, strict=False)][-1]  # after step 3

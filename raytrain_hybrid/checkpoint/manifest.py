@@ -272,8 +272,9 @@ def resolve(path: str | Path | Store, key: str = "--resume") -> tuple[Store, dic
     raise ConfigError(key, str(path), f"holds no intact checkpoint: {'; '.join(errors)}")
 
 
-def check_compatible(cfg, manifest: dict, path: str | Path | Store) -> None:
-    """The checkpoint's model (and LoRA adapters) must be this config's; the run must have steps left."""
+def check_compatible(cfg, manifest: dict, path: str | Path | Store, *, done_ok: bool = False) -> None:
+    """The checkpoint's model (and LoRA adapters) must be this config's; the run must have steps
+    left (``done_ok``: the caller decides what a finished run's resume does, see done_already)."""
     for section in ("model", "lora"):  # a LoRA checkpoint holds adapters of one shape, on one base
         saved = manifest["config"].get(section, {})
         for field in dataclasses.fields(getattr(cfg, section)):
@@ -288,10 +289,15 @@ def check_compatible(cfg, manifest: dict, path: str | Path | Store) -> None:
                     f"the checkpoint {path} was written for {section}.{field.name}={was!r}; "
                     f"resume with the {section} settings it was trained with (its config is in its manifest.json)",
                 )
-    if manifest["step"] >= cfg.train.steps:
-        raise ConfigError(
-            "train.steps",
-            cfg.train.steps,
-            f"the checkpoint {path} has done {manifest['step']} steps already; raise train.steps to continue "
-            "(with --allow-change train.steps: the learning-rate schedule is stretched to the new length)",
-        )
+    if manifest["step"] >= cfg.train.steps and not done_ok:
+        raise done_already(cfg.train.steps, manifest, path)
+
+
+def done_already(steps: int, manifest: dict, path: str | Path | Store) -> ConfigError:
+    """The refusal of a resume with no step left to train (``steps``: its train.steps)."""
+    return ConfigError(
+        "train.steps",
+        steps,
+        f"the checkpoint {path} has done {manifest['step']} steps already; raise train.steps to continue "
+        "(with --allow-change train.steps: the learning-rate schedule is stretched to the new length)",
+    )

@@ -29,7 +29,7 @@ from raytrain_hybrid.launch.inputs import build_datasets
 from raytrain_hybrid.launch.lease import LeaseLost, acquire
 from raytrain_hybrid.launch.preflight import waiting_for
 from raytrain_hybrid.launch.progress import RunLog
-from raytrain_hybrid.launch.rundir import RunDir
+from raytrain_hybrid.launch.rundir import RunDir, complete_records
 from raytrain_hybrid.launch.session import use_train_v2
 from raytrain_hybrid.launch.start import RunPlan, check_before_ray, plan_run, prepare_run_dir, start_run
 from raytrain_hybrid.launch.summary import startup_breakdown, startup_cpu, summarize
@@ -73,6 +73,8 @@ def run(
     lease = acquire(out.uri)
     try:
         cfg, point = prepare_run_dir(cfg, resume, allow_change, say)
+        if point.finished:  # nothing left to train: the run's records completed (said), no Ray
+            return complete_records(cfg, point)
         lease.start_renewing()
         # The plan, derived before Ray starts as `check` derives it: a refusal comes in seconds.
         cfg, data = check_before_ray(cfg, say)

@@ -12,6 +12,7 @@ from raytrain_hybrid.config import Config
 from raytrain_hybrid.config.elastic import is_elastic
 from raytrain_hybrid.engine.plan import WorkerPlan
 from raytrain_hybrid.launch.reach import Reach
+from raytrain_hybrid.models.params import sequence_parallel_line
 from raytrain_hybrid.planner.hardware import Hardware
 from raytrain_hybrid.storage import is_uri, open_store
 
@@ -26,6 +27,8 @@ class ResumePoint:
     trajectory: dict
     data_origin: int = 0
     step: int = 0  # the checkpoint's steps done
+    # None left to train (its last step's checkpoint): the resume completes the run's records, no more.
+    finished: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +170,8 @@ class RunPlan:
         data = f"plan: data {d.path}" + (f", validation {d.val_path}" if d.val_path else "")
         data += f"; model {m.arch}" + (f" from {m.pretrained}" if m.pretrained else " (initialised)")
         lines = [data] + ([f"plan: {self.data.line()}"] if self.data is not None else [])
+        sp = sequence_parallel_line(self.cfg)  # at tp > 1: whether the norms and residual split by sequence
+        lines += [f"plan: {sp}"] if sp else []
         if self.point.path and self.point.data_origin:
             lines.append(f"plan: the data began at step {self.point.data_origin + 1}")
         for key, (asked, planned) in self.resolved().items():

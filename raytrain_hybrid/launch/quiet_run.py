@@ -52,19 +52,22 @@ def _train_in(cfg, resume, verbose: bool, allow_change) -> int:
 
     connected_before = ray.is_initialized()  # e.g. a notebook's or a test's own session
     log = mirror_dir(cfg.run.output_dir) / "driver.log"  # the run dir itself, unless it is a URI
-    summary, refused = None, []
+    summary, started = None, [True]  # [] once it is known that this launch did not run there
     try:
-        with quiet_driver(log, quiet=not verbose, keep=lambda: not refused) as (out, err, live_log):
+        with quiet_driver(log, quiet=not verbose, keep=lambda: bool(started)) as (out, err, live_log):
             try:
                 summary = run(cfg, resume=resume, stream=out, driver_log=live_log, allow_change=allow_change)
+                if "completed_from" in summary:  # nothing left to train: said in one line; the
+                    started.clear()  # driver.log there stays the last run's (a killed driver's)
+                    return 0
             except (ConfigError, LayoutError) as exc:
-                refused.append(True)  # its log is not this directory's (it may be another run's)
+                started.clear()  # its log is not this directory's (it may be another run's)
                 # Said now, before Ray is torn down: whatever happens in that teardown (a driver
                 # killed on its way out, a shutdown that hangs), the refusal has reached the user.
                 print(redact(f"error: {exc}"), file=err, flush=True)
                 return 2
             except LeaseLost as exc:  # another run took run.output_dir over: nothing more is written there
-                refused.append(True)  # (its driver.log is the other run's now)
+                started.clear()  # (its driver.log is the other run's now)
                 print(redact(f"error: {exc}"), file=err, flush=True)
                 return 1
             except Exception as exc:  # a worker failed: Ray's error carries its traceback
@@ -80,7 +83,7 @@ def _train_in(cfg, resume, verbose: bool, allow_change) -> int:
                 if ray.is_initialized() and not connected_before:
                     ray.shutdown()  # inside: Ray's listener threads print until they stop
     finally:
-        if log.exists() and not refused:  # the run started: its driver.log goes where its other files went
+        if log.exists() and started:  # the run started: its driver.log goes where its other files went
             RunDir.open(cfg.run.output_dir).sync()
     newest = f"; newest checkpoint {summary['checkpoints'][-1]['path']}" if summary["checkpoints"] else ""
     print(

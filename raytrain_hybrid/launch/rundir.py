@@ -11,13 +11,14 @@ as it stands, so a driver that dies mid-run still leaves its log up to the last 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from raytrain_hybrid.storage import Store, open_store, private_dir
-from raytrain_hybrid.storage.nofollow import copy_new
+from raytrain_hybrid.storage.nofollow import copy_new, write_new
 
 
 def mirror_dir(output_dir: str) -> Path:
@@ -56,3 +57,18 @@ class RunDir:
             copy_new(driver_log, self.local / "driver.log")  # a link planted there is replaced, not followed
         if not self.store.local:
             self.store.upload(str(self.local))
+
+
+def complete_records(cfg, point) -> dict:
+    """A resume with nothing left to train (launch.start.check_resume's ``finished``: a driver
+    killed as its workers completed the last step and its checkpoint): metrics.jsonl and
+    summary.json of the whole run, from what it kept and the checkpoints' records; returns the
+    summary. Nothing else there (driver.log, TensorBoard) is touched."""
+    from raytrain_hybrid.launch.summary import summarize
+
+    run_dir = RunDir.open(cfg.run.output_dir, fresh=True)  # (a URI's: only these two files are sent)
+    write_new(run_dir.local / "metrics.jsonl", "".join(json.dumps(h) + "\n" for h in point.history))
+    summary = {"ended": "completed", **summarize(cfg, point.history, []), "completed_from": point.path}
+    write_new(run_dir.local / "summary.json", json.dumps(summary, indent=2) + "\n")
+    run_dir.sync()
+    return summary

@@ -18,6 +18,7 @@ import time
 from raytrain_hybrid.checkpoint.manifest import (
     MANIFEST,
     check_compatible,
+    done_already,
     manifest_problem,
     resolve,
     step_dirs,
@@ -77,11 +78,17 @@ def check_resume(
     if manifest["verified"] != "sha256":
         size = sum(f["size"] for f in manifest["files"].values()) / 2**30
         say(f"resume: {path} holds {size:,.0f} GiB: its files' sizes and metadata are checked, not their SHA-256")
-    check_compatible(cfg, manifest, path)
+    in_place = path.parent.uri == ckpt_root.uri
+    # Its last step's checkpoint complete and the run's records maybe not (a driver killed as its
+    # workers finished): nothing to train; the resume completes metrics.jsonl and summary.json.
+    finishing = in_place and not cfg.fault_tolerance.enabled and manifest["step"] == cfg.train.steps
+    check_compatible(cfg, manifest, path, done_ok=finishing)
     unverified: list[str] = []
     changed = check_trajectory(cfg, manifest, path, allowed, unverified)
     for key in unverified:  # (data.path on a bucket this node cannot list, a tokenizer unreadable here)
         say(f"resume: {key} not verified: what the checkpoint recorded of it cannot be read here")
+    if finishing and "train.steps" in changed:
+        raise done_already(cfg.train.steps, manifest, path)
     origin = manifest.get("data_origin", 0)
     for key in changed:
         say(f"resume: {key} differs from the checkpoint's (allowed by --allow-change)")
@@ -90,7 +97,7 @@ def check_resume(
         say(f"resume: the data starts from its beginning at step {origin + 1}")
     # Only complete ones: on object storage a save cut short (a lost node, a killed job) leaves
     # step_<N>/ without its manifest, which the next save of step N replaces.
-    if existing and path.parent.uri != ckpt_root.uri:
+    if existing and not in_place:
         raise ConfigError(
             "run.output_dir",
             out.uri,
@@ -111,12 +118,35 @@ def check_resume(
             say(f"resume: {p.name} is later than {path.name} but not intact; this run's save of its step replaces it")
     history = []
     metrics = out.child("metrics.jsonl")
-    if path.parent.uri == ckpt_root.uri:  # continuing in place: keep the steps before
+    if in_place:  # continuing in place: keep the steps before
         if metrics.exists():
             history = [h for h in _metrics_lines(metrics, say) if h["step"] < manifest["step"]]
-        others = [p for p in existing if p.uri != path.uri]
-        history = _with_checkpoint_records(history, manifest, others, say, gaps=not cfg.fault_tolerance.enabled)
-    return ResumePoint(path.uri, history, describe(cfg), origin, manifest["step"])
+        others, heard, told = [p for p in existing if p.uri != path.uri], {h["step"] for h in history}, []
+        gaps = not cfg.fault_tolerance.enabled
+        history = _with_checkpoint_records(history, manifest, others, told.append if finishing else say, gaps)
+        if finishing:
+            _say_finished(out, path, manifest, history, heard, told, say, dry)
+    return ResumePoint(path.uri, history, describe(cfg), origin, manifest["step"], finished=finishing)
+
+
+def _say_finished(out: Store, path: Store, manifest: dict, history, heard: set, told: list[str], say, dry) -> None:
+    """A resume of a run whose last checkpoint is complete: what of its records it completes,
+    said in one line; a run whose metrics.jsonl and summary.json are whole is refused, as done."""
+    added = [h["step"] for h in history if h["step"] not in heard]
+    try:
+        summary = json.loads(out.child("summary.json").read_bytes())
+    except (OSError, ValueError, RecursionError):
+        summary = None
+    ended = isinstance(summary, dict) and summary.get("ended") == "completed" and summary.get("steps") == len(history)
+    if not added and ended:
+        raise done_already(manifest["step"], manifest, path)
+    lacked = [f"metrics.jsonl lacked steps {_spans(added)}"] if added else []
+    lacked += [] if ended else ["summary.json its end"]
+    gaps = "".join(f"; {line.removeprefix('resume: ')}" for line in told if line.startswith("resume: no record"))
+    say(
+        f"resume: nothing left to train: the checkpoint {path} has done all {manifest['step']} steps; "
+        f"{' and '.join(lacked)}: {'train --resume writes' if dry else 'written'} from the checkpoints' records{gaps}"
+    )
 
 
 def _with_checkpoint_records(history: list[dict], manifest: dict, others: list[Store], say, gaps=True) -> list[dict]:

@@ -87,6 +87,8 @@ def _run(cfg: Config, rank: int, use_gpu: bool, resume, allow_change, launched: 
     if rank == 0:
         try:
             prepared, lease = _prepare(cfg, resume, allow_change, use_gpu, marks)
+        except _NothingLeft:
+            error = ("finished", "")
         except (ConfigError, LayoutError) as exc:
             error = ("refused", str(exc))
         except Exception as exc:  # the others must not wait for a plan that will not come
@@ -95,6 +97,9 @@ def _run(cfg: Config, rank: int, use_gpu: bool, resume, allow_change, launched: 
     dist.broadcast_object_list(message, src=0)
     if message[0]["error"] is not None:
         kind, text = message[0]["error"]
+        if kind == "finished":  # a resume with nothing left to train: the records completed (said)
+            dist.barrier()
+            return 0
         if rank == 0:
             print(redact(f"error: {text}" if kind == "refused" else f"error: training failed: {text}"), file=sys.stderr)
         dist.barrier()  # every rank ends after rank 0 has said why (torchrun stops the others at the first exit)
@@ -104,6 +109,10 @@ def _run(cfg: Config, rank: int, use_gpu: bool, resume, allow_change, launched: 
     finally:
         if lease is not None:
             lease.release()
+
+
+class _NothingLeft(Exception):
+    """A resume of a run that has done all its steps, whose records rank 0 completed."""
 
 
 def _prepare(cfg: Config, resume, allow_change, use_gpu: bool, marks: dict):
@@ -142,6 +151,11 @@ def _prepare(cfg: Config, resume, allow_change, use_gpu: bool, marks: dict):
     lease = acquire(out.uri)
     try:
         cfg, point = prepare_run_dir(cfg, resume, allow_change, say)
+        if point.finished:  # nothing left to train: the run's records completed (said), no rank trains
+            from raytrain_hybrid.launch.rundir import complete_records
+
+            complete_records(cfg, point)
+            raise _NothingLeft
         lease.start_renewing()
         cfg, data = check_before_ray(cfg, say)
         if data.shipped and not data.checked:  # the shipped corpus unprepared: tokenized in the leaders (no Ray Data)
