@@ -89,7 +89,8 @@ def test_the_shuffle_does_not_depend_on_how_the_read_is_cut_into_blocks():
     """Ray Data's own local shuffle gives another order when the same rows come in other
     blocks, so a layout with another worker count would train on other documents; the
     stream's shuffle depends on the rows' order and the seed only (and still shuffles)."""
-    from raytrain_hybrid.data.stream import ReplicaStream, RowStream
+    from raytrain_hybrid.data.sources import LabelledRows, TokenDocuments
+    from raytrain_hybrid.data.stream import ReplicaStream
 
     rows = 600
     rng = np.random.default_rng(1)
@@ -99,7 +100,7 @@ def test_the_shuffle_does_not_depend_on_how_the_read_is_cut_into_blocks():
     common = {"global_batch": 8, "dp": 2, "seed": 4, "epochs": 2, "shuffle_buffer": 256}
 
     def windows(sizes, dp_rank):
-        stream = ReplicaStream(_Blocks(table, sizes), "input_ids", SEQ, 4096, dp_rank=dp_rank, **common)
+        stream = ReplicaStream(TokenDocuments(_Blocks(table, sizes), "input_ids", SEQ, 4096), dp_rank=dp_rank, **common)
         return np.concatenate(list(stream))
 
     first = {r: windows(cuts[0], r) for r in range(2)}
@@ -114,7 +115,7 @@ def test_the_shuffle_does_not_depend_on_how_the_read_is_cut_into_blocks():
     labelled = pa.table({"x": np.arange(rows, dtype=np.float32), "label": np.arange(rows) % 2})
 
     def labelled_rows(sizes):
-        stream = RowStream(_Blocks(labelled, sizes), num_classes=2, dp_rank=0, **common)
+        stream = ReplicaStream(LabelledRows(_Blocks(labelled, sizes), num_classes=2), dp_rank=0, **common)
         return np.concatenate([b["x"] for b in stream])
 
     want = labelled_rows(cuts[0])

@@ -113,17 +113,18 @@ def test_a_resumed_packed_stream_stands_where_the_checkpoint_recorded(chat_dir):
     and goes on with step 4's rows."""
     import numpy as np
 
-    from raytrain_hybrid.data.examples import TableIterator, example_stream
+    from raytrain_hybrid.data.local_rows import train_rows
+    from raytrain_hybrid.data.stream import replica_stream
 
     cfg = load_config(None, _sets(chat_dir, "data.shuffle_buffer=4"))
-    rows = TableIterator(cfg)
-    full = example_stream(cfg, rows, dp=1, dp_rank=0)
+    rows = train_rows(cfg)
+    full = replica_stream(cfg, rows, dp=1, dp_rank=0)
     steps = iter(full)
     for _ in range(3):
         next(steps)
     recorded = full.position.manifest_entry()
     fourth = next(steps)
-    resumed = example_stream(cfg, rows, dp=1, dp_rank=0, skip_steps=3)
+    resumed = replica_stream(cfg, rows, dp=1, dp_rank=0, skip_steps=3)
     first = next(iter(resumed))
     assert resumed.position.skipped_to == recorded and recorded["documents_in_epoch"] > recorded["windows_in_epoch"]
     assert all(np.array_equal(first[k], fourth[k]) for k in ("tokens", "label_mask", "positions"))
@@ -247,7 +248,7 @@ def _run_jobs(rank: int, world: int, jobs: dict) -> dict:
     """gloo_harness's jobs in one launch, some fed through the replica feed (run_worker's dataset_fn)."""
     from gloo_harness import Probe
 
-    from raytrain_hybrid.data.examples import TableIterator
+    from raytrain_hybrid.data.local_rows import train_rows
     from raytrain_hybrid.engine.plan import WorkerIO, WorkerPlan
     from raytrain_hybrid.engine.trainer import Trainer
     from raytrain_hybrid.engine.worker import run_worker
@@ -258,7 +259,7 @@ def _run_jobs(rank: int, world: int, jobs: dict) -> dict:
         probe.install()
         try:
             cfg = load_config(None, overrides)
-            feed = WorkerIO(dataset_fn=functools.partial(TableIterator, cfg) if fed else None)
+            feed = WorkerIO(dataset_fn=functools.partial(train_rows, cfg) if fed else None)
             result = run_worker(WorkerPlan(cfg), "node0", feed)
         finally:
             Trainer.__init__ = init
@@ -314,7 +315,8 @@ def test_packed_rows_that_fill_no_global_batch_are_refused_before_workers_start(
     count the stream makes in the stored order."""
     import re
 
-    from raytrain_hybrid.data.examples import TableIterator, example_stream
+    from raytrain_hybrid.data.local_rows import train_rows
+    from raytrain_hybrid.data.stream import replica_stream
     from raytrain_hybrid.launch.inputs import prepare_input
 
     sets = _sets(chat_dir, "train.global_batch_size=48", "data.shuffle_buffer=0")
@@ -325,7 +327,7 @@ def test_packed_rows_that_fill_no_global_batch_are_refused_before_workers_start(
     prepare_input(load_config(None, [*sets, "data.packing=false"]), say=print)
     one = ["train.global_batch_size=1", "data.shuffle_buffer=0", "data.epochs=1", *layout(1, 1, 1, microbatches=1)]
     cfg = load_config(None, _sets(chat_dir, *one))
-    assert sum(1 for _ in example_stream(cfg, TableIterator(cfg), dp=1, dp_rank=0)) == rows
+    assert sum(1 for _ in replica_stream(cfg, train_rows(cfg), dp=1, dp_rank=0)) == rows
 
 
 def test_packing_is_refused_for_classifiers_and_on_a_resume_that_changes_it():

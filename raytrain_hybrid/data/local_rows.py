@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import pyarrow as pa
 
 from raytrain_hybrid.config import Config
@@ -18,7 +19,7 @@ from raytrain_hybrid.config import Config
 
 class LocalRows:
     """``tables()``: a new pass over the rows (an epoch), as pyarrow tables, or as dicts of numpy
-    arrays (a classifier's encoded rows, which RowStream reads as numpy)."""
+    arrays (a classifier's encoded rows, which data.sources.LabelledRows reads as numpy)."""
 
     def __init__(self, tables: Callable[[], Iterator]) -> None:
         self._tables = tables
@@ -81,6 +82,13 @@ def rows_of(cfg: Config, path: str) -> LocalRows:
             yield encode({c: t.column(c).to_numpy(zero_copy_only=False) for c in columns}, **kwargs)
 
     return LocalRows(encoded)
+
+
+def documents(docs: list[np.ndarray]) -> LocalRows:
+    """Documents of token ids held in memory, as one "input_ids" column (the shipped corpus
+    packed, without Ray)."""
+    table = pa.table({"input_ids": pa.array([d.tolist() for d in docs], type=pa.list_(pa.int64()))})
+    return LocalRows(lambda: iter([table]))
 
 
 def builtin_corpus(cfg: Config) -> LocalRows:

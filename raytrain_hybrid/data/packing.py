@@ -27,7 +27,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import numpy as np
-import pyarrow as pa
 
 # Rows filled at once. More open rows fill gaps better (less padding) and keep examples
 # longer out of order; 16 leaves about 1 % padding on the shipped chat set at seq_len 1024.
@@ -107,16 +106,3 @@ def corpus_documents(tokens: np.ndarray, eot: int | None) -> list[np.ndarray]:
         return [tokens]
     ends = np.flatnonzero(tokens == eot) + 1
     return [d for d in np.split(tokens, ends) if d.size]
-
-
-class DocumentIterator:
-    """Documents (token id arrays) iterated like a Ray DataIterator over an "input_ids" column:
-    data.path=memory packed, without Ray."""
-
-    def __init__(self, documents: list[np.ndarray]) -> None:
-        self.table = pa.table({"input_ids": pa.array([d.tolist() for d in documents], type=pa.list_(pa.int64()))})
-
-    def iter_batches(self, batch_size: int, batch_format: str = "pyarrow"):
-        assert batch_format == "pyarrow", batch_format
-        for start in range(0, self.table.num_rows, batch_size):
-            yield self.table.slice(start, batch_size)

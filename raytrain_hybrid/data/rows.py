@@ -126,7 +126,7 @@ def read_parquet_rows(path: str | Path, cfg) -> dict:
 
 def steps_in_passes(rows: int, epochs: int, global_batch: int) -> int:
     """Global batches in ``epochs`` passes over ``rows`` rows: each pass drops the rows that do not
-    fill a last one (RowBatches here, data.stream.RowStream on Ray Data)."""
+    fill a last one (RowBatches here, data.sources.LabelledRows on Ray Data)."""
     return epochs * (rows // global_batch)
 
 

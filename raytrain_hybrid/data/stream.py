@@ -8,11 +8,11 @@ would no longer hold.
 
 What we do instead: the dataset is read in a fixed order (``preserve_order``), then
 shuffled here through a buffer seeded per epoch (``shuffled``). One leader per replica (its
-rank at pp=0, tp=0) iterates that stream, packs documents into windows of
-``seq_len + 1`` tokens (short documents are packed, never dropped), cuts the
-windows into global batches of ``global_batch_size`` and keeps its contiguous
-share; it broadcasts the share to the other ranks of its replica. So the global
-batch of step k is the same for every layout, each window is used once per epoch
+rank at pp=0, tp=0) iterates that stream, makes its items into rows (data.sources:
+windows of ``seq_len + 1`` tokens, where short documents are packed, never dropped; or
+examples; or labelled rows), cuts the rows into global batches of ``global_batch_size``
+and keeps its contiguous share; it broadcasts the share to the other ranks of its replica. So the global
+batch of step k is the same for every layout, each row is used once per epoch
 across replicas, and only one rank per replica reads. The price: every replica
 leader streams the whole dataset and drops the (dp-1)/dp it does not keep.
 
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from raytrain_hybrid.config import Config
+from raytrain_hybrid.data.sources import Examples, LabelledRows, Source, TokenDocuments
 
 
 def shuffled(items: Iterator, buffer: int, seed: int) -> Iterator:
@@ -56,8 +57,9 @@ def shuffled(items: Iterator, buffer: int, seed: int) -> Iterator:
 class StreamPosition:
     """Where the stream is: enough to skip to the same place after a restart.
 
-    A sample is what one row of a global batch holds: a window of seq_len+1 tokens for a
-    language model (ReplicaStream), a labelled row for a classifier (RowStream).
+    A sample is what one row of a global batch holds (data.sources): a window of seq_len+1
+    tokens or a packed row for a language model, an example, a labelled row for a classifier;
+    a document is an item the source read (a document, an example, a row).
     """
 
     epoch: int = 0
@@ -93,12 +95,17 @@ class StreamPosition:
 
 @dataclass
 class ReplicaStream:
-    """One replica's share of each global batch, from a Ray Data iterator of documents."""
+    """One replica's share of each global batch, from a source of examples (data.sources:
+    token documents, chat examples, labelled rows); the loop over epochs and global batches,
+    the same for every source, is here.
 
-    iterator: object  # ray.data.DataIterator over rows with a token column (and "path")
-    token_column: str
-    seq_len: int
-    vocab_size: int
+    Each epoch reads the source's items in the stored order through the shuffle buffer seeded
+    with ``seed + epoch``; the source makes them into rows; the global batch of step k is the
+    k-th run of ``global_batch`` rows and replica ``dp_rank`` keeps its contiguous share. The
+    first ``skip_steps`` global batches (a resumed run's) are read and not yielded.
+    """
+
+    source: Source
     global_batch: int
     dp: int
     dp_rank: int
@@ -107,139 +114,36 @@ class ReplicaStream:
     shuffle_buffer: int = 0
     skip_steps: int = 0  # global batches already trained on (a resumed run)
     position: StreamPosition = field(default_factory=StreamPosition)
-    packing: bool = False  # data.packing: whole documents in rows (data.packing), not a cut stream
 
-    def _documents(self, epoch: int) -> Iterator[tuple[np.ndarray, str]]:
-        def stored() -> Iterator[tuple[np.ndarray, str]]:
-            for batch in self.iterator.iter_batches(batch_size=64, batch_format="pyarrow"):
-                column = batch.column(self.token_column)
-                paths = batch.column("path").to_pylist() if "path" in batch.column_names else [""] * len(batch)
-                for i, ids in enumerate(column.to_pylist()):
-                    yield np.asarray(ids, dtype=np.int64), paths[i]
-
-        return shuffled(stored(), self.shuffle_buffer, self.seed + epoch)
-
-    def _checked(self, epoch: int) -> Iterator[np.ndarray]:
-        """The epoch's documents in order, their ids checked; counted."""
-        any_rows = False
-        for ids, path in self._documents(epoch):
-            any_rows = True
+    def _items(self, epoch: int) -> Iterator:
+        """The epoch's items in its order, counted as the source takes them."""
+        for item in shuffled(self.source.items(), self.shuffle_buffer, self.seed + epoch):
             self.position.documents_in_epoch += 1
-            if ids.size and (ids.max() >= self.vocab_size or ids.min() < 0):
-                bad = int(ids.max() if ids.max() >= self.vocab_size else ids.min())
-                raise ValueError(
-                    f"token id {bad} in column {self.token_column!r} of {path or 'the dataset'} is outside "
-                    f"[0, model.vocab_size={self.vocab_size}); raise model.vocab_size or re-tokenize"
-                )
-            yield ids
-        if not any_rows:
-            raise ValueError("the dataset is empty: no rows to train on (data.path)")
-
-    def _windows(self) -> Iterator[np.ndarray]:
-        width = self.seq_len + 1
-        epoch = 0
-        while self.epochs == 0 or epoch < self.epochs:
-            buffer: list[np.ndarray] = []
-            held = 0
-            self.position.epoch, self.position.samples_in_epoch, self.position.documents_in_epoch = epoch, 0, 0
-            for ids in self._checked(epoch):
-                buffer.append(ids)
-                held += ids.size
-                if held >= width:
-                    flat = np.concatenate(buffer)
-                    n = flat.size // width
-                    for w in flat[: n * width].reshape(n, width):
-                        self.position.samples_in_epoch += 1
-                        yield w
-                    rest = flat[n * width :]
-                    buffer, held = [rest], rest.size
-            epoch += 1  # the tail shorter than one window is carried into no window
-
-    def _packed(self) -> Iterator[tuple]:
-        from raytrain_hybrid.data.packing import document_pieces, pack
-
-        width = self.seq_len + 1
-        epoch = 0
-        while self.epochs == 0 or epoch < self.epochs:
-            self.position.epoch, self.position.samples_in_epoch, self.position.documents_in_epoch = epoch, 0, 0
-            pieces = (piece for ids in self._checked(epoch) for piece in document_pieces(ids, width))
-            for row in pack(pieces, width):
-                self.position.samples_in_epoch += 1
-                yield row
-            if self.position.samples_in_epoch < self.global_batch:
-                raise ValueError(
-                    f"the dataset holds {self.position.samples_in_epoch} rows once packed, fewer than one global batch "
-                    f"(train.global_batch_size={self.global_batch}): no step can run (data.path)"
-                )
-            epoch += 1  # the epoch's last rows that fill no global batch are dropped
+            yield item
 
     def __iter__(self) -> Iterator[np.ndarray | dict]:
-        """Yields [global_batch/dp, seq_len+1] int64 arrays, one per step (packed: a dict of
-        tokens, label_mask and positions, data.packing.rows_arrays)."""
-        from raytrain_hybrid.data.packing import rows_arrays
-
+        """Yields the replica's share of each global batch, one per step (source.arrays)."""
         share = self.global_batch // self.dp
         lo, hi = self.dp_rank * share, (self.dp_rank + 1) * share
-        batch: list = []
-        epoch = -1
-        for window in self._packed() if self.packing else self._windows():
-            if self.packing and epoch != self.position.epoch:  # a global batch holds one epoch's rows
-                batch, epoch = [], self.position.epoch
-            batch.append(window)
-            if len(batch) == self.global_batch:
-                if self.position.step_done(self.skip_steps):
-                    yield rows_arrays(batch[lo:hi], True) if self.packing else np.stack(batch[lo:hi])
-                batch = []
-
-
-@dataclass
-class RowStream:
-    """Classifiers: one replica's share of each global batch of labelled rows (encoded by
-    Ray Data's tasks, build_rows_dataset), in the dataset's order. Rows of an epoch that do
-    not fill a last global batch are dropped; a sample of ``position`` is a row."""
-
-    iterator: object
-    global_batch: int
-    dp: int
-    dp_rank: int
-    seed: int
-    num_classes: int
-    epochs: int = 0
-    shuffle_buffer: int = 0
-    skip_steps: int = 0
-    position: StreamPosition = field(default_factory=StreamPosition)
-
-    def _rows(self) -> Iterator[dict]:
-        """The rows one by one in the stored order, their labels checked."""
-        from raytrain_hybrid.data.rows import check_labels
-
-        for batch in self.iterator.iter_batches(batch_size=256, batch_format="numpy"):
-            check_labels(np.asarray(batch["label"]), self.num_classes, "data.path")
-            columns = {k: np.asarray(v) for k, v in batch.items()}
-            for i in range(len(columns["label"])):
-                yield {k: v[i] for k, v in columns.items()}
-
-    def __iter__(self) -> Iterator[dict]:
-        share = self.global_batch // self.dp
-        lo, hi = self.dp_rank * share, (self.dp_rank + 1) * share
+        held: list = []
         epoch = 0
         while self.epochs == 0 or epoch < self.epochs:
             self.position.epoch, self.position.samples_in_epoch, self.position.documents_in_epoch = epoch, 0, 0
-            held: list[dict] = []
-            count = 0
-            for row in shuffled(self._rows(), self.shuffle_buffer, self.seed + epoch):
+            if self.source.whole_epochs:
+                held = []  # the last epoch's rows that filled no global batch are dropped
+            steps = 0
+            for row in self.source.rows(self._items(epoch)):
+                self.position.samples_in_epoch += 1
                 held.append(row)
-                count += 1
-                if len(held) == self.global_batch:
-                    step_rows = {k: np.stack([r[k] for r in held]) for k in held[0]}
-                    held = []
-                    self.position.samples_in_epoch += self.global_batch
-                    self.position.documents_in_epoch = self.position.samples_in_epoch
-                    if self.position.step_done(self.skip_steps):
-                        yield {k: v[lo:hi] for k, v in step_rows.items()}
-            if self.position.samples_in_epoch == 0:
+                if len(held) < self.global_batch:
+                    continue
+                steps += 1
+                if self.position.step_done(self.skip_steps):
+                    yield self.source.arrays(held[lo:hi])
+                held = []
+            if self.source.whole_epochs and not steps:
                 raise ValueError(
-                    f"the dataset holds {count} rows, fewer than one global batch "
+                    f"the dataset holds {len(held)} {self.source.unit}, fewer than one global batch "
                     f"(train.global_batch_size={self.global_batch}): no step can run (data.path)"
                 )
             epoch += 1
@@ -259,19 +163,19 @@ def stream_args(cfg: Config, dp: int, dp_rank: int) -> dict:
     }
 
 
-def replica_stream(cfg: Config, iterator, *, dp: int, dp_rank: int, skip_steps: int = 0):
-    """A classifier's rows (RowStream) or a language model's token windows (ReplicaStream)."""
-    d = cfg.data
-    common = {"iterator": iterator, "skip_steps": skip_steps, **stream_args(cfg, dp, dp_rank)}
+def replica_stream(cfg: Config, iterator, *, dp: int, dp_rank: int, skip_steps: int = 0) -> ReplicaStream:
+    """The stream of the run's input (``iterator``: a Ray DataIterator, or data.local_rows' for
+    a run without Ray) from the source the config names: a classifier's labelled rows, chat or
+    prompt/completion examples (data.format), or a language model's documents."""
+    d, m = cfg.data, cfg.model
+    source: Source
     if d.text_columns:
-        return RowStream(num_classes=cfg.model.num_classes, **common)
-    return ReplicaStream(
-        token_column=token_column(cfg),
-        seq_len=cfg.model.seq_len,
-        vocab_size=cfg.model.vocab_size,
-        packing=d.packing,
-        **common,
-    )
+        source = LabelledRows(iterator, num_classes=m.num_classes)
+    elif d.format != "text":
+        source = Examples(iterator, seq_len=m.seq_len, vocab_size=m.vocab_size, packing=d.packing)
+    else:
+        source = TokenDocuments(iterator, token_column(cfg), m.seq_len, m.vocab_size, packing=d.packing)
+    return ReplicaStream(source, skip_steps=skip_steps, **stream_args(cfg, dp, dp_rank))
 
 
 def token_column(cfg: Config) -> str:

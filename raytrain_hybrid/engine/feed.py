@@ -12,7 +12,7 @@ import torch.distributed as dist
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.data.corpus import Batch
 from raytrain_hybrid.data.rows import feed_schema, schema_buffers, to_batch
-from raytrain_hybrid.data.stream import StreamPosition
+from raytrain_hybrid.data.stream import StreamPosition, replica_stream
 from raytrain_hybrid.distributed.parallel_dims import ParallelDims
 from raytrain_hybrid.distributed.utils import mesh_device
 
@@ -40,9 +40,6 @@ class ReplicaFeed:
     ) -> None:
         """``expect``: where the stream must stand after skipping ``skip_steps`` (the resumed
         checkpoint's data_position, which replica 0's leader recorded; checked there)."""
-        from raytrain_hybrid.data.examples import example_stream
-        from raytrain_hybrid.data.stream import replica_stream
-
         self.group = meshes.replica.get_group()
         self.leader = meshes.replica.get_local_rank() == 0
         self.schema = feed_schema(cfg, cfg.train.global_batch_size // dims.dp)
@@ -52,9 +49,7 @@ class ReplicaFeed:
         # the stream itself is read ahead by the reader thread, up to three steps.
         self.position: StreamPosition | None = None
         if self.leader:
-            # Chat / prompt_completion: one example a row, with its label mask (data.examples).
-            make = example_stream if cfg.data.format != "text" else replica_stream
-            self.stream = make(cfg, dataset_fn(), dp=dims.dp, dp_rank=dp_rank, skip_steps=skip_steps)
+            self.stream = replica_stream(cfg, dataset_fn(), dp=dims.dp, dp_rank=dp_rank, skip_steps=skip_steps)
         self.expect = expect if (skip_steps and dp_rank == 0 and expect) else None
         self._pending = None
         if self.leader:
