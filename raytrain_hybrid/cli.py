@@ -297,7 +297,7 @@ def _plan(args, cfg) -> int:
 
 
 def _sweep(args, cfg) -> int:
-    from raytrain_hybrid.launch.session import ray_address
+    from raytrain_hybrid.launch.address import ray_address
     from raytrain_hybrid.planner.calibrate import default_profile
     from raytrain_hybrid.planner.hardware import load_hardware
     from raytrain_hybrid.planner.search import plan

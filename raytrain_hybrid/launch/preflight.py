@@ -49,7 +49,7 @@ CROWDED_PER_CORE = 4
 def crowded(cfg: Config) -> str:
     """A warning when a run without a cluster gives this machine far more workers than cores
     (each takes seconds of CPU to start, and every step shares the cores); "" otherwise."""
-    from raytrain_hybrid.launch.session import ray_address
+    from raytrain_hybrid.launch.address import ray_address
 
     if ray_address(cfg) or cfg.parallelism.layout == "auto":
         return ""

@@ -21,8 +21,8 @@ def train_command(
 ) -> int:
     """``source`` (launch.ft_groups.Source): the config file and overrides given, from which a
     fault-tolerant run on Ray without fault_tolerance.replica_group launches every group."""
+    from raytrain_hybrid.launch.address import ray_address
     from raytrain_hybrid.launch.driver import sigterm_ends_the_run
-    from raytrain_hybrid.launch.session import ray_address
     from raytrain_hybrid.launch.torchrun import torchrun_train
 
     if (code := torchrun_train(cfg, resume, allow_change)) is not None:  # started by torchrun: no Ray
@@ -102,8 +102,9 @@ def prepare_command(
     import ray
 
     from raytrain_hybrid.data.prepare import prepare_data
+    from raytrain_hybrid.launch.address import join_address
     from raytrain_hybrid.launch.progress import quiet_driver
-    from raytrain_hybrid.launch.session import join_address, join_ray
+    from raytrain_hybrid.launch.session import join_ray
     from raytrain_hybrid.storage import private_dir
 
     connected_before = ray.is_initialized()

@@ -29,6 +29,7 @@ from raytrain_hybrid.checkpoint.trajectory import check_allowed, check_trajector
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.config.elastic import is_elastic
 from raytrain_hybrid.errors import ConfigError
+from raytrain_hybrid.launch.address import ray_address
 from raytrain_hybrid.launch.autolayout import choose_layout, held_nodes, use_gpu_for
 from raytrain_hybrid.launch.elastic import start_line, worker_counts
 from raytrain_hybrid.launch.inputs import check_input, finish_input, reader_env, steps_to_train
@@ -36,7 +37,7 @@ from raytrain_hybrid.launch.placement import worker_resources
 from raytrain_hybrid.launch.plan import DataSource, ResumePoint, RunPlan
 from raytrain_hybrid.launch.preflight import check_placement, check_weights, crowded, predict_start
 from raytrain_hybrid.launch.reach import Reach, cluster_reach
-from raytrain_hybrid.launch.session import join_ray, local_cpus, ray_address, resolve_use_gpu
+from raytrain_hybrid.launch.session import join_ray, local_cpus, resolve_use_gpu
 from raytrain_hybrid.models.custom import registered
 from raytrain_hybrid.planner.hardware import Hardware
 from raytrain_hybrid.storage import Store, open_store

@@ -21,12 +21,13 @@ import pyarrow.fs as pafs
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.config.elastic import is_elastic
 from raytrain_hybrid.errors import ConfigError
+from raytrain_hybrid.launch.address import ray_address
 from raytrain_hybrid.launch.autolayout import pick_for_check
 from raytrain_hybrid.launch.lease import LEASE, describe, expired, in_use
 from raytrain_hybrid.launch.plan import DataSource
 from raytrain_hybrid.launch.preflight import _check_output_dir
 from raytrain_hybrid.launch.reach import Reach
-from raytrain_hybrid.launch.session import live_workers_per_node, ray_address, use_train_v2
+from raytrain_hybrid.launch.session import live_workers_per_node, use_train_v2
 from raytrain_hybrid.launch.start import (
     ResumePoint,
     RunPlan,
