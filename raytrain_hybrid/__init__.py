@@ -64,8 +64,10 @@ def check(
         allow_change: trajectory keys the resume may change on purpose (``--allow-change``).
 
     Returns:
-        ``{"ranks": [{rank, node, pp, dp, tp}], "groups": {axis: [[ranks]]}, "plan": RunPlan,
-        "said": [lines]}``, and ``"planner"`` (a line of text) with ``hardware``. ``plan`` is the
+        ``{"ranks": [{rank, node, pp, dp, tp}], "groups": {axis: [[ranks]]}, "totals": {...},
+        "plan": RunPlan, "said": [lines]}``, and ``"planner"`` (a line of text) with ``hardware``.
+        At most 256 ranks, and per axis 64 groups of at most 64 ranks, are listed; ``totals``
+        counts them all (``{"ranks": N, axis: {"groups": G, "size": S}}``). ``plan`` is the
         frozen plan ``train`` derives (its ``lines()``, as ``check`` prints them, and
         ``to_json()``, as ``check --json`` prints it); ``said``: what ``train`` would say
         before its start (warnings, what could not be verified here).

@@ -185,7 +185,7 @@ def _say(args):
 
 def _check(args, cfg, unverified: list[str] | None = None) -> int:
     from raytrain_hybrid.config.elastic import describe, is_elastic, usable_dps
-    from raytrain_hybrid.distributed.parallel_dims import ParallelDims, placement_report
+    from raytrain_hybrid.distributed.parallel_dims import ParallelDims, placement_lines, placement_report
     from raytrain_hybrid.launch.startcheck import check_layout, check_plan
 
     for note in unverified or ():  # what could not be read here (no network, no credentials)
@@ -203,7 +203,6 @@ def _check(args, cfg, unverified: list[str] | None = None) -> int:
     cfg, counts, reach = check_layout(cfg, args.topology, _say(args))  # layout=auto: the planner's pick, printed
     par = cfg.parallelism
     report = placement_report(ParallelDims.from_config(par), counts)
-    ranks, groups = report["ranks"], report["groups"]
     notes, said = [], []  # the driver's start plan, made as it would make it; refused where it would refuse
     plan = check_plan(cfg, asked, args.topology, args.resume, args.allow_change, notes, said.append, reach)
     for note in notes:
@@ -214,7 +213,8 @@ def _check(args, cfg, unverified: list[str] | None = None) -> int:
         start = {"line": plan.lines()[0], **plan.facts()}
         dps = usable_dps(asked.parallelism)
         # "plan": the whole RunPlan train would run (launch.start.RunPlan.to_json)
-        print(json.dumps({"ranks": ranks, "groups": groups, "dp_values": dps, "start": start, "plan": plan.to_json()}))
+        listed = {k: report[k] for k in ("ranks", "groups", "totals")}  # (a huge layout's: summarized)
+        print(json.dumps({**listed, "dp_values": dps, "start": start, "plan": plan.to_json()}))
         return 0
     cp = f" cp={par.cp}" if par.cp > 1 else ""
     cp += f" ep={par.ep}" if par.ep > 1 else ""  # expert parallelism: experts over ep of the dp replicas
@@ -229,15 +229,7 @@ def _check(args, cfg, unverified: list[str] | None = None) -> int:
         from raytrain_hybrid.distributed.fp8 import describe_fp8
 
         print(describe_fp8(cfg))
-    cp_col = f" {'cp':>3}" if par.cp > 1 else ""
-    print(f"{'rank':>4} {'node':>8} {'pp':>3} {'dp':>3}{cp_col} {'tp':>3}")
-    for r in ranks:
-        cp_col = f" {r['cp']:>3}" if par.cp > 1 else ""
-        print(f"{r['rank']:>4} {r['node']:>8} {r['pp']:>3} {r['dp']:>3}{cp_col} {r['tp']:>3}")
-    for axis, gs in groups.items():
-        print(f"{axis} groups: {gs}")
-    if par.ep > 1:  # each dp group's ep consecutive replicas share out the experts
-        print(f"ep groups: {[g[i : i + par.ep] for g in groups['dp'] for i in range(0, len(g), par.ep)]}")
+    print("\n".join(placement_lines(report, par.ep)))  # the rank table and the groups (summarized when huge)
     print(redact("\n".join([*said, *plan.lines(), f"lease: {plan.lease}"])))  # as the driver says them
     print(redact("\n".join(plan.detail_lines())))  # the rest of the plan train runs
     if args.hardware:

@@ -109,6 +109,73 @@ def test_check_json(capsys):
     assert "tp=8" in capsys.readouterr().err
 
 
+def _brute_force(dims: ParallelDims, counts: list[int]) -> dict:
+    """Every group and node crossing, enumerated rank by rank (what check listed before it summarized)."""
+    nodes = [i for i, c in enumerate(counts) for _ in range(c)]
+    groups = axis_groups(dims, list(range(dims.world_size)))
+    shard = dims.dp // dims.replicate
+    if dims.replicate > 1:
+        groups["shard"] = [g[i : i + shard] for g in groups["dp"] for i in range(0, dims.dp, shard)]
+        groups["replicate"] = [g[i::shard] for g in groups["dp"] for i in range(shard)]
+    crossing = {k: (sum(len({nodes[r] for r in g}) > 1 for g in gs), len(gs)) for k, gs in groups.items()}
+    return {"groups": groups, "crossing": crossing, "nodes": nodes}
+
+
+@pytest.mark.parametrize(
+    ("dims", "counts"),
+    [
+        (ParallelDims(dp=2, tp=2, pp=2), [4, 4]),
+        (ParallelDims(dp=4, tp=1, pp=2), [3, 5]),
+        (ParallelDims(dp=3, tp=2, pp=2, cp=2), [8, 8, 8]),
+        (ParallelDims(dp=2, tp=2, pp=1, cp=4), [4, 4, 8]),
+        (ParallelDims(dp=4, tp=2, pp=1, zero=3, replicate=2), [4, 4]),
+        (ParallelDims(dp=6, tp=1, pp=2, zero=1, replicate=3), [2, 4, 6]),
+        (ParallelDims(dp=4, tp=2, pp=2, cp=2, zero=2, replicate=2), [8, 8, 16]),
+    ],
+)
+def test_placement_report_is_the_enumeration_it_replaces(dims, counts):
+    """check's placement is worked out from the nodes, not rank by rank: its groups, nodes and
+    node crossings (cp, hybrid sharding's shard and replica groups) are those enumerated."""
+    from raytrain_hybrid.distributed.parallel_dims import cp_placement, hsdp_placement, placement_report
+
+    got, want = placement_report(dims, counts), _brute_force(dims, counts)
+    assert got["groups"] == want["groups"]
+    assert [r["node"] for r in got["ranks"]] == [f"node{n}" for n in want["nodes"]]
+    assert [{k: v for k, v in r.items() if k not in ("rank", "node")} for r in got["ranks"]] == [
+        dims.coords(r) for r in range(dims.world_size)
+    ]
+    assert got["totals"]["ranks"] == dims.world_size
+    assert all(got["totals"][k]["groups"] == len(gs) for k, gs in want["groups"].items())
+    if dims.cp > 1:
+        assert got["cp_placement"] == cp_placement(dims, want["crossing"]["cp"])
+    if dims.replicate > 1:
+        assert (got["hsdp_placement"], got["hsdp_where"]) == hsdp_placement(dims, want["groups"], want["crossing"])
+
+
+def test_check_of_an_enormous_layout_lists_a_bounded_part(capsys, monkeypatch):
+    """dp=200,000 (800,000 ranks): check lists the first ranks and groups and says how many
+    there are, working out no rank it does not list (it enumerated all: 19 s)."""
+    from raytrain_hybrid.distributed import parallel_dims
+
+    worked: list[int] = []
+    coords = ParallelDims.coords
+    monkeypatch.setattr(ParallelDims, "coords", lambda self, slot: worked.append(slot) or coords(self, slot))
+    sets = ["parallelism.dp=200000", "train.global_batch_size=800000", "parallelism.pp=2", "parallelism.tp=2"]
+    assert cli.main(["check", *[a for s in sets for a in ("--set", s)], "--topology", "400000,400000"]) == 0
+    out = capsys.readouterr().out
+    listed = parallel_dims.LISTED_RANKS
+    assert len(worked) <= 2 * listed, len(worked)
+    assert len(out.splitlines()) < listed + 40 and len(out) < 100_000, len(out)
+    assert f"... and {800_000 - listed:,} more ranks (the first {listed} of 800,000 listed)" in out
+    assert "dp groups (4 of 200,000 ranks each; the first 4 listed, each cut to its first 64 ranks): " in out
+    assert "tp groups (400,000 of 2 ranks each; the first 64 listed): [[0, 1], [2, 3]," in out
+    assert "pp groups (400,000 of 2 ranks each; the first 64 listed): [[0, 400000], [1, 400001]," in out
+    assert cli.main(["check", *[a for s in sets for a in ("--set", s)], "--topology", "400000,400000", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert len(got["ranks"]) == listed and got["totals"]["dp"] == {"groups": 4, "size": 200_000}
+    assert got["ranks"][-1] == {"rank": listed - 1, "node": "node0", "pp": 0, "dp": listed // 2 - 1, "tp": 1}
+
+
 def test_predicted_placement():
     from raytrain_hybrid.launch.placement import predict_workers_per_node
 

@@ -127,7 +127,7 @@ def test_check_json_keeps_its_keys_and_adds_the_start(tmp_path, capsys):
     code, text, err = _check(capsys, out, ELASTIC, "--topology", "8", "--json")
     assert code == 0, err
     got = json.loads(text)
-    assert set(got) == {"ranks", "groups", "dp_values", "start", "plan"} and got["dp_values"] == [1, 2, 3, 4]
+    assert set(got) == {"ranks", "groups", "totals", "dp_values", "start", "plan"} and got["dp_values"] == [1, 2, 3, 4]
     assert len(got["ranks"]) == 8 and got["groups"]["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     start = got["start"]
     assert start["line"] == _start_line(_check(capsys, out, ELASTIC, "--topology", "8")[1])  # the text's line

@@ -15,7 +15,9 @@ as TorchTitan does; ZeRO-0 replicates over dp_replicate x cp).
 
 from __future__ import annotations
 
+import bisect
 import itertools
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -153,24 +155,10 @@ def arrange_ranks(dims: ParallelDims, node_of_rank: list[str]) -> list[int]:
     worker count tp does not divide would split a TP group, so it is refused
     with the layouts that would fit, as is an order no mesh can take.
     """
-    if len(node_of_rank) != dims.world_size:
-        shape = f"dp*tp*pp={dims.dp}*{dims.tp}*{dims.pp}"
-        if dims.cp > 1:
-            shape = f"dp*cp*tp*pp={dims.dp}*{dims.cp}*{dims.tp}*{dims.pp}"
-        raise LayoutError(f"{len(node_of_rank)} workers for {shape}={dims.world_size}")
     by_node: dict[str, list[int]] = defaultdict(list)
     for rank, node in enumerate(node_of_rank):
         by_node[node].append(rank)
-    counts = [len(r) for r in by_node.values()]
-    bad = [c for c in counts if c % dims.tp]
-    if bad:
-        fits = sorted({t for t in range(1, max(counts) + 1) if all(c % t == 0 for c in counts)})
-        raise LayoutError(
-            f"tp={dims.tp} cannot keep every TP group inside one node: workers per node are "
-            f"{counts}, and {bad[0]} is not a multiple of {dims.tp}. "
-            f"Layouts that fit these nodes use tp in {fits}"
-            + ("" if dims.tp <= max(counts) else f" (tp={dims.tp} is larger than any node)")
-        )
+    check_nodes(dims, [len(r) for r in by_node.values()])
     identity = list(range(dims.world_size))
     if all(len({node_of_rank[r] for r in group}) == 1 for group in axis_groups(dims, identity)["tp"]):
         return identity
@@ -184,6 +172,26 @@ def arrange_ranks(dims: ParallelDims, node_of_rank: list[str]) -> list[int]:
                     "needs it to); start the workers grouped by node (Ray Train's order) or use tp=1"
                 )
     return arrangement
+
+
+def check_nodes(dims: ParallelDims, counts: list[int]) -> None:
+    """Nodes holding ``counts`` workers take the layout with every TP group inside a node (a
+    LayoutError naming the tp values that fit, else); work in the nodes, not the ranks."""
+    if sum(counts) != dims.world_size:
+        shape = f"dp*tp*pp={dims.dp}*{dims.tp}*{dims.pp}"
+        if dims.cp > 1:
+            shape = f"dp*cp*tp*pp={dims.dp}*{dims.cp}*{dims.tp}*{dims.pp}"
+        raise LayoutError(f"{sum(counts)} workers for {shape}={dims.world_size}")
+    bad = [c for c in counts if c % dims.tp]
+    if bad:
+        common = math.gcd(*counts)  # the tp values that fit: its divisors
+        fits = sorted({d for i in range(1, math.isqrt(common) + 1) if common % i == 0 for d in (i, common // i)})
+        raise LayoutError(
+            f"tp={dims.tp} cannot keep every TP group inside one node: workers per node are "
+            f"{counts}, and {bad[0]} is not a multiple of {dims.tp}. "
+            f"Layouts that fit these nodes use tp in {fits}"
+            + ("" if dims.tp <= max(counts) else f" (tp={dims.tp} is larger than any node)")
+        )
 
 
 def axis_groups(dims: ParallelDims, arrangement: list[int]) -> dict[str, list[list[int]]]:
@@ -205,41 +213,96 @@ def axis_groups(dims: ParallelDims, arrangement: list[int]) -> dict[str, list[li
     return groups
 
 
+# `check` lists at most this many ranks, and of each axis this many groups of at most this many
+# ranks each: a layout of 200,000 ranks is summarized (its totals and node crossings counted),
+# in work that grows with the nodes and what is listed, not with the ranks.
+LISTED_RANKS = 256
+LISTED_GROUPS = 64
+
+
 def placement_report(dims: ParallelDims, workers_per_node: list[int]) -> dict:
-    """Where every rank lands on nodes holding ``workers_per_node`` workers (Ray's rank order:
-    one node's workers are consecutive), and the groups along each axis; a LayoutError when
-    a TP group would cross nodes."""
-    nodes = [f"node{i}" for i, c in enumerate(workers_per_node) for _ in range(c)]
-    arrangement = arrange_ranks(dims, nodes)
-    ranks = sorted(
-        ({"rank": rank, "node": nodes[rank], **dims.coords(slot)} for slot, rank in enumerate(arrangement)),
-        key=lambda r: r["rank"],
-    )
-    groups = axis_groups(dims, arrangement)
+    """Where the ranks land on nodes holding ``workers_per_node`` workers (Ray's rank order: one
+    node's workers are consecutive, so the mesh takes them as they are), and the groups along
+    each axis; a LayoutError when a TP group would cross nodes. At most LISTED_RANKS ranks and,
+    per axis, LISTED_GROUPS groups of at most LISTED_GROUPS ranks are listed; "totals" says how
+    many there are (ranks; per axis its groups and their size)."""
+    check_nodes(dims, workers_per_node)
+    ends = list(itertools.accumulate(workers_per_node))
+
+    def node(rank: int) -> str:
+        return f"node{bisect.bisect_right(ends, rank)}"
+
+    ranks = [{"rank": r, "node": node(r), **dims.coords(r)} for r in range(min(dims.world_size, LISTED_RANKS))]
+    shape = _group_shapes(dims)
+    groups = {axis: _listed(stride, n, dims.world_size) for axis, (stride, n) in shape.items()}
     report = {"ranks": ranks, "groups": groups}
     if dims.cp > 1:
-        report["cp_placement"] = cp_placement(dims, groups["cp"], nodes)
+        report["cp_placement"] = cp_placement(dims, _crossing(*shape["cp"], ends))
     if dims.replicate > 1:
-        shard = dims.dp // dims.replicate
-        groups["shard"] = [g[i : i + shard] for g in groups["dp"] for i in range(0, dims.dp, shard)]
-        groups["replicate"] = [g[i::shard] for g in groups["dp"] for i in range(shard)]
-        report["hsdp_placement"], report["hsdp_where"] = hsdp_placement(dims, groups, nodes)
+        shard, stride = dims.dp // dims.replicate, dims.cp * dims.tp
+        shape["shard"], shape["replicate"] = (stride, shard), (stride * shard, dims.replicate)
+        groups["shard"], groups["replicate"] = _hsdp_listed(dims)
+        crossing = {k: _crossing(*shape[k], ends) for k in ("shard", "replicate")}
+        report["hsdp_placement"], report["hsdp_where"] = hsdp_placement(dims, groups, crossing)
+    report["totals"] = {"ranks": dims.world_size} | {
+        axis: {"groups": dims.world_size // n, "size": n} for axis, (_, n) in shape.items()
+    }
     return report
 
 
-def _crossing(groups: list[list[int]], node_of_rank: list[str]) -> int:
-    return sum(len({node_of_rank[r] for r in g}) > 1 for g in groups)
+def _group_shapes(dims: ParallelDims) -> dict[str, tuple[int, int]]:
+    """Per axis, (stride, size) of its groups: the ranks x, x + stride, ... (size of them), for
+    every x whose coordinate on the axis is 0 ("pp", "dp", "cp", "tp" row-major, TP fastest)."""
+    shape = {"tp": (1, dims.tp), "dp": (dims.cp * dims.tp, dims.dp), "pp": (dims.dp * dims.cp * dims.tp, dims.pp)}
+    return shape | ({"cp": (dims.tp, dims.cp)} if dims.cp > 1 else {})
 
 
-def hsdp_placement(dims: ParallelDims, groups: dict, node_of_rank: list[str]) -> tuple[str, str]:
+def _firsts(stride: int, n: int, world: int) -> list[int]:
+    """The first ranks of the first LISTED_GROUPS groups of (stride, n) among ``world`` ranks: the
+    x whose (x // stride) % n is 0, ascending (stride of them in every stride * n)."""
+    return [(k // stride) * stride * n + k % stride for k in range(min(world // n, LISTED_GROUPS))]
+
+
+def _listed(stride: int, n: int, world: int) -> list[list[int]]:
+    """The first LISTED_GROUPS groups of (stride, n), each cut to its first LISTED_GROUPS ranks."""
+    return [[x + j * stride for j in range(min(n, LISTED_GROUPS))] for x in _firsts(stride, n, world)]
+
+
+def _hsdp_listed(dims: ParallelDims) -> tuple[list[list[int]], list[list[int]]]:
+    """Of every dp group in turn, its shard groups (dp coordinates i*shard .. (i+1)*shard - 1)
+    and its replica groups (j, j + shard, ...), listed as _listed lists."""
+    step, shard, rep = dims.cp * dims.tp, dims.dp // dims.replicate, dims.replicate
+    firsts = _firsts(step, dims.dp, dims.world_size)
+    cut_shard, cut_rep = min(shard, LISTED_GROUPS), min(rep, LISTED_GROUPS)
+    shards = ([x + (i * shard + j) * step for j in range(cut_shard)] for x in firsts for i in range(rep))
+    replicas = ([x + (i + j * shard) * step for j in range(cut_rep)] for x in firsts for i in range(shard))
+    return list(itertools.islice(shards, LISTED_GROUPS)), list(itertools.islice(replicas, LISTED_GROUPS))
+
+
+def _crossing(stride: int, n: int, ends: list[int]) -> tuple[int, int]:
+    """(groups that cross a node, all groups) of (stride, n) on nodes of consecutive ranks ending
+    at ``ends``: a group is inside a node exactly when its first and last ranks are."""
+
+    def firsts_below(x: int) -> int:  # groups whose first rank is below x
+        return (x // (stride * n)) * stride + min(x % (stride * n), stride)
+
+    inside, lo, span = 0, 0, (n - 1) * stride
+    for hi in ends:
+        if hi - span > lo:
+            inside += firsts_below(hi - span) - firsts_below(lo)
+        lo = hi
+    return firsts_below(ends[-1]) - inside, firsts_below(ends[-1])
+
+
+def hsdp_placement(dims: ParallelDims, groups: dict, crossing: dict[str, tuple[int, int]]) -> tuple[str, str]:
     """Where hybrid sharding's groups lie, in full (for `check`) and in short (the start line): the
     shard groups (the state's all-gathers and reduce-scatters) inside a node where dp/replicate x
-    cp x tp workers fit one, the replica groups (one all-reduce of a shard's gradients a step) across."""
-    shard, crossing = dims.dp // dims.replicate, _crossing(groups["shard"], node_of_rank)
-    across = _crossing(groups["replicate"], node_of_rank)
-    where = "inside a node" if not crossing else f"across nodes ({crossing} of {len(groups['shard'])})"
-    there = f"across nodes ({across} of {len(groups['replicate'])})" if across else "inside a node"
-    listed = {k: f"{groups[k][:4]}{' ...' if len(groups[k]) > 4 else ''}" for k in ("shard", "replicate")}
+    cp x tp workers fit one, the replica groups (one all-reduce of a shard's gradients a step) across.
+    ``crossing``: per kind, (groups crossing a node, all groups)."""
+    shard, (crossed, total), (across, replicas) = dims.dp // dims.replicate, crossing["shard"], crossing["replicate"]
+    where = "inside a node" if not crossed else f"across nodes ({crossed} of {total})"
+    there = f"across nodes ({across} of {replicas})" if across else "inside a node"
+    listed = {k: f"{groups[k][:4]}{' ...' if crossing[k][1] > 4 else ''}" for k in ("shard", "replicate")}
     full = (
         f"hybrid sharding: dp={dims.dp} as replicate={dims.replicate} x shard={shard} (zero={dims.zero}): shard "
         f"groups {listed['shard']} {where}; replica groups {listed['replicate']} {there}, each step an all-reduce "
@@ -248,13 +311,43 @@ def hsdp_placement(dims: ParallelDims, groups: dict, node_of_rank: list[str]) ->
     return full, f"shard groups {where}, replica groups {there}"
 
 
-def cp_placement(dims: ParallelDims, cp_groups: list[list[int]], node_of_rank: list[str]) -> str:
+def cp_placement(dims: ParallelDims, crossing: tuple[int, int]) -> str:
     """Where the cp groups lie: inside a node next to their TP groups (the all-to-alls stay on the
-    node's links) when cp*tp workers fit in a node, else across nodes."""
-    crossing = sum(len({node_of_rank[r] for r in g}) > 1 for g in cp_groups)
-    if not crossing:
+    node's links) when cp*tp workers fit in a node, else across nodes. ``crossing``: (cp groups
+    crossing a node, all cp groups)."""
+    crossed, total = crossing
+    if not crossed:
         return f"cp groups stay inside a node: cp*tp={dims.cp * dims.tp} workers of a node exchange attention heads"
     return (
-        f"cp groups cross nodes ({crossing} of {len(cp_groups)}): cp*tp={dims.cp * dims.tp} does not fit the "
+        f"cp groups cross nodes ({crossed} of {total}): cp*tp={dims.cp * dims.tp} does not fit the "
         "workers of a node, so the attention all-to-alls go over the network"
     )
+
+
+def placement_lines(report: dict, ep: int = 1) -> list[str]:
+    """placement_report as `check` prints it: the rank table, then each axis's groups (and the
+    ep groups: each dp group's ep consecutive replicas share out the experts), saying what a
+    summarized report left out."""
+    cp = bool(report["ranks"]) and "cp" in report["ranks"][0]
+    axes = ("pp", "dp", "cp", "tp") if cp else ("pp", "dp", "tp")
+    lines = [f"{'rank':>4} {'node':>8} " + " ".join(f"{a:>3}" for a in axes)]
+    for r in report["ranks"]:
+        lines.append(f"{r['rank']:>4} {r['node']:>8} " + " ".join(f"{r[a]:>3}" for a in axes))
+    totals = report["totals"]
+    if (more := totals["ranks"] - len(report["ranks"])) > 0:
+        lines.append(f"... and {more:,} more ranks (the first {len(report['ranks'])} of {totals['ranks']:,} listed)")
+    groups = dict(report["groups"])
+    if ep > 1:
+        ep_groups = (g[i : i + ep] for g in groups["dp"] for i in range(0, len(g), ep))
+        groups["ep"] = list(itertools.islice(ep_groups, LISTED_GROUPS))
+    for axis, listed in groups.items():
+        total = totals.get(axis)
+        if total is None or (total["groups"] <= len(listed) and total["size"] <= LISTED_GROUPS):
+            lines.append(f"{axis} groups: {listed}" + (" ..." if axis == "ep" and len(listed) == LISTED_GROUPS else ""))
+        else:
+            cut = f", each cut to its first {LISTED_GROUPS} ranks" if total["size"] > LISTED_GROUPS else ""
+            lines.append(
+                f"{axis} groups ({total['groups']:,} of {total['size']:,} ranks each; the first {len(listed)} listed"
+                f"{cut}): {listed} ..."
+            )
+    return lines

@@ -6,7 +6,7 @@ import os
 
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.config.elastic import at_world
-from raytrain_hybrid.distributed.parallel_dims import ParallelDims, arrange_ranks
+from raytrain_hybrid.distributed.parallel_dims import ParallelDims, check_nodes
 from raytrain_hybrid.errors import ConfigError
 from raytrain_hybrid.launch.elastic import worker_counts
 from raytrain_hybrid.launch.placement import live_node_totals, predict_workers_per_node
@@ -31,7 +31,7 @@ def check_placement(
     dims = ParallelDims.from_config(at_world(cfg, world).parallelism)
     _check_output_dir(cfg, nodes, resources)
     if counts is not None:
-        arrange_ranks(dims, [f"node{i}" for i, c in enumerate(counts) for _ in range(c)])
+        check_nodes(dims, counts)  # (each node's workers consecutive: Ray Train's order)
         _check_data_cpus(cfg, nodes, dims.world_size)
     return counts
 
