@@ -1,6 +1,6 @@
 """The generic decoder path against transformers' own loop, family by family.
 
-    .venv/bin/python benchmarks/bench_models.py [--steps 10] [--only qwen3,gemma2]
+    .venv/bin/python benchmarks/bench_models.py [--steps 10] [--only qwen3,gemma2] [--memory]
 
 For each family of tests/test_models.py, a checkpoint written by transformers (4 layers, width
 256, 4 heads of 64, 2 key/value heads, vocabulary 4096) trained at (1,1,1) for --steps steps of 8
@@ -11,9 +11,14 @@ rows of 128 tokens, fp32, one thread:
   clipping, AdamW; the attention implementation the engine picks for the family), the median of the
   steps after the first two, back to back in one run;
 - memory: the engine's parameter, gradient and optimizer bytes on its rank against the planner's
-  prediction for that layout (planner.cost.predict), and the process's peak RSS.
+  prediction for that layout (planner.cost.predict); and the rank's peak memory, its peak RSS above
+  the RSS it had before the model was built (interpreter, imports, process group), against the
+  planner's whole prediction for the rank (state and activations). RSS counts what the allocator
+  keeps and the framework's buffers, so on a CPU it bounds the peak from above.
 
-Writes benchmarks/results/models.json with the command, the machine and the date.
+Writes benchmarks/results/models.json with the command, the machine and the date. With --memory
+only the engine runs and only memory is measured, which a busy machine does not change (the step
+times need a quiet one): benchmarks/results/models_memory.json.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 OUT = ROOT / "benchmarks" / "results" / "models.json"
+OUT_MEMORY = OUT.with_name("models_memory.json")
 ROWS, SEQ, WIDTH = 8, 128, 256
 
 
@@ -106,14 +112,22 @@ def engine(path: Path, steps: int) -> dict:
     return {"overrides": overrides, **run_gloo_jobs(1, {"run": overrides})["run"]}
 
 
-def predicted_state_bytes(overrides: list[str]) -> float:
+def predicted_bytes(overrides: list[str]) -> tuple[float, float]:
+    """The planner's (state, whole rank) bytes for the layout."""
     from raytrain_hybrid.config import load_config
     from raytrain_hybrid.planner.cost import predict
     from raytrain_hybrid.planner.hardware import load_hardware
 
     cfg = load_config(None, overrides)
     mem = predict(cfg, load_hardware("h100"))["memory_bytes"]
-    return sum(v for k, v in mem.items() if k not in ("activations", "total"))
+    return sum(v for k, v in mem.items() if k not in ("activations", "total")), mem["total"]
+
+
+def times(run: dict, plain: list[float]) -> dict:
+    """Median step times after the first two, the engine's and the plain loop's."""
+    eng = statistics.median([h["step_time_s"] for h in run["history"]][2:])
+    base = statistics.median(plain[2:])
+    return {"engine_step_s": round(eng, 4), "plain_step_s": round(base, 4), "engine_over_plain": round(eng / base, 3)}
 
 
 def main() -> None:
@@ -122,6 +136,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--only", default="")
+    ap.add_argument("--memory", action="store_true", help="memory only, into models_memory.json")
     args = ap.parse_args()
     names = [n for n in args.only.split(",") if n] or list(FAMILIES)
     tmp = Path(tempfile.mkdtemp(prefix="bench-models-"))
@@ -129,19 +144,19 @@ def main() -> None:
     for mt in names:
         path = make_checkpoint(tmp, mt)
         run = engine(path, args.steps)
-        plain = plain_loop(path, args.steps)
-        eng = [h["step_time_s"] for h in run["history"]][2:]
         mem = run["memory"][0]
         state = mem["param_bytes"] + mem["grad_bytes"] + mem["optimizer_bytes"]
-        predicted = predicted_state_bytes(run["overrides"])
-        rows[mt] = {
-            "engine_step_s": round(statistics.median(eng), 4),
-            "plain_step_s": round(statistics.median(plain[2:]), 4),
-            "engine_over_plain": round(statistics.median(eng) / statistics.median(plain[2:]), 3),
+        predicted, predicted_peak = predicted_bytes(run["overrides"])
+        peak = mem["max_rss_bytes"] - mem["rss_before_model_bytes"]
+        rows[mt] = {} if args.memory else times(run, plain_loop(path, args.steps))
+        rows[mt] |= {
             "state_bytes": state,
             "predicted_state_bytes": int(predicted),
             "state_over_predicted": round(state / predicted, 3),
             "max_rss_bytes": mem["max_rss_bytes"],
+            "peak_bytes": peak,
+            "predicted_peak_bytes": int(predicted_peak),
+            "peak_over_predicted": round(peak / predicted_peak, 3),
         }
         print(mt, rows[mt], flush=True)
     record = {
@@ -151,7 +166,7 @@ def main() -> None:
         "shape": {"layers": 4, "hidden": WIDTH, "rows": ROWS, "seq": SEQ, "vocab": 4096, "dtype": "float32"},
         "families": rows,
     }
-    OUT.write_text(json.dumps(record, indent=1) + "\n")
+    (OUT_MEMORY if args.memory else OUT).write_text(json.dumps(record, indent=1) + "\n")
 
 
 if __name__ == "__main__":

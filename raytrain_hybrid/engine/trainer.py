@@ -43,6 +43,9 @@ def _local_bytes(t: torch.Tensor) -> int:
 class Trainer:
     def __init__(self, cfg: Config, dims: ParallelDims, mesh, device: torch.device) -> None:
         self.cfg, self.dims, self.mesh, self.device = cfg, dims, mesh, device
+        # The process's peak before the model exists (interpreter, imports, process group): what the
+        # training itself adds on a CPU is the peak RSS above it.
+        self.rss_before_model = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         par = cfg.parallelism
         self.spec = get_arch(cfg.model.arch)
         # A language model's Hugging Face checkpoint: a directory on this node, or a URI read by range.
@@ -362,6 +365,7 @@ class Trainer:
             "grad_bytes": self.grad_bytes,
             "optimizer_bytes": opt_bytes,
             "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "rss_before_model_bytes": self.rss_before_model,
         }
         if self.device.type == "cuda":
             stats["max_cuda_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
