@@ -29,6 +29,8 @@ import time
 import traceback
 from pathlib import Path
 
+from matrix_passes import PASSES, run_pass
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 OUT = ROOT / "raytrain_hybrid" / "assets" / "generic_families.json"
@@ -139,65 +141,6 @@ def parallel_layout(row: dict, path: Path, tp_ok: bool) -> None:
         row.update(status="refused", reason=f"differs from the reference at a parallel layout: {_short(exc)}")
 
 
-# Context parallelism: cp=2 beside pp=2 (and tp=2 where the family takes it), one replica.
-CP_LAYOUT = ("parallelism.dp=1", "parallelism.cp=2", "parallelism.pp=2", "parallelism.microbatches=2")
-
-
-def context_parallel(row: dict, path: Path, model_type: str) -> None:
-    """cp=2 against the reference where models.generic_cp allows the family's attention (its
-    checkpoint's config); the verdict, or the reason, in the row (models.generic refuses cp with it)."""
-    from test_models import COMMON
-
-    from raytrain_hybrid.config import load_config
-    from raytrain_hybrid.models import generic, generic_cp
-
-    base = load_config(None, [f"model.pretrained={path}", *COMMON, "parallelism.dp=1", "parallelism.tp=1"])
-    why = generic_cp.cp_refusal(model_type, generic.hf_config(model_type, base))
-    if why:
-        row.update(cp=False, cp_reason=why)
-        return
-    tp = 2 if row.get("tp") else 1
-    try:
-        oracle(path, (*CP_LAYOUT, f"parallelism.tp={tp}"), 4 * tp)
-        row.update(cp=True, cp_layout=f"dp1-cp2-tp{tp}-pp2")
-    except BaseException as exc:  # noqa: BLE001 - recorded
-        row.update(cp=False, cp_reason=f"differs from the reference at cp=2: {_short(exc)}")
-
-
-def cp_pass(only: list[str]) -> None:
-    """--cp: the recorded families' context-parallel verdicts added to the JSON (the other columns
-    and the record's command stay as they were; the cp pass records its own)."""
-    import os
-
-    os.environ["RAYTRAIN_MODEL_MATRIX"] = "1"
-    from test_models import make_checkpoint
-
-    record = json.loads(OUT.read_text())
-    tmp = Path(tempfile.mkdtemp(prefix="matrix-cp-"))
-    for mt, row in record["families"].items():
-        if row["status"] != "passed" or (only and mt not in only):
-            continue
-        for key in ("cp", "cp_reason", "cp_layout"):
-            row.pop(key, None)
-        t0 = time.perf_counter()
-        try:
-            context_parallel(row, make_checkpoint(tmp, mt), mt)
-        except Exception as exc:  # noqa: BLE001 - recorded per family
-            row.update(cp=False, cp_reason=f"could not be run at cp=2 here: {_short(exc)}")
-        shutil.rmtree(tmp / mt, ignore_errors=True)
-        print(
-            f"{mt:24s} cp={row['cp']} {row.get('cp_reason', row.get('cp_layout', ''))[:100]} "
-            f"({time.perf_counter() - t0:.0f} s)",
-            flush=True,
-        )
-    # Each pass in order (a pass --only some families redoes their rows alone).
-    command = "scripts/model_matrix.py --cp" + (f" --only {','.join(only)}" if only else "")
-    passes = record.get("cp_passes", []) if only else []
-    record["cp_passes"] = [*passes, {"command": command, "date": datetime.date.today().isoformat()}]
-    OUT.write_text(json.dumps(record, indent=1) + "\n")
-    write_doc(record)
-
-
 def main() -> None:
     import os
 
@@ -210,13 +153,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layout", action="store_true", help="also run dp=2 x tp=2 x pp=2 against the reference")
     ap.add_argument("--only", default="", help="comma-separated model_types")
-    ap.add_argument("--cp", action="store_true", help="only add the recorded families' cp=2 verdicts")
+    for name in PASSES:  # matrix_passes: one feature over the recorded families, held to its reference
+        ap.add_argument(f"--{name}", action="store_true", help=f"only add the recorded families' {name} verdicts")
     ap.add_argument("--doc", action="store_true", help="only write docs/models.md from the JSON")
     args = ap.parse_args()
     if args.doc:
         return write_doc(json.loads(OUT.read_text()))
-    if args.cp:
-        return cp_pass([n for n in args.only.split(",") if n])
+    for name in PASSES:
+        if getattr(args, name):
+            return write_doc(run_pass(name, [n for n in args.only.split(",") if n], OUT))
     names = [n for n in args.only.split(",") if n] or families()
     previous = json.loads(OUT.read_text())["families"] if OUT.exists() and args.only else {}
     generic.verified.cache_clear()
@@ -271,12 +216,27 @@ def main() -> None:
         "date": datetime.date.today().isoformat(),
         "families": dict(sorted(rows.items())),
     }
-    if args.only and OUT.exists():  # the cp passes that made the other rows' cp verdicts (--cp)
-        record["cp_passes"] = json.loads(OUT.read_text()).get("cp_passes", [])
+    if args.only and OUT.exists():  # the feature passes that made the other rows' verdicts (--cp, ...)
+        record |= {f"{n}_passes": json.loads(OUT.read_text()).get(f"{n}_passes", []) for n in PASSES}
     OUT.write_text(json.dumps(record, indent=1) + "\n")
     write_doc(record)
     passed = sum(r["status"] == "passed" for r in rows.values())
     print(f"{passed} of {len(rows)} families passed the generic path's oracle")
+
+
+def _cell(row: dict, name: str) -> str:
+    """A feature's column: the layout it was held to its reference at, or why not (the error itself
+    stays in the JSON), or that it was not checked."""
+    if row.get(name):
+        return row[f"{name}_layout"]
+    if name == "sp" and not row.get("tp"):
+        return "- (tp=1 only)"
+    why = row.get(f"{name}_reason")
+    if why is None:
+        return "not checked"
+    if why.startswith("differs from the reference"):
+        why = why.split(":")[0]
+    return "no: " + why.replace("|", "/")
 
 
 def write_doc(record: dict) -> None:
@@ -298,37 +258,51 @@ def write_doc(record: dict) -> None:
         "  context parallelism, packing, LoRA, and for the mixtures of experts expert parallelism and the",
         "  router's auxiliary loss.",
         "- **Any other transformers decoder** with a tensor-parallel and a pipeline plan: transformers' own",
-        "  class and plans, no code of ours per family; dp, tp, pp and the ZeRO stages, context parallelism",
-        "  where the family's attention allows it (column *cp*), packing (checked on Qwen3, Gemma 2 and",
-        "  Phi-3) and LoRA (checked on Qwen3 and Gemma 3). Not for these: sequence parallelism (tp runs",
-        "  without it), expert parallelism and a mixture of experts' auxiliary loss (the experts run in",
-        "  transformers' own code; `check` refuses `parallelism.ep` and the `model.*` expert keys).",
+        "  class and plans, no code of ours per family; dp, tp, pp and the ZeRO stages, and, where the",
+        "  columns below say so, sequence parallelism (on by default with tp > 1), context parallelism,",
+        "  packing (`data.packing`) and LoRA. Not for these: expert parallelism and a mixture of experts'",
+        "  auxiliary loss (the experts run in transformers' own code; `check` refuses `parallelism.ep` and",
+        "  the `model.*` expert keys).",
         "",
         f"Checked with transformers {record['transformers']} ({record['date']}): each family below was built",
         "tiny (4 layers, grouped-query attention, 8 experts and narrow latent attention where it has them,",
         "its own tying of embeddings and sliding windows), its forward compared with transformers' own, and 3",
         "training steps at one process compared with a plain loop over transformers' model (losses, every",
         "parameter's gradient norm, final weights; fp32, 1e-4).",
-        "The column *3D* says where dp=2 x tp=2 x pp=2 was also held to that loop, the column *cp* where",
-        "cp=2 x pp=2 (with tp=2 where the family takes it) was; `check` refuses cp for a family with a",
-        "reason there (soft-capped scores, attention sinks, latent or linear attention, eager-only",
-        "attention).",
+        "The column *3D* says where dp=2 x tp=2 x pp=2 was also held to that loop. The columns *sp*, *cp*,",
+        "*packing* and *LoRA* give the layout each feature was held to its own one-process reference at, or",
+        "why the family cannot take it:",
+        "",
+        "- *sp*: dp=1 x tp=2 x pp=2 with sequence parallelism, against the same loop (the norms and the",
+        "  residual stream split along the sequence over tp; a family that takes tp=1 only has none);",
+        "- *cp*: cp=2 x pp=2 (with tp=2 where the family takes it), against the same loop;",
+        "- *packing*: several of the corpus's documents a row, dp=1 x pp=2 (x tp=2 with sequence",
+        "  parallelism where the family takes it), against every document run alone through transformers'",
+        "  model;",
+        "- *LoRA*: rank 4 on every linear, at the same layout, against peft's adapters on transformers' model.",
+        "",
+        "`check` refuses `parallelism.cp`, `data.packing` and `lora.rank` for a family with a reason in its",
+        "column, before any worker starts, and says whether sequence parallelism applies to a run at tp > 1.",
+        "*not checked*: no verdict was recorded for that feature and family (`check` does not refuse it).",
         "",
         f"## Supported ({len(passed)} families)",
         "",
-        "| model_type | tensor parallel | 3D checked | cp | planner's parameter count / transformers' |",
-        "| --- | --- | --- | --- | --- |",
+        "| model_type | tensor parallel | 3D checked | sp | cp | packing | LoRA | planner's parameter count / "
+        "transformers' |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for mt, row in passed.items():
         if row["status"] == "hand-written":
-            cp = "yes" if get_arch(row["spec"]).attention else "no"
-            lines.append(f"| `{mt}` | yes (hand-written spec `{row['spec']}`) | its own oracle tests | {cp} | - |")
+            spec = get_arch(row["spec"])
+            cells = [spec.sequence_parallel, spec.attention, True, spec.moe is None]
+            cells = " | ".join("yes" if c else "no" for c in cells)
+            lines.append(f"| `{mt}` | yes (hand-written spec `{row['spec']}`) | its own oracle tests | {cells} | - |")
             continue
         layout = row.get("layout") or ("dp2-tp2-pp2" if mt in SUITE_3D else "-")
         ratio = row.get("planner_params_ratio")
         ratio = f"{ratio:.3f}" if ratio else "-"
-        cp = row.get("cp_layout") or ("no: " + row["cp_reason"].replace("|", "/") if row.get("cp_reason") else "-")
-        lines.append(f"| `{mt}` | {'yes' if row.get('tp') else 'tp=1 only'} | {layout} | {cp} | {ratio} |")
+        cells = " | ".join(_cell(row, name) for name in ("sp", "cp", "packing", "lora"))
+        lines.append(f"| `{mt}` | {'yes' if row.get('tp') else 'tp=1 only'} | {layout} | {cells} | {ratio} |")
     lines += ["", f"## Refused ({len(rows) - len(passed)} families)", "", "| model_type | why |", "| --- | --- |"]
     for mt, row in rows.items():
         if row["status"] == "refused":

@@ -158,3 +158,91 @@ def test_experts_skipped_by_every_token_still_get_a_gradient():
         out.sum().backward()
         assert (experts.gate_up_proj.grad is not None) is want
     assert torch.count_nonzero(ours.model.layers[0].mlp.experts.down_proj.grad) == 0
+
+
+def _block(model_type: str):
+    from transformers import AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, **tiny_sizes(model_type))
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config).model.layers[0]
+
+
+def test_the_sequence_parallel_plan_is_read_off_each_block():
+    """Norms split by sequence; a child whose output a row-wise projection of the family's TP plan
+    reduces gathers its input; one outside the plan (gpt-oss's attention and experts) runs whole
+    and keeps this rank's shard; a block holding weights of its own is refused, naming the key."""
+    from raytrain_hybrid.models import generic_sp
+
+    qwen3 = generic.spec("qwen3")
+    assert qwen3.sequence_parallel and qwen3.sp_plan_outer == {"model.norm": "seqnorm"}
+    assert qwen3.sp_block(_block("qwen3")) == {
+        "self_attn": "gather_hidden",
+        "mlp": "gather_hidden",
+        "input_layernorm": "seqnorm",
+        "post_attention_layernorm": "seqnorm",
+    }
+    plan = generic.spec("gpt_oss").sp_block(_block("gpt_oss"))
+    assert (plan["self_attn"], plan["mlp"], plan["input_layernorm"]) == ("whole", "whole", "seqnorm")
+    block = _block("qwen3")
+    block.register_parameter("scale", torch.nn.Parameter(torch.ones(4, device="meta")))
+    with pytest.raises(ValueError, match=r"\(scale\).*parallelism\.sequence_parallel=false"):
+        generic_sp.block_plan(frozenset(), block)
+
+
+def test_check_says_whether_sequence_parallelism_applies(monkeypatch):
+    """At tp > 1 the plan's line says on, off by the key, or not applied and why (a family the model
+    matrix recorded without it); the planner's activation memory counts the same: a family without
+    sequence parallelism is predicted as tp alone, one with it holds less."""
+    from raytrain_hybrid.models import get_arch
+    from raytrain_hybrid.models.params import sequence_parallel_line
+    from raytrain_hybrid.planner.cost import activation_bytes
+
+    layout = ["data.path=memory", "model.seq_len=32", "parallelism.dp=1", "parallelism.pp=1"]
+    cfg = load_config(None, ["model.arch=qwen3", *layout, "parallelism.tp=2"])
+    assert sequence_parallel_line(cfg) == "sequence parallelism: on (norms and the residual stream split over tp=2)"
+    with_sp = activation_bytes(cfg, 1)
+    off = load_config(None, ["model.arch=qwen3", *layout, "parallelism.tp=2", "parallelism.sequence_parallel=false"])
+    assert sequence_parallel_line(off) == "sequence parallelism: off (parallelism.sequence_parallel=false)"
+    assert sequence_parallel_line(load_config(None, ["model.arch=qwen3", *layout, "parallelism.tp=1"])) is None
+    row = {"status": "passed", "tp": True, "sp": False, "sp_reason": "differs from the reference with sp"}
+    monkeypatch.setattr(generic, "verified", lambda: {"qwen3": row})
+    get_arch.cache_clear()
+    try:
+        cfg = load_config(None, ["model.arch=qwen3", *layout, "parallelism.tp=2"])
+        assert sequence_parallel_line(cfg) == (
+            "sequence parallelism: not applied: qwen3 differs from the reference with sp; tp runs without it"
+        )
+        assert activation_bytes(cfg, 1) == activation_bytes(off, 1) > with_sp
+    finally:
+        get_arch.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("model_type", "overrides", "key", "words"),
+    [
+        ("qwen3_next", ["data.packing=true"], "data.packing", "qwen3_next has linear_attention layers"),
+        ("qwen3", ["data.packing=true"], "data.packing", "qwen3 differs from the reference with packing"),
+        ("qwen3", ["lora.rank=4"], "lora.rank", "qwen3 differs from the reference with lora"),
+    ],
+)
+def test_check_refuses_packing_and_lora_where_the_family_cannot_take_them(
+    model_type, overrides, key, words, monkeypatch, tmp_path
+):
+    """A family whose layers do not attend by a mask cannot keep packed examples apart; one the model
+    matrix recorded as differing from its reference with packing or LoRA is refused with that reason,
+    naming the key and what works."""
+    from raytrain_hybrid.errors import ConfigError
+
+    row = {"status": "passed", "tp": True, "packing": False, "lora": False}
+    row |= {
+        "packing_reason": "differs from the reference with packing",
+        "lora_reason": "differs from the reference with lora",
+    }
+    monkeypatch.setattr(generic, "verified", lambda: {"qwen3": row})
+    AutoConfig.for_model(model_type, **tiny_sizes(model_type)).save_pretrained(tmp_path)
+    layout = ["parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=1", "data.path=memory", "model.seq_len=32"]
+    with pytest.raises(ConfigError, match=re.escape(words)) as err:
+        load_config(None, [f"model.pretrained={tmp_path}", *layout, *overrides])
+    assert err.value.key == key and f"{key}=" in str(err.value)
+    assert "data.packing=false" in str(err.value) or "lora.rank=0" in str(err.value)

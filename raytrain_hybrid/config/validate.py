@@ -128,7 +128,7 @@ def _validate_layout(cfg: Config, spec: ArchSpec) -> None:
             train.global_batch_size,
             f"must be divisible by dp*microbatches={par.dp}*{par.microbatches}={per_step}; try {good}",
         )
-    if tp > 1 and par.sequence_parallel and spec.sp_plan and model.seq_len % tp:
+    if tp > 1 and par.sequence_parallel and spec.sequence_parallel and model.seq_len % tp:
         fits = [d for d in divisors(model.seq_len) if d <= 64]
         raise ConfigError(
             "parallelism.tp",
@@ -172,7 +172,7 @@ def _validate_cp(cfg: Config, spec: ArchSpec) -> None:
         raise ConfigError(
             "parallelism.cp", cp, f"does not divide model.seq_len={model.seq_len}; try cp in {choices(fits)}"
         )
-    if tp > 1 and par.sequence_parallel and spec.sp_plan and (model.seq_len // cp) % tp:
+    if tp > 1 and par.sequence_parallel and spec.sequence_parallel and (model.seq_len // cp) % tp:
         raise ConfigError(
             "parallelism.cp",
             cp,

@@ -9,9 +9,11 @@ shards instead of all-reduced. Same communication volume, activations / tp.
 
 from __future__ import annotations
 
-from torch.distributed.tensor import Replicate, Shard
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     PrepareModuleInputOutput,
     RowwiseParallel,
@@ -44,6 +46,12 @@ def _style(style: str, sp: bool):
         return ColwiseParallel(input_layouts=between, output_layouts=Replicate())
     if style == "norm":
         return SequenceParallel()
+    if style == "seqnorm":  # a norm whose output meets local tensors (a post-norm's residual add)
+        return SequenceParallel(use_local_output=True)
+    if style == "gather_hidden":
+        return GatherHidden()
+    if style == "whole":  # gathered in, run whole on every rank, this rank's sequence shard out
+        return GatherHidden(shard_output=True)
     if style.startswith("replicate"):  # a LoRA adapter's weight, whole on every rank
         return ReplicateParallel(between if style == "replicate:between" else Replicate())
     if style == "headnorm":
@@ -71,6 +79,43 @@ def _style(style: str, sp: bool):
     raise ValueError(f"unknown TP style {style!r}")
 
 
+class GatherHidden(ParallelStyle):
+    """A module's hidden states all-gathered from sequence shards, as the block passes them: its
+    first positional argument, or ``hidden_states`` by keyword (transformers' blocks call their
+    attention one way and their MLP the other); a plain tensor out, as the TP styles inside take.
+    ``shard_output``: the module's output (or its first element) is whole and the same on every rank
+    (no row-wise projection reduces it): this rank keeps its sequence shard."""
+
+    def __init__(self, shard_output: bool = False) -> None:
+        super().__init__()
+        self.shard_output = shard_output
+
+    def _apply(self, module, device_mesh):
+        def gather(x):
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, (SEQ,), run_check=False)
+            return x.redistribute(device_mesh, (Replicate(),)).to_local()
+
+        def shard(_, args, out):
+            first = out[0] if isinstance(out, tuple) else out
+            first = DTensor.from_local(first, device_mesh, (Replicate(),), run_check=False)
+            first = first.redistribute(device_mesh, (SEQ,)).to_local()
+            return (first, *out[1:]) if isinstance(out, tuple) else first
+
+        if self.shard_output:
+            module.register_forward_hook(shard)
+
+        def hook(_, args, kwargs):
+            if args and isinstance(args[0], torch.Tensor):
+                return (gather(args[0]), *args[1:]), kwargs
+            if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+                return args, {**kwargs, "hidden_states": gather(kwargs["hidden_states"])}
+            return None
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
 def _owned(stage, path: str) -> bool:
     parent, _, name = path.rpartition(".")
     return getattr(stage.get_submodule(parent) if parent else stage, name) is not None
@@ -89,7 +134,8 @@ def apply_tp(stage, spec: ArchSpec, tp_mesh, *, sequence_parallel: bool) -> None
     frozen = {name for name, p in stage.named_parameters() if not p.requires_grad}
     block_plan = {**spec.tp_plan, **(spec.sp_plan if sequence_parallel else {})}
     for block in stage.get_submodule(spec.layers).values():
-        plan = adapter_plan(block, block_plan)  # LoRA: the adapted linears' base, A and B
+        own = spec.sp_block(block) if sequence_parallel and spec.sp_block else {}
+        plan = adapter_plan(block, {**own, **block_plan})  # LoRA: the adapted linears' base, A and B
         parallelize_module(block, tp_mesh, {name: _style(s, sequence_parallel) for name, s in plan.items()})
         if spec.tp_adjust is not None:
             spec.tp_adjust(block, tp)

@@ -161,7 +161,7 @@ class Trainer:
             self.dims,
             activation_checkpointing=self.cfg.parallelism.activation_checkpointing,
             # Only architectures with a sequence-parallel plan run it.
-            sequence_parallel=self.cfg.parallelism.sequence_parallel and bool(self.spec.sp_plan),
+            sequence_parallel=self.cfg.parallelism.sequence_parallel and self.spec.sequence_parallel,
             compile=self.compiled,
             fp8=self.cfg.train.fp8,
             fp8_emulate=self.cfg.train.fp8_emulate,

@@ -119,6 +119,11 @@ def prepare_command(
         except KeyboardInterrupt:
             print("interrupted (Ctrl-C)", file=err, flush=True)
             return 130
+        except Exception as exc:  # Ray's start, a read task: said in one line, the log has the rest
+            print(redact(f"error: prepare-data failed: {exc}"), file=err, flush=True)
+            if not verbose:
+                print(f"Ray's output: {log}", file=err)
+            return 1
         finally:
             if ray.is_initialized() and not connected_before:
                 ray.shutdown()

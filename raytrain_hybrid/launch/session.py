@@ -53,16 +53,45 @@ def join_ray(address: str, need_cpus: int = 0) -> None:
         if address:
             ray.init(address=address, log_to_driver=False)
             return
-        ray.init(
-            address="local",
-            num_cpus=max(need_cpus, os.cpu_count() or 1),
-            log_to_driver=False,
-            include_dashboard=False,
-        )
+        _start_local_ray(max(need_cpus, os.cpu_count() or 1))
     # Its processes end with this one however it ends, kill -9 included (launch.reaper).
     from raytrain_hybrid.launch import reaper
 
     reaper.start()
+
+
+# Ray gives its raylet 30 s to come up; on a busy machine it may miss that once.
+_RAY_START_TRIES = 2
+
+
+def _start_local_ray(num_cpus: int) -> None:
+    """A private local Ray. A start that timed out is cleaned up (what it left running: its GCS,
+    monitors, dashboard agent) and tried again once; a second failure is said in one line."""
+    import psutil
+    import ray
+
+    for attempt in range(1, _RAY_START_TRIES + 1):
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        try:
+            ray.init(address="local", num_cpus=num_cpus, log_to_driver=False, include_dashboard=False)
+            return
+        except Exception as exc:
+            ray.shutdown()
+            for proc in psutil.Process().children(recursive=True):
+                if proc.pid not in before:
+                    with contextlib.suppress(psutil.Error):
+                        proc.kill()
+            if "timed out during startup" not in str(exc):
+                raise
+            if attempt == _RAY_START_TRIES:
+                raise RayStartError(
+                    f"the local Ray did not start ({_RAY_START_TRIES} tries; Ray: {str(exc).splitlines()[0]}): "
+                    "the machine may be too busy; try again, or pass --address to join a running cluster"
+                ) from exc
+
+
+class RayStartError(RuntimeError):
+    """The private local Ray a command needs did not come up."""
 
 
 @contextlib.contextmanager

@@ -27,15 +27,11 @@ import functools
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from raytrain_hybrid.errors import ConfigError
-from raytrain_hybrid.models import generic_check, generic_counts, generic_cp
+from raytrain_hybrid.models import generic_check, generic_counts, generic_cp, generic_sp
 from raytrain_hybrid.models.generic_forward import experts_always_used, on_stage, stage_forward
 from raytrain_hybrid.models.spec import ArchSpec
-
-if TYPE_CHECKING:
-    pass
 
 # transformers' TP styles -> the engine's (distributed.tensor_parallel._style). "headnorm": a
 # norm over each head of a column-sharded projection (its weight whole, its gradient summed).
@@ -357,6 +353,11 @@ def spec(model_type: str) -> ArchSpec:
         tp_plan=tp_plan,
         # Vocab-parallel embedding and head: a tied pair is sharded alike (engine.tied sums them).
         tp_plan_outer={f"{prefix}.{embed}": "embedding", head: "head"},
+        # Sequence parallelism: each block's plan from its modules (models.generic_sp), the final norm.
+        sp_block=None
+        if generic_sp.refusal(model_type)
+        else functools.partial(generic_sp.block_plan, generic_sp.reduced_children(tp_plan)),
+        sp_plan_outer={f"{prefix}.{norm}": "seqnorm"},
         stage_forward=stage_forward,
         check=functools.partial(generic_check.check, model_type),
         # Context parallelism where the family's attention allows it (models.generic_cp; check refines

@@ -27,6 +27,7 @@ def check(model_type: str, cfg) -> None:
         why = why or generic_cp.cp_refusal(model_type, generic.hf_config(model_type, cfg))
         if why:
             raise ConfigError("parallelism.cp", par.cp, f"{model_type} {why}; use parallelism.cp=1")
+    features(model_type, cfg)
     m, defaults = cfg.model, type(cfg.model)()
     moe_keys = [
         k for k in ("num_experts", "experts_per_token", "router_aux_loss_coef") if getattr(m, k) != getattr(defaults, k)
@@ -58,3 +59,42 @@ def cp_static(model_type: str) -> bool:
     lm_cls = generic.classes(model_type)[1]
     path = generic_cp.attention_path(model_type)
     return path is None or not getattr(lm_cls, "_supports_sdpa", False) or generic_cp.adds_sinks(model_type)
+
+
+def features(model_type: str, cfg) -> None:
+    """Packing and LoRA where the model matrix held them to their references (scripts/model_matrix.py
+    --packing, --lora): refused with its reason where it did not, or where packing cannot apply."""
+    from raytrain_hybrid.models import generic
+
+    row = generic.verified().get(model_type) or {}
+    if cfg.data.packing:
+        why = row.get("packing_reason") if row.get("packing") is False else None
+        why = why or packing_refusal(generic.hf_config(model_type, cfg))
+        if why:
+            raise ConfigError("data.packing", True, f"{model_type} {why}; use data.packing=false")
+    if cfg.lora.rank:
+        why = row.get("lora_reason") if row.get("lora") is False else None
+        why = why or lora_refusal(generic.hf_config(model_type, cfg))
+        if why:
+            raise ConfigError("lora.rank", cfg.lora.rank, f"{model_type} {why}; use lora.rank=0")
+
+
+def lora_refusal(hf_config) -> str | None:
+    """LoRA adapts the linears of a family's TP plan; a mixture of experts' experts are transformers'
+    stacked weights, which peft adapts and the engine does not (as for the hand-written ones)."""
+    experts = next((k for k in _EXPERT_KEYS if getattr(hf_config, k, None)), None)
+    if experts:
+        return (
+            f"is a mixture of experts ({experts}={getattr(hf_config, experts)}), whose experts LoRA does not adapt here"
+        )
+    return None
+
+
+def packing_refusal(hf_config) -> str | None:
+    """Packed rows keep their examples apart by the mask each attention layer is given: a layer type
+    that attends otherwise (linear attention's recurrent state) would run across them."""
+    masked = {*generic_cp._LAYER_TYPES, "indexed_attention"}  # (DeepSeek's sparse attention reads its mask)
+    other = sorted(set(getattr(hf_config, "layer_types", None) or ()) - masked)
+    if other:
+        return f"has {', '.join(other)} layers, which carry state across a packed row's examples instead of a mask"
+    return None

@@ -114,9 +114,12 @@ def stage_forward(stage, x: torch.Tensor, position_ids: torch.Tensor | None = No
                 h = h * scale
     packed = position_ids is not None
     if packed:
-        positions = position_ids
+        # A later stage's first call is the pipeline's shape inference, on uninitialised tensors:
+        # positions a family indexes a table with (CodeGen's, GPT-J's) must lie in the row. Real
+        # ones always do, so the clamp changes nothing else.
+        positions = position_ids.clamp(0, position_ids.shape[-1] - 1)
     else:
-        seq = h.shape[1]
+        seq = h.shape[1] * getattr(stage, "seq_shards", 1)  # sequence parallelism: h holds 1/seq_shards
         start = seq * getattr(stage, "seq_chunk", 0)  # context parallelism: this rank's slice
         positions = torch.arange(start, start + seq, device=h.device).unsqueeze(0)
     ids = [int(i) for i in layers.keys()]

@@ -6,8 +6,25 @@ from raytrain_hybrid.models import get_arch
 
 
 def has_sequence_parallel(model) -> bool:
-    """Whether the architecture has a sequence-parallel plan (BERT's post-LN blocks do not)."""
-    return bool(get_arch(model.arch).sp_plan)
+    """Whether the architecture has a sequence-parallel plan (BERT's post-LN blocks do not; a generic
+    family the model matrix refused it)."""
+    return get_arch(model.arch).sequence_parallel
+
+
+def sequence_parallel_line(cfg) -> str | None:
+    """Whether a run at tp > 1 shards its norms and residual stream along the sequence, and if not,
+    why, in the words `check` prints (None at tp = 1: nothing to split)."""
+    par, arch = cfg.parallelism, cfg.model.arch
+    if par.tp == 1:
+        return None
+    if not par.sequence_parallel:
+        return "sequence parallelism: off (parallelism.sequence_parallel=false)"
+    if has_sequence_parallel(cfg.model):
+        return f"sequence parallelism: on (norms and the residual stream split over tp={par.tp})"
+    from raytrain_hybrid.models import ARCH_NAMES, generic_sp
+
+    why = None if arch in ARCH_NAMES else generic_sp.refusal(arch)
+    return f"sequence parallelism: not applied: {arch} {why or 'has no sequence-parallel plan'}; tp runs without it"
 
 
 def num_blocks(model) -> int:

@@ -51,6 +51,9 @@ class ArchSpec:
     # per stage, the same for the final norm (and any position embedding to shard by sequence).
     sp_plan: dict[str, str] = field(default_factory=dict)
     sp_plan_outer: dict[str, str] = field(default_factory=dict)
+    # Or a block's plan read off its own modules (block -> {child: style}; the generic families,
+    # models.generic_sp), merged over sp_plan. Sequence parallelism runs where either is set.
+    sp_block: Callable[[Any], dict[str, str]] | None = None
     # Adjust per-block attributes that count local heads or widths after TP (block, tp).
     tp_adjust: Callable[[Any, int], None] | None = None
     # Run one pipeline stage: (stage module, input ids or hidden states) -> output.
@@ -130,6 +133,11 @@ class ArchSpec:
     held_copies: Callable[[Any], int] = lambda model_cfg: 0
     # Called by build_stage with (stage, the model it was cut from) after re-parenting its children.
     on_stage: Callable[[Any, Any], None] | None = None
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether parallelism.sequence_parallel applies to this architecture at tp > 1."""
+        return bool(self.sp_plan) or self.sp_block is not None
 
     def import_model_code(self) -> None:
         """Import the transformers classes the spec names (a worker does it with its imports,

@@ -1,0 +1,217 @@
+"""The model matrix's feature passes (scripts/model_matrix.py --cp, --sp, --packing, --lora): over the
+families the matrix recorded as passing, each feature held to a one-process reference that shares no
+code with the engine, its verdict (or the reason it cannot run) added to the family's row in
+raytrain_hybrid/assets/generic_families.json, which models.generic_check reads to refuse it.
+
+- cp: cp=2 x pp=2 (x tp=2 where the family takes tp) against tests/reference.py's loop;
+- sp: dp=1 x tp=2 x pp=2 with sequence parallelism against the same loop (families that take tp);
+- packing: data.packing=true on the corpus's documents, dp=1 x pp=2 (x tp=2 with sequence parallelism
+  where the family takes tp), against tests/reference_packing.py (every example alone through
+  transformers' model);
+- lora: rank 4 on every linear "all-linear" adapts (the TP plan's), named to peft alike, dp=1 x pp=2
+  (x tp=2), against peft's adapters on transformers' model (tests/reference_lora.py).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+STAGES = ("parallelism.dp=1", "parallelism.pp=2", "parallelism.microbatches=2")
+CP_LAYOUT = ("parallelism.dp=1", "parallelism.cp=2", "parallelism.pp=2", "parallelism.microbatches=2")
+LORA = ("lora.rank=4", "lora.alpha=8", "train.lr=1e-2")
+# The row keys each pass writes: the verdict, its layout, its reason.
+KEYS = {name: (name, f"{name}_layout", f"{name}_reason") for name in ("cp", "sp", "packing", "lora")}
+
+
+def _tp(row: dict) -> int:
+    return 2 if row.get("tp") else 1
+
+
+def _tp_keys(row: dict) -> tuple[str, ...]:
+    """tp=2 where the family takes it, with sequence parallelism where the sp pass held it."""
+    sp = "true" if row.get("sp") else "false"
+    return (f"parallelism.tp={_tp(row)}", f"parallelism.sequence_parallel={sp}")
+
+
+def _layout_name(tp: int, cp: int = 1) -> str:
+    return f"dp1-{f'cp{cp}-' if cp > 1 else ''}tp{tp}-pp2"
+
+
+def _config(path: Path, *extra: str):
+    from test_models import COMMON
+
+    from raytrain_hybrid.config import load_config
+
+    return load_config(None, [f"model.pretrained={path}", *COMMON, *extra])
+
+
+def _start(path: Path) -> tuple[dict, set[str]]:
+    """transformers' own load of the checkpoint: the references' initial state, and which of its
+    entries are buffers (router biases, activation constants), which the oracle does not compare."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+    return {n: v.detach().clone() for n, v in hf.state_dict().items()}, {n for n, _ in hf.named_buffers()}
+
+
+def context_parallel(row: dict, path: Path, model_type: str) -> None:
+    from model_matrix import oracle
+
+    from raytrain_hybrid.models import generic, generic_cp
+
+    why = generic_cp.cp_refusal(model_type, generic.hf_config(model_type, _config(path, "parallelism.tp=1")))
+    if why:
+        row.update(cp=False, cp_reason=why)
+        return
+    tp = _tp(row)
+    oracle(path, (*CP_LAYOUT, *_tp_keys(row)), 4 * tp)
+    row.update(cp=True, cp_layout=_layout_name(tp, 2))
+
+
+def sequence_parallel(row: dict, path: Path, model_type: str) -> None:
+    from model_matrix import oracle
+
+    if not row.get("tp"):
+        row.update(sp=False, sp_reason="runs at tp=1 only, where sequence parallelism has nothing to split")
+        return
+    oracle(path, (*STAGES, "parallelism.tp=2", "parallelism.sequence_parallel=true"), 4)
+    row.update(sp=True, sp_layout=_layout_name(2))
+
+
+def packing(row: dict, path: Path, model_type: str) -> None:
+    from gloo_harness import run_gloo_jobs
+    from reference import _buffer_shuffle, corpus_tokens
+    from reference_packing import packed_reference_run, packed_steps, text_examples
+    from test_models import SINGLE, _assert_oracle
+    from tokenizers import Tokenizer
+
+    from raytrain_hybrid.data.tokenizer import DEFAULT_TOKENIZER, EOT
+    from raytrain_hybrid.models import generic, generic_check
+
+    why = generic_check.packing_refusal(generic.hf_config(model_type, _config(path, "parallelism.tp=1")))
+    if why:
+        row.update(packing=False, packing_reason=why)
+        return
+    tp = _tp(row)
+    # The corpus's documents in order (the reference's shuffle buffer is the engine's for chat rows).
+    packed = ("data.packing=true", "data.shuffle_buffer=0")
+    layout = (*STAGES, *_tp_keys(row), *packed)
+    cfg = _config(path, *SINGLE, *packed)
+    overrides = [f"model.pretrained={path}", *_common(), *layout]
+    result = run_gloo_jobs(2 * tp, {"run": overrides})["run"]
+    eot = Tokenizer.from_file(str(DEFAULT_TOKENIZER)).token_to_id(EOT)
+    steps = packed_steps(cfg, text_examples(corpus_tokens(), eot, cfg.model.seq_len + 1), _buffer_shuffle)
+    start, buffers = _start(path)
+    reference = packed_reference_run(cfg, steps, start)
+    reference[0]["initial"] = {n: v for n, v in reference[0]["initial"].items() if n not in buffers}
+    _assert_oracle(result, reference)
+    row.update(packing=True, packing_layout=_layout_name(tp))
+
+
+def _common() -> tuple[str, ...]:
+    from test_models import COMMON
+
+    return COMMON
+
+
+def lora(row: dict, path: Path, model_type: str) -> None:
+    import numpy as np
+    from gloo_harness import run_gloo_jobs
+    from reference_lora import lora_reference_run
+    from test_lora import lora_mismatches
+    from test_models import SINGLE
+
+    from raytrain_hybrid.models import generic, generic_check
+    from raytrain_hybrid.models.lora import target_names
+
+    why = generic_check.lora_refusal(generic.hf_config(model_type, _config(path, "parallelism.tp=1")))
+    if why:
+        row.update(lora=False, lora_reason=why)
+        return
+    tp = _tp(row)
+    # The linears "all-linear" adapts (those of the family's TP plan), named to peft too: its own
+    # "all-linear" takes every nn.Linear (routers, latent projections outside the plan).
+    names = target_names(generic.spec(model_type))
+    if not names:
+        row.update(lora=False, lora_reason="has no linear in its tensor-parallel plan that its checkpoint holds whole")
+        return
+    lora = (*LORA, f"lora.targets={json.dumps(list(names))}")
+    layout = (*STAGES, *_tp_keys(row), *lora)
+    cfg = _config(path, *SINGLE, *lora)
+    run = run_gloo_jobs(2 * tp, {"run": [f"model.pretrained={path}", *_common(), *layout]})["run"]
+    probe = run["probe"]
+    head = f"{generic.head_name(model_type)}.weight"
+    embed = f"{generic._prefix(model_type)}.{generic.pp_names(model_type)[0]}.weight"
+    if head in probe["initial"] and json.loads((path / "config.json").read_text()).get("tie_word_embeddings"):
+        # A tied model's head is its embedding (peft names it once): the engine's copy stays frozen and equal.
+        for state in (probe["initial"], probe["final"]):
+            assert np.array_equal(state.pop(head), state[embed]), "the tied head left the embedding"
+        for norms in probe["grad_norms"]:
+            assert norms.pop(head, 0.0) == 0.0, "the tied head has a gradient"
+    reference = lora_reference_run(cfg, str(path), probe["initial"])
+    bad = lora_mismatches(run, reference)
+    assert not bad, f"{len(bad)} mismatches: " + "; ".join(bad[:5])
+    row.update(lora=True, lora_layout=_layout_name(tp))
+
+
+PASSES = {"cp": context_parallel, "sp": sequence_parallel, "packing": packing, "lora": lora}
+
+
+def _short(exc: BaseException) -> str:
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= 240 else text[:237] + "..."
+
+
+def run_pass(name: str, only: list[str], out: Path) -> dict:
+    """One feature over the recorded passing families (``only``: some of them), written to ``out``
+    after each family (an interrupted pass keeps what it did); returns the record."""
+    import os
+
+    os.environ["RAYTRAIN_MODEL_MATRIX"] = "1"  # the recorded verdicts are what is being redone
+    from test_models import make_checkpoint
+
+    record = json.loads(out.read_text())
+    tmp = Path(tempfile.mkdtemp(prefix=f"matrix-{name}-"))
+    # Each pass in order (a pass --only some families redoes their rows alone).
+    command = f"scripts/model_matrix.py --{name}" + (f" --only {','.join(only)}" if only else "")
+    passes = record.get(f"{name}_passes", []) if only else []
+    record[f"{name}_passes"] = [*passes, {"command": command, "date": datetime.date.today().isoformat()}]
+    for mt, row in record["families"].items():
+        if row["status"] != "passed" or (only and mt not in only):
+            continue
+        verdict, layout, reason = KEYS[name]
+        for key in KEYS[name]:
+            row.pop(key, None)
+        t0 = time.perf_counter()
+        try:
+            PASSES[name](row, make_checkpoint(tmp, mt), mt)
+        except Exception as exc:  # noqa: BLE001 - recorded per family
+            row.update({verdict: False, reason: f"differs from the reference with {name}: {_short(exc)}"})
+        shutil.rmtree(tmp / mt, ignore_errors=True)
+        print(
+            f"{mt:24s} {name}={row[verdict]} {row.get(reason, row.get(layout, ''))[:100]} "
+            f"({time.perf_counter() - t0:.0f} s)",
+            flush=True,
+        )
+        _merge(out, record, name, mt)
+    return _merge(out, record, name, None)
+
+
+def _merge(out: Path, record: dict, name: str, mt: str | None) -> dict:
+    """This pass's keys of ``mt``'s row (and its passes list) into the file as it is now: passes of
+    other features may run beside it."""
+    now = json.loads(out.read_text())
+    now[f"{name}_passes"] = record[f"{name}_passes"]
+    if mt is not None:
+        row = now["families"][mt]
+        for key in KEYS[name]:
+            row.pop(key, None)
+        row.update({k: v for k, v in record["families"][mt].items() if k in KEYS[name]})
+    out.write_text(json.dumps(now, indent=1) + "\n")
+    return now

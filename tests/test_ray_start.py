@@ -1,0 +1,73 @@
+"""A private local Ray that does not come up in time (a busy machine: Ray gives its raylet 30 s)
+is started once more, and a second failure is one line, not Ray's traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from raytrain_hybrid.launch import session
+
+TIMED_OUT = (
+    "The current node timed out during startup. This could happen because some of the raylet "
+    "failed to startup or the GCS has become overloaded."
+)
+
+
+@pytest.fixture
+def inits(monkeypatch):
+    """ray.init's calls; each takes the next outcome of ``inits.outcomes`` (an exception or None)."""
+    import ray
+
+    class Calls(list):
+        outcomes: list = []
+
+    calls = Calls()
+
+    def init(**kw):
+        calls.append(kw)
+        outcome = calls.outcomes.pop(0)
+        if outcome is not None:
+            raise outcome
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    return calls
+
+
+def test_a_start_that_timed_out_is_tried_once_more(inits):
+    inits.outcomes = [Exception(TIMED_OUT), None]
+    session._start_local_ray(3)
+    assert [c["num_cpus"] for c in inits] == [3, 3]
+
+
+def test_a_second_timeout_is_said_in_one_line_with_what_to_do(inits):
+    inits.outcomes = [Exception(TIMED_OUT), Exception(TIMED_OUT)]
+    with pytest.raises(session.RayStartError) as caught:
+        session._start_local_ray(3)
+    assert len(inits) == 2
+    said = str(caught.value)
+    assert said.startswith("the local Ray did not start (2 tries; Ray: The current node timed out during startup.")
+    assert "\n" not in said and "--address" in said
+
+
+def test_another_failure_is_not_retried(inits):
+    inits.outcomes = [RuntimeError("port 6379 is taken")]
+    with pytest.raises(RuntimeError, match="port 6379"):
+        session._start_local_ray(3)
+    assert len(inits) == 1
+
+
+def test_prepare_data_says_a_failed_start_in_one_line(monkeypatch, tmp_path, capsys):
+    from raytrain_hybrid.launch.quiet_run import prepare_command
+
+    def join(_address):
+        raise session.RayStartError("the local Ray did not start (2 tries; Ray: timed out)")
+
+    monkeypatch.setattr(session, "join_ray", join)
+    rc = prepare_command(
+        str(tmp_path / "corpus.txt"), str(tmp_path / "out"), text_column="text", tokenizer="", address=""
+    )
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    assert "error: prepare-data failed: the local Ray did not start (2 tries" in err
+    assert "Traceback" not in err
