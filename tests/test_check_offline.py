@@ -4,35 +4,46 @@ planner predicts on the sizes the job file gives."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+
+import pytest
 
 from raytrain_hybrid import cli
 
-JOB = Path(__file__).resolve().parents[1] / "jobs" / "finetune_llama3_8b_chat.toml"
+JOBS = Path(__file__).resolve().parents[1] / "jobs"
+# The shipped jobs whose model is a checkpoint in the user's bucket.
+IN_A_BUCKET = sorted(p for p in JOBS.glob("*.toml") if 'pretrained = "s3://' in p.read_text())
 
 
-def test_check_says_an_unreachable_pretrained_model_as_not_verified(capsys, monkeypatch, tmp_path):
+def _offline(monkeypatch) -> None:
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens: refused at once
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    sets = ["model.pretrained=s3://my-bucket/models/M", "data.path=s3://my-bucket/chat/", f"run.output_dir={tmp_path}"]
-    argv = ["check", str(JOB), "--hardware", "h100"]
-    code = cli.main([*argv, *(a for s in sets for a in ("--set", s))])
+
+
+@pytest.mark.parametrize("job", IN_A_BUCKET, ids=lambda p: p.name)
+def test_the_documented_check_of_a_job_predicts_offline(job, capsys, monkeypatch, tmp_path):
+    """The check its header documents, with its submit line's --set filled in as a user fills them:
+    the model is said as not verified, the rest is checked (exit 0), and the planner predicts on
+    the sizes the job file gives, the prediction its header quotes."""
+    from job_files import submit_overrides
+
+    _offline(monkeypatch)
+    header = re.search(r"^# planner \(`raytrain-hybrid (check \S+ --hardware \S+)`.*\n#   (.+)$", job.read_text(), re.M)
+    assert len(IN_A_BUCKET) >= 3 and header, job
+    argv = [*header.group(1).split(), *(a for s in submit_overrides(job) for a in ("--set", s))]
+    code = cli.main([*argv, "--set", f"run.output_dir={tmp_path}"])
     out = capsys.readouterr()
     assert code == 0, out.err[-2000:]
-    assert "not verified: model.pretrained='s3://my-bucket/models/M' could not be read here" in out.out
-    assert "layout ok: dp=8" in out.out
-    # The job file gives Meta-Llama-3-8B's sizes: the planner predicts offline on them, and says so.
-    planner = out.out.splitlines()[-1]
-    assert planner.startswith("planner: H100-80GB SXM, 8 ranks: 20.4 GiB/rank") and "57,645 tokens/s" in planner
-    assert planner.endswith("(the model sizes the config file gives)"), planner
+    assert "not verified: model.pretrained='s3://example-bucket/models/" in out.out
+    assert out.out.splitlines()[-1] == f"planner: {header.group(2)} (the model sizes the config file gives)"
 
 
 def test_without_the_sizes_the_planner_is_not_run_offline(capsys, monkeypatch, tmp_path):
     """A config file that gives no sizes: no prediction rather than one on the default tiny model."""
-    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    _offline(monkeypatch)
     sets = ["model.pretrained=s3://my-bucket/models/M", f"run.output_dir={tmp_path}", "data.path=memory"]
     code = cli.main(["check", "--hardware", "h100", *(a for s in sets for a in ("--set", s))])
     out = capsys.readouterr()

@@ -126,13 +126,19 @@ def adapter_params(cfg) -> tuple[int, int]:
     """(adapter parameters per block, blocks) of ``cfg``'s model: r * (in + out) for every
     targeted linear, read off one block built on the meta device (no weights are read)."""
     import copy
+    import dataclasses
 
     from raytrain_hybrid.models.common import build_stage
+    from raytrain_hybrid.models.hub import Unreadable
 
     key = repr((cfg.model, cfg.lora))
     if key not in _COUNTS:
         spec = get_arch(cfg.model.arch)
-        conf = copy.copy(spec.hf_config(cfg))
+        try:
+            conf = copy.copy(spec.hf_config(cfg))
+        except Unreadable:  # its config.json out of reach (`check` offline): the sizes the config gives
+            sized = dataclasses.replace(cfg.model, pretrained="")
+            conf = copy.copy(spec.hf_config(dataclasses.replace(cfg, model=sized)))
         conf.num_hidden_layers = 1
         stage = build_stage(spec, conf, [0], first=False, last=False)
         inject(stage, spec, cfg.lora)
