@@ -185,7 +185,7 @@ def save_load(args) -> None:
     import ray
 
     from raytrain_hybrid.config import load_config
-    from raytrain_hybrid.launch.driver import run
+    from raytrain_hybrid.launch.runtime.driver import run
 
     model = [f"model.hidden_size={args.hidden}", f"model.num_layers={args.layers}", "data.path=memory"]
     layout = LAYOUT

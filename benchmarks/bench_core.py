@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from raytrain_hybrid.config import load_config
 from raytrain_hybrid.data.corpus import TokenWindows, tokenize_corpus
-from raytrain_hybrid.launch.driver import run
+from raytrain_hybrid.launch.runtime.driver import run
 from raytrain_hybrid.models import get_arch
 from raytrain_hybrid.models.common import build_stage, full_init_state_dict
 

@@ -21,8 +21,8 @@ import ray
 from raytrain_hybrid.config import load_config
 from raytrain_hybrid.data.ray_data import build_dataset, ordered_iterator
 from raytrain_hybrid.data.stream import replica_stream
-from raytrain_hybrid.launch.driver import run
-from raytrain_hybrid.launch.inputs import prepare_input
+from raytrain_hybrid.launch.plan.inputs import prepare_input
+from raytrain_hybrid.launch.runtime.driver import run
 
 OUT = Path(__file__).resolve().parent / "results" / "data.json"
 

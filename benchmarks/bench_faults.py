@@ -419,7 +419,7 @@ def main() -> None:
         "started_utc": time.strftime("%H:%M", time.gmtime()),
         "machine": f"{os.cpu_count()} CPUs, no GPU ({platform.platform()}), shared with other jobs: load below",
         "driven_by": "gloo processes without Ray (tests/fault_injection.py), for every trial: a driver process "
-        "doing the CLI driver's start (launch.start.prepare_run_dir: the run directory's checks, on a resume "
+        "doing the CLI driver's start (launch.runtime.start.prepare_run_dir: the run directory's checks, on a resume "
         "resolve() of the newest intact checkpoint and the trajectory check; then the run's lease) and the "
         "ranks running engine.worker.run_worker from that point; a driver kill is SIGKILL of the driver and "
         "every rank at once (a dead driver's job goes with it); after a worker's kill the others are killed "

@@ -6,7 +6,7 @@ pretrained load, read by range straight from the bucket, on a two-node Ray clust
 The cluster: ``ray.cluster_utils.Cluster`` on this machine, a head (the driver, Ray Train's
 controller; no worker slots) and two worker nodes A and B of 4 CPUs and 4 (fake) GPUs each, so
 that the 8 workers of a run land 4 per node. Every run is the trainer's own launch
-(``launch.driver.run``, what ``raytrain-hybrid train [--resume]`` calls) with
+(``launch.runtime.driver.run``, what ``raytrain-hybrid train [--resume]`` calls) with
 run.output_dir=s3://... on the S3 server (moto's, on loopback: tests/s3_server.py). Each node
 reaches that server through a counting HTTP proxy of its own (``AWS_ENDPOINT_URL`` in the
 node's environment, ``Cluster.add_node(env_vars=...)``; the head has one too), so a node's
@@ -384,7 +384,7 @@ def main() -> None:
 
 def run_cases(args, work: Path, links: list[Link], head_link: Link, node_dirs: list[Path]) -> list[dict]:
     from raytrain_hybrid.config import load_config
-    from raytrain_hybrid.launch.driver import run
+    from raytrain_hybrid.launch.runtime.driver import run
     from raytrain_hybrid.storage import open_store
 
     model = [
@@ -506,7 +506,7 @@ def write(args, cases: list[dict]) -> None:
         },
         "cluster": "ray.cluster_utils.Cluster on this machine: a head (driver, Ray Train's controller; no worker "
         "slots) and nodes A and B of 4 CPUs and 4 fake GPUs each (cluster.use_gpu=true, cluster.backend=gloo: the "
-        "workers run on the CPU), 8 workers, 4 per node; every run is launch.driver.run (what `raytrain-hybrid "
+        "workers run on the CPU), 8 workers, 4 per node; every run is launch.runtime.driver.run (what `raytrain-hybrid "
         "train [--resume]` calls) with run.output_dir on moto's S3 server; each node (and the head) reaches it "
         "through a counting proxy of its own (AWS_ENDPOINT_URL in the node's environment) and has its own TMPDIR, "
         "RAYTRAIN_HYBRID_CACHE and HF_HOME",

@@ -57,7 +57,7 @@ def _trivial_fit(marker: str) -> None:
             Path(config["marker"]).write_text(json.dumps({"t": time.time(), "cpu": time.process_time()}))
         ray.train.report({"ok": 1})
 
-    # The CPUs the launcher gives its own local Ray for 8 workers (launch/session.ensure_ray).
+    # The CPUs the launcher gives its own local Ray for 8 workers (launch/runtime/session.ensure_ray).
     ray.init(address="local", num_cpus=max(WORKERS + 1, os.cpu_count() or 1), include_dashboard=False,
              log_to_driver=False)  # fmt: skip
     with tempfile.TemporaryDirectory() as storage:

@@ -58,7 +58,7 @@ def run(device: torch.device, out_dir: str) -> dict:
     from raytrain_hybrid.config import load_config
     from raytrain_hybrid.engine.plan import WorkerIO, WorkerPlan
     from raytrain_hybrid.engine.worker import run_worker
-    from raytrain_hybrid.launch.entry import predicted_memory
+    from raytrain_hybrid.launch.runtime.entry import predicted_memory
 
     cuda = device.type == "cuda"
     cfg = load_config(None, overrides("gpu" if cuda else "cpu", out_dir))

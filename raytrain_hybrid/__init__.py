@@ -79,7 +79,7 @@ def check(
     """
     from raytrain_hybrid.distributed.parallel_dims import placement_report
     from raytrain_hybrid.errors import redact
-    from raytrain_hybrid.launch.startcheck import check_layout, check_plan
+    from raytrain_hybrid.launch.runtime.startcheck import check_layout, check_plan
 
     dims = ParallelDims.from_config(cfg.parallelism)
     nodes = topology or [dims.world_size]
@@ -117,10 +117,10 @@ def train(cfg: Config, resume: str | None = None, allow_change: list[str] | None
     Raises:
         ConfigError: an input, a resume or an output directory refused before the first step.
     """
-    from raytrain_hybrid.launch.driver import run
+    from raytrain_hybrid.launch.runtime.driver import run
 
     if cfg.fault_tolerance.enabled:  # one replica group, as a `train` with its group number is
-        from raytrain_hybrid.launch.lighthouse import group_launch
+        from raytrain_hybrid.launch.runtime.lighthouse import group_launch
 
         cfg = group_launch(cfg, None, "")
     return run(cfg, resume=resume, allow_change=allow_change)

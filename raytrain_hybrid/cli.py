@@ -172,7 +172,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _prepare(args) -> int:
-    from raytrain_hybrid.launch.quiet_run import prepare_command
+    from raytrain_hybrid.launch.runtime.quiet_run import prepare_command
 
     kw = {"text_column": args.text_column, "tokenizer": args.tokenizer, "address": args.address}
     return prepare_command(args.source, args.out_dir, verbose=args.verbose, **kw)
@@ -186,13 +186,13 @@ def _say(args):
 def _check(args, cfg, unverified: list[str] | None = None) -> int:
     from raytrain_hybrid.config.elastic import describe, is_elastic, usable_dps
     from raytrain_hybrid.distributed.parallel_dims import ParallelDims, placement_lines, placement_report
-    from raytrain_hybrid.launch.startcheck import check_layout, check_plan
+    from raytrain_hybrid.launch.runtime.startcheck import check_layout, check_plan
 
     for note in unverified or ():  # what could not be read here (no network, no credentials)
         _say(args)(redact(f"not verified: {note}"))
     if cfg.fault_tolerance.enabled:  # a launch is one replica group, or every group: checked as train does
-        from raytrain_hybrid.launch.ft_groups import describe, group_resume
-        from raytrain_hybrid.launch.lighthouse import group_launch
+        from raytrain_hybrid.launch.runtime.ft_groups import describe, group_resume
+        from raytrain_hybrid.launch.runtime.lighthouse import group_launch
 
         every = cfg.fault_tolerance.replica_group < 0
         if every:
@@ -212,7 +212,7 @@ def _check(args, cfg, unverified: list[str] | None = None) -> int:
             _say(args)(line)
         start = {"line": plan.lines()[0], **plan.facts()}
         dps = usable_dps(asked.parallelism)
-        # "plan": the whole RunPlan train would run (launch.start.RunPlan.to_json)
+        # "plan": the whole RunPlan train would run (launch.runtime.start.RunPlan.to_json)
         listed = {k: report[k] for k in ("ranks", "groups", "totals")}  # (a huge layout's: summarized)
         print(json.dumps({**listed, "dp_values": dps, "start": start, "plan": plan.to_json()}))
         return 0
@@ -251,7 +251,7 @@ def _check(args, cfg, unverified: list[str] | None = None) -> int:
 
 
 def _train(cfg, resume: str | None = None, verbose: bool = False, allow_change: list[str] | None = None, source=None):
-    from raytrain_hybrid.launch.quiet_run import train_command  # under torchrun: without Ray
+    from raytrain_hybrid.launch.runtime.quiet_run import train_command  # under torchrun: without Ray
 
     return train_command(cfg, resume, verbose, allow_change, source)
 
@@ -289,7 +289,7 @@ def _plan(args, cfg) -> int:
 
 
 def _sweep(args, cfg) -> int:
-    from raytrain_hybrid.launch.address import ray_address
+    from raytrain_hybrid.launch.plan.address import ray_address
     from raytrain_hybrid.planner.calibrate import default_profile
     from raytrain_hybrid.planner.hardware import load_hardware
     from raytrain_hybrid.planner.search import plan
@@ -353,7 +353,7 @@ def _command_run(args) -> int:
     if args.command == "calibrate":
         return _calibrate(args)
     if args.command == "lighthouse":
-        from raytrain_hybrid.launch.lighthouse import serve
+        from raytrain_hybrid.launch.runtime.lighthouse import serve
 
         return serve(args.port, args.min_replicas, args.join_timeout_s, args.heartbeat_timeout_s)
     overrides = args.overrides
@@ -368,7 +368,7 @@ def _command_run(args) -> int:
         return _plan(args, cfg)
     if args.command == "sweep":
         return _sweep(args, cfg)
-    from raytrain_hybrid.launch.ft_groups import Source  # a fault-tolerant run's groups are launched from it
+    from raytrain_hybrid.launch.runtime.ft_groups import Source  # a fault-tolerant run's groups are launched from it
 
     return _train(cfg, args.resume, args.verbose, args.allow_change, Source(args.config, tuple(overrides)))
 

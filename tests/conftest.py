@@ -15,7 +15,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Ray Data reads made in this process (the references' batches, the stream tests) would start
 # Ray's default of 32 Parquet footer-reader actors, a Python process each, per dataset
 # execution (about 20 s of a 2-core machine each time). The launcher gives its workers 1 per 64
-# files (launch/inputs.py reader_env) and no test dataset has more; set before Ray starts, so the
+# files (launch/plan/inputs.py reader_env) and no test dataset has more; set before Ray starts, so the
 # session's cluster and the subprocesses the tests start (CLI runs, jobs, notebooks) read alike.
 os.environ.setdefault("RAY_DATA_PARQUET_FOOTER_NUM_ACTORS", "1")
 # Ray Train's controller polls its workers every 2 s: a run's end (and a dead worker) is seen up
@@ -31,7 +31,7 @@ os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 # ranks; with torch's default of a thread per core, each tiny op's parallel region spins its
 # OpenMP threads on a machine with no core to spare: the 60-step reference of the topology test's
 # elastic run took 36 s of CPU (2 min of wall) on 2 threads and 3 s on 1. Ray's workers and the
-# gloo ranks set their own count (launch/entry.py, tests/gloo_harness.py) as before.
+# gloo ranks set their own count (launch/runtime/entry.py, tests/gloo_harness.py) as before.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 if "torch" in sys.modules:  # imported before this file (a plugin): the variable came too late
     sys.modules["torch"].set_num_threads(1)

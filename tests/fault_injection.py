@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 _PRELOAD = ["torch", "torch.distributed.tensor", "transformers.models.llama.modeling_llama",
-            "raytrain_hybrid.engine.worker", "raytrain_hybrid.launch.start"]  # fmt: skip
+            "raytrain_hybrid.engine.worker", "raytrain_hybrid.launch.runtime.start"]  # fmt: skip
 _STATE = {"phase": "training", "step": 0}
 
 
@@ -178,7 +178,7 @@ def restart_point(overrides: list[str], resume: str | None) -> dict:
     import dataclasses
 
     from raytrain_hybrid.config import load_config
-    from raytrain_hybrid.launch.start import prepare_run_dir
+    from raytrain_hybrid.launch.runtime.start import prepare_run_dir
 
     _, point = prepare_run_dir(load_config(None, overrides), resume, None, lambda line: None)
     return dataclasses.asdict(point)
@@ -188,7 +188,7 @@ def _driver(overrides: list[str], resume: str | None, env: dict, queue, release)
     os.environ.update(env)
     from raytrain_hybrid.config import load_config
     from raytrain_hybrid.errors import ConfigError
-    from raytrain_hybrid.launch.lease import acquire
+    from raytrain_hybrid.launch.records.lease import acquire
 
     try:  # the lease first, as the driver takes it: then the checkpoint the resume picks
         lease = acquire(load_config(None, overrides).run.output_dir)

@@ -345,13 +345,13 @@ def _run_jobs(rank: int, world: int, jobs: dict) -> dict:
         notice = _notice(rank, *job["notice"]) if "notice" in job else None
         node_id, said = f"node{rank % job.get('nodes', 1)}", []
         try:
-            if job.get("register"):  # models registered from Python, as launch.entry registers them again
+            if job.get("register"):  # models registered from Python, as launch.runtime.entry registers them again
                 from raytrain_hybrid.models.custom import restore
 
                 restore(job["register"])
             cfg = load_config(None, job["overrides"])
             if "auto_hardware" in job:
-                from raytrain_hybrid.launch.autolayout import group_layout
+                from raytrain_hybrid.launch.plan.autolayout import group_layout
                 from raytrain_hybrid.planner.hardware import Hardware
 
                 cfg, said = group_layout(cfg, node_id, Hardware(**job["auto_hardware"]))

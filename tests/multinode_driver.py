@@ -33,7 +33,7 @@ from ray.cluster_utils import Cluster
 
 from raytrain_hybrid.checkpoint.manifest import read_manifest, step_dirs
 from raytrain_hybrid.config import load_config
-from raytrain_hybrid.launch.driver import run
+from raytrain_hybrid.launch.runtime.driver import run
 from raytrain_hybrid.storage import open_store
 
 

@@ -154,7 +154,7 @@ def _ray_documents(cfg, batch_size: int, batch_format: str):
     """The run's Ray Dataset in its stored order (the rows come from the same Ray Dataset the
     launcher builds); everything after the read, the shuffle included, is derived here."""
     from raytrain_hybrid.data.ray_data import build_dataset, ordered_iterator
-    from raytrain_hybrid.launch.inputs import prepare_input
+    from raytrain_hybrid.launch.plan.inputs import prepare_input
 
     cfg = prepare_input(cfg)
     return ordered_iterator(build_dataset(cfg)).iter_batches(batch_size=batch_size, batch_format=batch_format)

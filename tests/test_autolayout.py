@@ -13,7 +13,7 @@ import pytest
 from raytrain_hybrid import cli
 from raytrain_hybrid.config import load_config
 from raytrain_hybrid.errors import ConfigError
-from raytrain_hybrid.launch.autolayout import node_slots
+from raytrain_hybrid.launch.plan.autolayout import node_slots
 
 # A Llama-7B-sized model on 80 GB H100s (the planner prices it; nothing is built).
 BIG = ["model.num_layers=32", "model.hidden_size=4096", "model.num_heads=32", "model.seq_len=4096",
@@ -52,8 +52,8 @@ def test_a_pick_keeps_dp_within_parallelism_dp_and_leaves_a_cpu_for_ray_data():
     # GPUs with a CPU each and no other CPU: a worker gives up its node's CPU to Ray Data's reads.
     assert node_slots(cfg, [{"CPU": 4, "GPU": 4}], True) == [3]
     assert node_slots(cfg, [{"CPU": 5, "GPU": 4}, {"CPU": 1, "GPU": 1}], True) == [4, 1]
-    from raytrain_hybrid.launch.autolayout import choose_layout
-    from raytrain_hybrid.launch.reach import Reach
+    from raytrain_hybrid.launch.plan.autolayout import choose_layout
+    from raytrain_hybrid.launch.plan.reach import Reach
 
     picked = choose_layout(cfg, lambda line: None, Reach([{"CPU": 9, "GPU": 8}]), True)[0].parallelism
     assert picked.dp <= 2 and picked.layout == "auto"
@@ -141,7 +141,7 @@ def _gcp() -> dict:
 
 
 def test_the_autoscaler_may_add_each_type_up_to_its_max_and_the_cluster_up_to_its_own():
-    from raytrain_hybrid.launch.reach import may_add
+    from raytrain_hybrid.launch.plan.reach import may_add
 
     config = _gcp()
     assert config["max_workers"] == 16 and config["available_node_types"]["gpu_h100_8x"]["max_workers"] == 8
@@ -163,8 +163,8 @@ def test_a_fixed_auto_pick_is_for_the_most_the_autoscaler_may_reach(monkeypatch)
     may add two nodes of two GPUs: the pick uses both (on a profile where compute dominates, more GPUs
     win), says the nodes it waits for and what the live nodes alone would take; with nothing to add
     the same cluster is refused, naming the fix."""
-    from raytrain_hybrid.launch.autolayout import choose_layout
-    from raytrain_hybrid.launch.reach import Reach
+    from raytrain_hybrid.launch.plan.autolayout import choose_layout
+    from raytrain_hybrid.launch.plan.reach import Reach
 
     monkeypatch.setenv("RAYTRAIN_HYBRID_HARDWARE", str(SLOW_GPU))
     cfg = load_config(None, [*TINY_AUTO, "parallelism.dp=2"])
@@ -196,7 +196,7 @@ def test_check_of_a_fixed_layout_places_it_on_the_nodes_the_autoscaler_may_add(c
     the nodes to come, as `train` would ask for them; one of eight is refused, saying so."""
     import ray
 
-    from raytrain_hybrid.launch import reach
+    from raytrain_hybrid.launch.plan import reach
 
     two = {"gpu_2x": (2, {"CPU": 2.0, "GPU": 2.0})}
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
@@ -216,7 +216,7 @@ def test_the_autoscaler_config_is_read_on_the_head_of_a_joined_cluster_only(monk
     """Where `ray up` puts it (JSON in ~/ray_bootstrap_config.yaml); not for a private local Ray or
     a driver off the head (another cluster's file, if any); a file not in Ray's format is said, and
     the pick is for the live nodes."""
-    from raytrain_hybrid.launch import placement, reach
+    from raytrain_hybrid.launch.plan import placement, reach
 
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setattr(placement, "live_node_totals", lambda: [HEAD])
@@ -250,7 +250,7 @@ def test_a_raycluster_without_its_autoscaler_adds_nothing_and_one_out_of_reach_i
     import yaml
     from ray.autoscaler._private.kuberay.node_provider import KubernetesHttpApiClient
 
-    from raytrain_hybrid.launch import placement, reach
+    from raytrain_hybrid.launch.plan import placement, reach
 
     manifest = yaml.safe_load(
         (Path(__file__).parent.parent / "cluster_configs" / "kuberay-raycluster.yaml").read_text()

@@ -13,7 +13,7 @@ from datetime import datetime
 import pytest
 
 from raytrain_hybrid.config.schema import ClusterConfig
-from raytrain_hybrid.launch.autoscale import (
+from raytrain_hybrid.launch.runtime.autoscale import (
     FIXED,
     InfeasibleDemand,
     ScalerState,
@@ -181,7 +181,7 @@ KILLED_IN_TEARDOWN = """
 import os, signal, sys
 import ray
 from raytrain_hybrid import cli
-from raytrain_hybrid.launch import autoscale, driver
+from raytrain_hybrid.launch.runtime import autoscale, driver
 
 def run(cfg, **kw):
     ray.is_initialized = lambda: True  # as after the driver joined its cluster
@@ -207,7 +207,7 @@ def test_a_refusal_after_ray_started_is_said_once_and_exits_2(tmp_path, monkeypa
     import ray
 
     from raytrain_hybrid import cli
-    from raytrain_hybrid.launch import driver
+    from raytrain_hybrid.launch.runtime import driver
 
     torn_down = []
 

@@ -157,7 +157,7 @@ class FakeCluster:
             "file_mounts_sync_continuously": False,
         }  # fmt: skip
         # Where `ray up` puts the config on the head (JSON in a .yaml), the head's home: its drivers'
-        # layout=auto reads it there (launch.reach).
+        # layout=auto reads it there (launch.plan.reach).
         self.env["HOME"] = str(self.tmp)
         cfg_path = self.tmp / "ray_bootstrap_config.yaml"
         cfg_path.write_text(json.dumps(config))

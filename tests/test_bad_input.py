@@ -119,7 +119,7 @@ def test_cli_locations_outside_the_config_are_refused_without_echoing_them(tmp_p
     }
     for key, argv in commands.items():
         if argv[0] == "prepare-data":
-            monkeypatch.setattr("raytrain_hybrid.launch.session.join_ray", lambda *a, **k: None)
+            monkeypatch.setattr("raytrain_hybrid.launch.runtime.session.join_ray", lambda *a, **k: None)
         assert cli.main(argv) == 2, argv
         err = capsys.readouterr().err
         assert f"{key}='s3://***@bucket/x': holds credentials" in err, err
@@ -220,7 +220,7 @@ def test_errors_the_cli_prints_are_redacted(tmp_path, capsys, monkeypatch):
     def fail(*args, **kwargs):
         raise RuntimeError(leaky)
 
-    monkeypatch.setattr("raytrain_hybrid.launch.driver.run", fail)
+    monkeypatch.setattr("raytrain_hybrid.launch.runtime.driver.run", fail)
     assert cli.main(["train", "--verbose", "--set", f"run.output_dir={tmp_path / 'run'}"]) == 1
     err = capsys.readouterr().err
     assert "training failed" in err and "hunter2x" not in err, err
@@ -229,7 +229,7 @@ def test_errors_the_cli_prints_are_redacted(tmp_path, capsys, monkeypatch):
 def test_lines_the_driver_prints_during_a_run_are_redacted(tmp_path):
     import io
 
-    from raytrain_hybrid.launch.progress import RunLog
+    from raytrain_hybrid.launch.records.progress import RunLog
 
     stream = io.StringIO()
     log = RunLog(tmp_path, steps=2, progress=True, tensorboard=False, stream=stream)
@@ -273,8 +273,8 @@ def secret_run(tmp_path_factory):
 
 
 def test_secrets_in_the_environment_never_land_in_what_a_run_writes(secret_run, monkeypatch):
-    from raytrain_hybrid.launch.rundir import RunDir
-    from raytrain_hybrid.launch.tracking import TrackedRun
+    from raytrain_hybrid.launch.records.rundir import RunDir
+    from raytrain_hybrid.launch.records.tracking import TrackedRun
 
     root, secrets = secret_run
     for name, value in secrets.items():
@@ -428,7 +428,7 @@ def tmpdir_root(tmp_path, monkeypatch):
 def test_private_dir_is_made_0700_and_holds_the_caches(tmpdir_root, monkeypatch):
     from raytrain_hybrid.data import tokenizer
     from raytrain_hybrid.data.tokenizer import TokenizerFiles, load_hf_tokenizer
-    from raytrain_hybrid.launch.rundir import mirror_dir
+    from raytrain_hybrid.launch.records.rundir import mirror_dir
     from raytrain_hybrid.storage import private_dir
 
     where = private_dir("runs", "abc")
@@ -588,7 +588,7 @@ def test_a_resume_says_which_later_checkpoint_it_passes_over(tiny_checkpoint, tm
 
 
 def test_a_cut_off_last_line_of_metrics_jsonl_is_left_out_on_resume(tmp_path):
-    from raytrain_hybrid.launch.start import _metrics_lines
+    from raytrain_hybrid.launch.runtime.start import _metrics_lines
     from raytrain_hybrid.storage import as_store
 
     path = tmp_path / "metrics.jsonl"
@@ -608,9 +608,9 @@ def test_files_a_run_writes_replace_a_planted_link_and_leave_its_target(tmp_path
     """config.json, summary.json (written whole), metrics.jsonl (written as it goes), driver.log
     (copied in at each checkpoint and at the end) and files through the storage layer: a link
     planted at the name is replaced by the run's file, its target left as it was."""
-    from raytrain_hybrid.launch.driver import write_config, write_results
-    from raytrain_hybrid.launch.progress import RunLog, quiet_driver
-    from raytrain_hybrid.launch.rundir import RunDir
+    from raytrain_hybrid.launch.records.progress import RunLog, quiet_driver
+    from raytrain_hybrid.launch.records.rundir import RunDir
+    from raytrain_hybrid.launch.runtime.driver import write_config, write_results
     from raytrain_hybrid.storage import as_store
 
     victim = tmp_path / "victim"

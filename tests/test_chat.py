@@ -216,7 +216,7 @@ def test_a_mean_per_micro_batch_would_differ(chat_dir):
 
 
 def _refusal(chat_dir: Path, tmp_path: Path, rows=None, *extra: str) -> ConfigError:
-    from raytrain_hybrid.launch.inputs import prepare_input
+    from raytrain_hybrid.launch.plan.inputs import prepare_input
 
     path = chat_dir / "chat.parquet" if rows is None else write_chat(tmp_path / "bad.parquet", rows)
     with pytest.raises(ConfigError) as err:
@@ -245,7 +245,7 @@ def test_bad_chat_input_is_refused_before_workers_start(chat_dir, tmp_path):
 
 
 def test_cut_and_dropped_rows_are_counted_once(chat_dir, tmp_path):
-    from raytrain_hybrid.launch.inputs import prepare_input
+    from raytrain_hybrid.launch.plan.inputs import prepare_input
 
     long = [{"role": "user", "content": "Tell me about the river " * 20}, {"role": "assistant", "content": "Ok."}]
     rows = [*conversations(16), long]
@@ -377,7 +377,7 @@ def test_the_example_checkpoint_and_chat_file_pass_the_input_check(example_check
     and chat template from model.pretrained, no row cut)."""
     import pyarrow.parquet as pq
 
-    from raytrain_hybrid.launch.inputs import prepare_input
+    from raytrain_hybrid.launch.plan.inputs import prepare_input
 
     monkeypatch.chdir(EXAMPLE.parent.parent)  # the example's paths are the repository root's
     shipped = pq.read_table(EXAMPLE / "chat.parquet").column("messages").to_pylist()
@@ -420,7 +420,7 @@ def test_the_tokenizer_comes_from_a_checkpoint_on_object_storage(example_checkpo
     from s3_server import s3_server
 
     from raytrain_hybrid.data.chat import ExampleSpec, encode_table
-    from raytrain_hybrid.launch.inputs import prepare_input
+    from raytrain_hybrid.launch.plan.inputs import prepare_input
     from raytrain_hybrid.storage import open_store
 
     with s3_server():

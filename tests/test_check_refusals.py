@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from raytrain_hybrid import cli
-from raytrain_hybrid.launch import start
+from raytrain_hybrid.launch.runtime import start
 
 TINY = ["parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=1", "parallelism.microbatches=1"]
 TOKENS = pa.table({"input_ids": pa.array([[1, 2, 3]] * 8, type=pa.list_(pa.int32()))})
@@ -144,7 +144,7 @@ def _run(capsys, argv: list[str]) -> tuple[int | None, str, str]:
 
 @pytest.mark.parametrize("case", CASES)
 def test_check_refuses_what_train_refuses_before_ray(case, tmp_path, capsys, monkeypatch):
-    from raytrain_hybrid.launch.lease import acquire
+    from raytrain_hybrid.launch.records.lease import acquire
 
     sets, extra, said = CASES[case]
     monkeypatch.chdir(tmp_path)
@@ -207,7 +207,7 @@ def test_a_crowded_machine_is_said_by_check_and_by_train_before_ray(tmp_path, ca
     assert code == 0 and "2 CPU cores" in line and "--set parallelism.dp=1" in line, out
     code, out, _ = _run(capsys, ["train", *argv])
     assert code is None and line in out.splitlines(), out  # said, then Ray would start
-    # The run plan is derived and said before Ray starts, as check prints it (launch.start.plan_run).
+    # The run plan is derived and said before Ray starts, as check prints it (launch.runtime.start.plan_run).
     (start_line,) = [x for x in out.splitlines() if x.startswith("start: ")]
     assert start_line.startswith("start: dp=4 tp=2 pp=2, 16 workers (1 CPU each) on nodes holding [16]"), out
     code, out, _ = _run(capsys, ["check", *argv[:-2], "--set", "parallelism.dp=2", *argv[-2:]])

@@ -218,7 +218,7 @@ def test_a_finished_runs_resume_completes_its_records_or_is_refused(saved_run, t
     writes both from the checkpoints' records, says so in one line and exits 0, without Ray
     (and leaves the killed driver's log as it was). `check --resume` says the same and writes
     nothing. Once the records are whole, a resume is refused as a finished run's."""
-    from raytrain_hybrid.launch import driver
+    from raytrain_hybrid.launch.runtime import driver
 
     out, result = saved_run
     run = tmp_path / "run"
@@ -425,7 +425,7 @@ def test_allowed_changes_and_new_data_are_said_and_checked(saved_run, tmp_path):
     tokenizer or data set is refused by content, whatever its path."""
     from raytrain_hybrid.config import load_config
     from raytrain_hybrid.data.tokenizer import DEFAULT_TOKENIZER
-    from raytrain_hybrid.launch.start import check_resume
+    from raytrain_hybrid.launch.runtime.start import check_resume
 
     out, _ = saved_run
     said: list[str] = []
@@ -517,7 +517,7 @@ def test_a_checkpoint_from_before_a_new_model_key_still_resumes(saved_run, tmp_p
     """A model key added after a checkpoint was written (its manifest lacks it) compares as the
     key's default, not as a different model."""
     from raytrain_hybrid.config import load_config
-    from raytrain_hybrid.launch.start import check_resume
+    from raytrain_hybrid.launch.runtime.start import check_resume
 
     out, _ = saved_run
     old = tmp_path / "old"
@@ -555,8 +555,8 @@ def test_steps_a_killed_driver_never_heard_of_come_from_the_checkpoints(saved_ru
     since the save before it) and says so; where no checkpoint kept them (one pruned), it says
     which steps have no record, and summary.json lists them."""
     from raytrain_hybrid.config import load_config
-    from raytrain_hybrid.launch.start import check_resume
-    from raytrain_hybrid.launch.summary import summarize
+    from raytrain_hybrid.launch.records.summary import summarize
+    from raytrain_hybrid.launch.runtime.start import check_resume
 
     out, result = saved_run
     run = tmp_path / "run"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from raytrain_hybrid import cli
-from raytrain_hybrid.launch.address import join_address
+from raytrain_hybrid.launch.plan.address import join_address
 
 BIN = Path(sys.executable).parent / "raytrain-hybrid"
 DASHBOARD = "http://10.0.0.1:8265"

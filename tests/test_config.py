@@ -78,7 +78,7 @@ def test_bad_config_names_key_and_exits_before_workers(name, monkeypatch, capsys
     def must_not_launch(cfg):
         raise AssertionError("workers were started for an invalid config")
 
-    monkeypatch.setattr("raytrain_hybrid.launch.driver.run", must_not_launch)
+    monkeypatch.setattr("raytrain_hybrid.launch.runtime.driver.run", must_not_launch)
     argv = ["train"] + [a for o in overrides for a in ("--set", o)]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
@@ -88,7 +88,7 @@ def test_bad_config_names_key_and_exits_before_workers(name, monkeypatch, capsys
 def test_ray_train_v1_is_refused_before_ray_starts(monkeypatch, capsys):
     """The launcher is built on Ray Train V2 (Ray's default, so it sets nothing itself)."""
     monkeypatch.setenv("RAY_TRAIN_V2_ENABLED", "0")
-    monkeypatch.setattr("raytrain_hybrid.launch.start.join_ray", lambda *a, **k: pytest.fail("Ray was started"))
+    monkeypatch.setattr("raytrain_hybrid.launch.runtime.start.join_ray", lambda *a, **k: pytest.fail("Ray was started"))
     assert cli.main(["train", "--set", "train.steps=1", "--set", "data.path=memory"]) == 2
     err = capsys.readouterr().err
     assert "RAY_TRAIN_V2_ENABLED='0'" in err and "unset the variable or set it to 1" in err, err

@@ -169,7 +169,7 @@ def test_start_line_says_where_cp_groups_run():
     from types import SimpleNamespace
 
     from raytrain_hybrid.config import load_config
-    from raytrain_hybrid.launch.start import RunPlan
+    from raytrain_hybrid.launch.runtime.start import RunPlan
 
     cfg = load_config(None, ["parallelism.dp=1", "parallelism.cp=2", "parallelism.tp=2", "model.seq_len=32"])
     lines = {}
@@ -193,8 +193,8 @@ def test_start_line_says_where_cp_groups_run():
 def test_a_cp_run_asks_ray_for_every_rank_and_reports_cp():
     """Ray Train starts dp*cp*tp*pp workers (one replica is cp*tp*pp of them); summary.json's layout names cp."""
     from raytrain_hybrid.config import load_config
-    from raytrain_hybrid.launch.elastic import scaling_workers
-    from raytrain_hybrid.launch.summary import summarize
+    from raytrain_hybrid.launch.plan.elastic import scaling_workers
+    from raytrain_hybrid.launch.records.summary import summarize
 
     cfg = load_config(None, ["parallelism.dp=2", "parallelism.cp=2", "parallelism.tp=2", "model.seq_len=32"])
     assert scaling_workers(cfg) == {"num_workers": 16} and cfg.parallelism.world_size == 16
@@ -279,7 +279,7 @@ def test_an_elastic_run_keeps_cp_and_resizes_dp():
     kept (the restart itself, dp=3 -> 2 at cp=2, is held to the oracle in tests/test_elastic.py)."""
     from raytrain_hybrid.config import load_config
     from raytrain_hybrid.config.elastic import at_world, describe, usable_dps
-    from raytrain_hybrid.launch.elastic import scaling_workers, start_line, worker_counts
+    from raytrain_hybrid.launch.plan.elastic import scaling_workers, start_line, worker_counts
 
     sets = ["model.seq_len=32", "train.global_batch_size=12", "parallelism.dp=3", "parallelism.min_dp=1"]
     sets += ["parallelism.microbatches=2"]

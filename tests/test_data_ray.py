@@ -136,7 +136,7 @@ def test_data_epochs_end_the_in_memory_data_as_they_end_the_streams():
 
     from raytrain_hybrid.data.rows import BUILTIN_TRAIN, read_parquet_rows
     from raytrain_hybrid.engine.worker import in_memory_batches
-    from raytrain_hybrid.launch.inputs import steps_to_train
+    from raytrain_hybrid.launch.plan.inputs import steps_to_train
 
     common = ("data.path=memory", "train.steps=100", "parallelism.dp=2", "parallelism.tp=1", "parallelism.pp=1")
     lm = load_config(None, [*common, "model.seq_len=32", "train.global_batch_size=1024", "data.epochs=2"])
@@ -195,7 +195,7 @@ def test_token_id_outside_vocab_names_file_and_column(ray_local, tmp_path):
 def test_footer_readers_scale_with_the_files(tmp_path, monkeypatch):
     """The launcher's Parquet footer readers: 1 per 64 files, a user's own setting wins (checked
     here: the suite sets one for all its reads, conftest.py)."""
-    from raytrain_hybrid.launch.inputs import reader_env
+    from raytrain_hybrid.launch.plan.inputs import reader_env
 
     key = "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS"
     table = pa.table({"input_ids": pa.array([[1, 2]], type=pa.list_(pa.int32()))})

@@ -25,7 +25,7 @@ from raytrain_hybrid.checkpoint.manifest import read_manifest
 from raytrain_hybrid.config import load_config
 from raytrain_hybrid.config.elastic import at_world, usable_dps
 from raytrain_hybrid.errors import ConfigError
-from raytrain_hybrid.launch.elastic import scaling_workers, worker_counts, workers_that_fit
+from raytrain_hybrid.launch.plan.elastic import scaling_workers, worker_counts, workers_that_fit
 from raytrain_hybrid.planner.hardware import PROFILES
 
 MODEL = ("train.steps=4", "model.num_layers=2", "model.seq_len=32", "train.global_batch_size=12", "data.path=memory")
@@ -71,7 +71,7 @@ def test_dp_values_keep_the_micro_batch():
 
 
 def test_ray_is_asked_only_for_whole_replicas_with_tp_inside_a_node():
-    """What the scaling policy hands Ray Train (launch.elastic_ray): the largest usable count
+    """What the scaling policy hands Ray Train (launch.runtime.elastic_ray): the largest usable count
     the nodes hold with every TP group on one node, else what they hold (below the minimum: Ray
     waits)."""
     gpu = {"CPU": 1, "GPU": 1}
@@ -84,18 +84,18 @@ def test_ray_is_asked_only_for_whole_replicas_with_tp_inside_a_node():
 
 
 def test_a_drained_node_shrinks_the_group_only_at_its_restart(monkeypatch):
-    """A node drained for preemption (launch.elastic_ray): the running group's looks for a
+    """A node drained for preemption (launch.runtime.elastic_ray): the running group's looks for a
     resize still count it (a shrink then would skip the save at the notice: the group is torn
     down before its ranks hear of it); the restart at the deadline does not wait for it."""
     from types import SimpleNamespace
 
-    from raytrain_hybrid.launch.session import use_train_v2
+    from raytrain_hybrid.launch.runtime.session import use_train_v2
 
     use_train_v2()
     from ray.train import ScalingConfig
     from ray.train.v2._internal.execution.scaling_policy import NoopDecision, ResizeDecision
 
-    from raytrain_hybrid.launch import elastic_ray
+    from raytrain_hybrid.launch.runtime import elastic_ray
 
     nodes = {name: {"CPU": 1, "GPU": 1} for name in ("a", "b", "c")}
     policy = elastic_ray.ReplicaScalingPolicy(ScalingConfig(num_workers=(1, 3), use_gpu=True), counts=[1, 2, 3], tp=1)
@@ -228,7 +228,7 @@ def test_a_preemption_notice_heard_by_one_rank_is_saved_by_all_at_the_same_step(
 
 
 def test_an_elastic_auto_run_picks_each_starts_layout_and_trains_the_oracle_model(resized):
-    """parallelism.layout=auto with min_dp: each start (as a Ray worker group's, launch.entry)
+    """parallelism.layout=auto with min_dp: each start (as a Ray worker group's, launch.runtime.entry)
     picks the planner's best layout of all its workers on their nodes, not the configured
     tp=2: 6 workers on three nodes of 2 -> dp=6 under ZeRO-1 with hybrid sharding (replicate=3 x
     shard=2, a shard group a node: a reduce-scatter inside the node and a 3-way all-reduce across

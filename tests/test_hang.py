@@ -85,7 +85,7 @@ def test_nccl_runs_get_the_flight_recorder_and_ray_trains_hang_detector(tmp_path
 
     from raytrain_hybrid.config import load_config
     from raytrain_hybrid.engine import hang
-    from raytrain_hybrid.launch.backend import RunTorchConfig, torch_config
+    from raytrain_hybrid.launch.runtime.backend import RunTorchConfig, torch_config
 
     detector_keys = (ray_train.ENABLE_NCCL_HANG_DETECTOR_ENV_VAR, ray_train.NCCL_RAS_CONFIRM_DURATION_S_ENV_VAR)
     # The driver's environment, as a copy this test may change

@@ -20,19 +20,29 @@ def _run(*cmd: str) -> subprocess.CompletedProcess:
 def test_layers_contract_is_kept():
     done = _run(str(BIN / "lint-imports"), "--no-cache")
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert "1 kept, 0 broken" in done.stdout
+    assert "2 kept, 0 broken" in done.stdout
 
 
 def test_layers_contract_bites(tmp_path):
-    """A lower layer importing a higher one (config -> launch, inside a function) breaks it."""
-    probe = ROOT / "raytrain_hybrid" / "config" / "_layer_probe.py"
-    probe.write_text("def f():\n    from raytrain_hybrid.launch import driver  # noqa: F401\n")
+    """A lower layer importing a higher one (config -> launch, inside a function) breaks the
+    package's layers; inside launch/, the plan importing the runtime breaks its roles."""
+    probes = {
+        ROOT / "raytrain_hybrid" / "config" / "_layer_probe.py": "raytrain_hybrid.launch.runtime.driver",
+        ROOT / "raytrain_hybrid" / "launch" / "plan" / "_role_probe.py": "raytrain_hybrid.launch.runtime.session",
+    }
+    for probe, imported in probes.items():
+        module, name = imported.rsplit(".", 1)
+        probe.write_text(f"def f():\n    from {module} import {name}  # noqa: F401\n")
     try:
         done = _run(str(BIN / "lint-imports"), "--no-cache")
     finally:
-        probe.unlink()
+        for probe in probes:
+            probe.unlink()
+    said = " ".join(done.stdout.split())  # (lint-imports wraps its lines)
     assert done.returncode != 0
-    assert "raytrain_hybrid.config._layer_probe -> raytrain_hybrid.launch.driver" in done.stdout
+    assert "0 kept, 2 broken" in said, done.stdout[-3000:]
+    assert "raytrain_hybrid.config._layer_probe -> raytrain_hybrid.launch.runtime.driver" in said
+    assert "raytrain_hybrid.launch.plan._role_probe -> raytrain_hybrid.launch.runtime.session" in said
 
 
 def test_ruff_lint_and_format_are_clean():

@@ -177,7 +177,7 @@ def test_check_of_an_enormous_layout_lists_a_bounded_part(capsys, monkeypatch):
 
 
 def test_predicted_placement():
-    from raytrain_hybrid.launch.placement import predict_workers_per_node
+    from raytrain_hybrid.launch.plan.placement import predict_workers_per_node
 
     nodes = [{"CPU": 1}, {"CPU": 4, "GPU": 4}, {"CPU": 4, "GPU": 4}]
     gpu = {"CPU": 1, "GPU": 1}
@@ -213,7 +213,7 @@ PLAN_JSON = ["dp", "tp", "pp", "microbatches", "schedule", "zero", "activation_c
 def test_layout_outputs_keep_their_keys(overrides, virtual):
     from raytrain_hybrid.checkpoint.manifest import layout_of
     from raytrain_hybrid.config import LAYOUT_KEYS, load_config
-    from raytrain_hybrid.launch.summary import summarize
+    from raytrain_hybrid.launch.records.summary import summarize
     from raytrain_hybrid.tools.sweep import set_line
 
     cfg = load_config(None, ["parallelism.dp=2", *overrides])

@@ -22,7 +22,7 @@ from s3_server import s3_server
 
 from raytrain_hybrid.cli import main as cli
 from raytrain_hybrid.errors import ConfigError
-from raytrain_hybrid.launch.lease import LEASE, acquire
+from raytrain_hybrid.launch.records.lease import LEASE, acquire
 from raytrain_hybrid.storage import open_store
 
 
@@ -156,9 +156,9 @@ def test_a_driver_whose_lease_is_taken_over_stops_at_once(tmp_path, monkeypatch,
 
     from ray.util.queue import Empty
 
-    from raytrain_hybrid.launch import driver
-    from raytrain_hybrid.launch import lease as lease_module
-    from raytrain_hybrid.launch.lease import LeaseLost
+    from raytrain_hybrid.launch.records import lease as lease_module
+    from raytrain_hybrid.launch.records.lease import LeaseLost
+    from raytrain_hybrid.launch.runtime import driver
 
     monkeypatch.setattr(driver, "LEASE_LOOK_S", 0.05)
     out = tmp_path / "run"
@@ -210,7 +210,7 @@ def test_a_driver_whose_lease_is_taken_over_stops_at_once(tmp_path, monkeypatch,
 
 def test_a_killed_drivers_processes_end_with_it(tmp_path):
     """kill -9 of a driver that started a local Ray: what its processes started lives on (Ray's
-    agents did, for minutes); the watcher it starts with the local Ray (launch.reaper) ends every
+    agents did, for minutes); the watcher it starts with the local Ray (launch.runtime.reaper) ends every
     descendant of the driver, and nothing else. Here a driver's child and grandchild stand for
     Ray's processes and the agents under the raylet."""
     import signal
@@ -219,7 +219,7 @@ def test_a_killed_drivers_processes_end_with_it(tmp_path):
 
     script = (
         "import subprocess, sys, time\n"
-        "from raytrain_hybrid.launch import reaper\n"
+        "from raytrain_hybrid.launch.runtime import reaper\n"
         "reaper.start()\n"
         "child = subprocess.Popen(['sh', '-c', 'sleep 300 & echo $!; wait'], stdout=subprocess.PIPE, text=True)\n"
         "print(child.pid, child.stdout.readline().strip(), flush=True)\n"

@@ -460,7 +460,7 @@ def test_a_packed_row_is_each_example_alone(model_type, checkpoints):
 
 
 def test_a_fresh_process_registers_the_model_again_from_what_the_driver_recorded(checkpoints, tmp_path):
-    """What a Ray Train worker does first (launch.entry): restore() the driver's registrations, by
+    """What a Ray Train worker does first (launch.runtime.entry): restore() the driver's registrations, by
     import path, in a process that never saw them; then the run's config, naming the model_type, loads."""
     from raytrain_hybrid.models.custom import registered
 

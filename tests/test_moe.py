@@ -191,8 +191,8 @@ def test_start_line_and_summary_name_ep():
     """The start line and summary.json's layout name ep, as check's layout line does."""
     from types import SimpleNamespace
 
-    from raytrain_hybrid.launch.start import RunPlan
-    from raytrain_hybrid.launch.summary import summarize
+    from raytrain_hybrid.launch.records.summary import summarize
+    from raytrain_hybrid.launch.runtime.start import RunPlan
 
     cfg = load_config("examples/moe_cpu.toml")
     plan = RunPlan(
@@ -305,7 +305,7 @@ def test_planner_shards_experts_where_replicas_do_not_fit():
 
 
 def test_trackers_get_expert_load_per_expert():
-    from raytrain_hybrid.launch.tracking import numbers
+    from raytrain_hybrid.launch.records.tracking import numbers
 
     got = numbers({"step": 3, "loss": 2.5, "expert_load": [10, 30], "dropped_tokens": 0, "note": "x"})
     assert got == {"loss": 2.5, "expert_load/0": 10.0, "expert_load/1": 30.0, "dropped_tokens": 0.0}

@@ -290,7 +290,7 @@ def test_wrong_columns_fail_before_workers_start(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from raytrain_hybrid.launch.inputs import prepare_input
+    from raytrain_hybrid.launch.plan.inputs import prepare_input
 
     pq.write_table(
         pa.table({"dialogue": ["a"] * 8, "shiptrack": ["b"] * 8, "feature_1": ["x"] * 8, "label": [0] * 8}),
@@ -333,7 +333,7 @@ def test_missing_numbers_are_refused_naming_the_column(tmp_path):
 
 
 def test_summary_lists_evaluations():
-    from raytrain_hybrid.launch.summary import summarize
+    from raytrain_hybrid.launch.records.summary import summarize
 
     cfg = load_config(None, list(TINY))
     step = {"loss": 1.0, "tokens_per_s": 1.0, "step_time_s": 1.0, "tflops_per_device": 0.0, "mfu": None}

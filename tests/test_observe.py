@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from raytrain_hybrid.launch.progress import quiet_driver
+from raytrain_hybrid.launch.records.progress import quiet_driver
 
 
 def test_quiet_driver_sends_ray_output_to_the_log_and_keeps_the_terminal(tmp_path, capfd):
@@ -57,8 +57,8 @@ def test_every_worker_group_start_after_the_first_is_a_restart(tmp_path):
     step 5 was never reported), and the steps and checkpoints it redoes are dropped."""
     import json
 
-    from raytrain_hybrid.launch.events import CheckpointEvent, StartEvent, StepEvent
-    from raytrain_hybrid.launch.progress import RunLog
+    from raytrain_hybrid.launch.records.events import CheckpointEvent, StartEvent, StepEvent
+    from raytrain_hybrid.launch.records.progress import RunLog
 
     log = RunLog(tmp_path, steps=6, progress=False, tensorboard=False)
     log.handle(StartEvent(0))
@@ -82,8 +82,8 @@ def test_a_preemption_notice_its_save_and_the_restart_are_recorded_as_summary_js
     deadline; its save complete; the group restarted from it) become the record summary.json
     keeps: the notice's fields, the save's, the step the group restarted from, and the
     checkpoint marked as the preemption's."""
-    from raytrain_hybrid.launch.events import CheckpointEvent, PreemptionEvent, StartEvent, StepEvent
-    from raytrain_hybrid.launch.progress import RunLog
+    from raytrain_hybrid.launch.records.events import CheckpointEvent, PreemptionEvent, StartEvent, StepEvent
+    from raytrain_hybrid.launch.records.progress import RunLog
 
     log = RunLog(tmp_path, steps=4, progress=False, tensorboard=False)
     log.handle(StartEvent(0, dp=2, tp=1, pp=1, microbatches=1))
@@ -116,8 +116,8 @@ def test_a_group_restarted_from_step_0_that_receives_a_live_groups_state_keeps_t
     live group's state at step 2 and redoes nothing; its records keep steps 0 and 1."""
     import json
 
-    from raytrain_hybrid.launch.events import StartEvent, StepEvent
-    from raytrain_hybrid.launch.progress import RunLog
+    from raytrain_hybrid.launch.records.events import StartEvent, StepEvent
+    from raytrain_hybrid.launch.records.progress import RunLog
 
     log = RunLog(tmp_path, steps=4, progress=False, tensorboard=False)
     log.handle(StartEvent(0))

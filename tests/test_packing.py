@@ -317,7 +317,7 @@ def test_packed_rows_that_fill_no_global_batch_are_refused_before_workers_start(
 
     from raytrain_hybrid.data.local_rows import train_rows
     from raytrain_hybrid.data.stream import replica_stream
-    from raytrain_hybrid.launch.inputs import prepare_input
+    from raytrain_hybrid.launch.plan.inputs import prepare_input
 
     sets = _sets(chat_dir, "train.global_batch_size=48", "data.shuffle_buffer=0")
     with pytest.raises(ConfigError) as err:

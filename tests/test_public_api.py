@@ -96,7 +96,7 @@ def test_plan_ranks_layouts_of_the_world_size():
 def test_train_and_export_reach_the_launcher_and_the_exporter(monkeypatch, tmp_path):
     seen = {}
     monkeypatch.setattr(
-        "raytrain_hybrid.launch.driver.run",
+        "raytrain_hybrid.launch.runtime.driver.run",
         lambda cfg, resume=None, allow_change=None: seen.update(run=(resume, allow_change)) or {},
     )
     monkeypatch.setattr(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from raytrain_hybrid.launch import session
+from raytrain_hybrid.launch.runtime import session
 
 TIMED_OUT = (
     "The current node timed out during startup. This could happen because some of the raylet "
@@ -58,7 +58,7 @@ def test_another_failure_is_not_retried(inits):
 
 
 def test_prepare_data_says_a_failed_start_in_one_line(monkeypatch, tmp_path, capsys):
-    from raytrain_hybrid.launch.quiet_run import prepare_command
+    from raytrain_hybrid.launch.runtime.quiet_run import prepare_command
 
     def join(_address):
         raise session.RayStartError("the local Ray did not start (2 tries; Ray: timed out)")

@@ -47,9 +47,9 @@ def _train_worker_pids() -> list[int]:
 
 @pytest.mark.slow
 def test_killed_worker_recovers_from_checkpoint_with_identical_losses(ray_local, tmp_path, monkeypatch):
-    from raytrain_hybrid.launch import progress
-    from raytrain_hybrid.launch.driver import run
-    from raytrain_hybrid.launch.events import CheckpointEvent
+    from raytrain_hybrid.launch.records import progress
+    from raytrain_hybrid.launch.records.events import CheckpointEvent
+    from raytrain_hybrid.launch.runtime.driver import run
 
     data = _row_id_dataset(tmp_path / "epoch", rows=ROWS)
     # train.steps beyond the epoch: data.epochs=1 ends the run (the LR schedule stays 100 steps').

@@ -283,8 +283,8 @@ def test_ray_init_leaves_the_clis_sigterm_handler_in_place():
     replica group, with its records written and each group told (exit 143)."""
     import signal
 
-    from raytrain_hybrid.launch.driver import Terminated, sigterm_ends_the_run
-    from raytrain_hybrid.launch.session import _sigterm_kept
+    from raytrain_hybrid.launch.runtime.driver import Terminated, sigterm_ends_the_run
+    from raytrain_hybrid.launch.runtime.session import _sigterm_kept
 
     with sigterm_ends_the_run():
         ours = signal.getsignal(signal.SIGTERM)

@@ -13,8 +13,8 @@ import time
 import pytest
 
 from raytrain_hybrid import cli
-from raytrain_hybrid.launch import driver, start
-from raytrain_hybrid.launch.reach import Reach
+from raytrain_hybrid.launch.plan.reach import Reach
+from raytrain_hybrid.launch.runtime import driver, start
 
 SETS = ["parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=1", "parallelism.microbatches=1", "data.path=memory"]
 

@@ -91,7 +91,7 @@ def test_compiled_blocks_match_single_process(name, inductor_env):
 
 def test_startup_breakdown_names_the_compile():
     """summary.json's startup_s: the compile's seconds stand beside first_step, which holds them."""
-    from raytrain_hybrid.launch.summary import startup_breakdown
+    from raytrain_hybrid.launch.records.summary import startup_breakdown
 
     marks = {"launched": 0.0, "first_batch": 1.0, "first_step_done": 5.0, "first_step_compile_s": 3.25}
     out = startup_breakdown(marks)
@@ -101,7 +101,7 @@ def test_startup_breakdown_names_the_compile():
 def test_startup_cpu_counts_each_phase_from_the_mark_before():
     """summary.json's startup_cpu_s: rank 0's worker CPU before the train function, then per
     phase (a phase whose mark is missing, no checkpoint here, is left out), and the total."""
-    from raytrain_hybrid.launch.summary import startup_cpu
+    from raytrain_hybrid.launch.records.summary import startup_cpu
 
     marks = {"worker_entered": 10.0, "cpu_worker_entered": 3.5, "cpu_worker_imported": 5.0,
              "cpu_group_ready": 5.25, "cpu_mesh_built": 5.5, "cpu_model_built": 6.0, "cpu_first_batch": 6.25,

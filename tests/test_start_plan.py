@@ -1,4 +1,4 @@
-"""`check` prints the run plan `train`'s driver makes (launch.start.derive_plan), without starting
+"""`check` prints the run plan `train`'s driver makes (launch.runtime.start.derive_plan), without starting
 anything: the same start line, the output directory's lease as it stands (read, never taken),
 and with --resume the driver's own resume check, refusing what `train --resume` refuses. No Ray:
 the nodes come from --topology, and the driver's plan is made for the same nodes.
@@ -18,8 +18,8 @@ from s3_server import s3_server
 
 from raytrain_hybrid import cli
 from raytrain_hybrid.config import load_config
-from raytrain_hybrid.launch.lease import LEASE, acquire
-from raytrain_hybrid.launch.reach import Reach
+from raytrain_hybrid.launch.plan.reach import Reach
+from raytrain_hybrid.launch.records.lease import LEASE, acquire
 
 # Two nodes: run.output_dir must be storage both reach (a shared mount here).
 FIXED = ("parallelism.dp=1", "parallelism.tp=4", "parallelism.pp=2", "data.path=memory", "run.shared_fs=true")
@@ -59,7 +59,7 @@ def test_check_prints_the_drivers_start_line(sets, topology, line, tmp_path, cap
     """The line check prints is the one the driver says for the same config on the same nodes
     (one GPU a worker: --topology counts GPU workers unless cluster.use_gpu=false); check makes
     neither the output directory nor a lease."""
-    from raytrain_hybrid.launch import start
+    from raytrain_hybrid.launch.runtime import start
 
     out = tmp_path / "run"
     code, text, err = _check(capsys, out, sets, "--topology", topology)
@@ -95,7 +95,7 @@ def test_train_hands_every_worker_the_plan_read_only(tmp_path, monkeypatch):
     event queue and tracker run beside it: no other key."""
     import dataclasses
 
-    from raytrain_hybrid.launch import driver, start
+    from raytrain_hybrid.launch.runtime import driver, start
 
     asked = load_config(None, [*ONE_NODE, "checkpoint.interval=2", f"run.output_dir={tmp_path / 'run'}"])
     cfg, point = start.prepare_run_dir(asked, None)

@@ -74,7 +74,7 @@ def test_a_local_output_dir_is_refused_where_workers_cannot_share_the_disk(s3, t
     """Refused before workers start on several nodes, or when the only node holds no worker (an
     autoscaler's head); a mount declared shared, or an object-store URI, passes."""
     from raytrain_hybrid.config import load_config
-    from raytrain_hybrid.launch.preflight import _check_output_dir
+    from raytrain_hybrid.launch.plan.preflight import _check_output_dir
 
     worker = {"CPU": 1.0}
     one, head_only, two = [{"CPU": 8.0}], [{"CPU": 0.0}], [{"CPU": 8.0}, {"CPU": 8.0}]
@@ -97,7 +97,7 @@ def test_a_save_cut_short_on_s3_is_passed_over_and_does_not_block_the_resume(s3,
 
     from raytrain_hybrid.checkpoint.manifest import FORMAT, layout_of
     from raytrain_hybrid.config import load_config
-    from raytrain_hybrid.launch.start import check_resume
+    from raytrain_hybrid.launch.runtime.start import check_resume
 
     run = f"s3://bucket/{tmp_path.name}/cut"
     cfg = load_config(None, ["train.steps=6", f"run.output_dir={run}"])
@@ -126,9 +126,9 @@ def test_the_driver_files_reach_the_uri_when_a_checkpoint_completes(s3, tmp_path
     import json
     import shutil
 
-    from raytrain_hybrid.launch.events import CheckpointEvent, StepEvent
-    from raytrain_hybrid.launch.progress import RunLog
-    from raytrain_hybrid.launch.rundir import RunDir
+    from raytrain_hybrid.launch.records.events import CheckpointEvent, StepEvent
+    from raytrain_hybrid.launch.records.progress import RunLog
+    from raytrain_hybrid.launch.records.rundir import RunDir
 
     uri = f"s3://bucket/{tmp_path.name}/run"
     run_dir = RunDir.open(uri)
@@ -191,7 +191,7 @@ def test_keep_prunes_what_an_earlier_launch_left_and_leaves_rays_own(root):
     import json
 
     from raytrain_hybrid.config import load_config
-    from raytrain_hybrid.launch.driver import prune_earlier
+    from raytrain_hybrid.launch.runtime.driver import prune_earlier
 
     ckpts = root.child("checkpoints")
     for step in (1, 3, 4, 5, 6):

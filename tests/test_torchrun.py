@@ -1,4 +1,4 @@
-"""`torchrun --nproc-per-node N -m raytrain_hybrid.cli train`: a run without Ray (launch.torchrun).
+"""`torchrun --nproc-per-node N -m raytrain_hybrid.cli train`: a run without Ray (launch.runtime.torchrun).
 
 Two ranks at pp=2 on Parquet files of token ids, read in the leaders' processes
 (data.local_rows): the run directory's files as under Ray, the losses of the single-process

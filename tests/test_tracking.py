@@ -14,8 +14,8 @@ import pytest
 from raytrain_hybrid import cli
 from raytrain_hybrid.config import load_config
 from raytrain_hybrid.errors import ConfigError
-from raytrain_hybrid.launch import tracking
-from raytrain_hybrid.launch.tracking import StepLogger, TrackedRun
+from raytrain_hybrid.launch.records import tracking
+from raytrain_hybrid.launch.records.tracking import StepLogger, TrackedRun
 
 
 @pytest.fixture
@@ -34,7 +34,7 @@ def test_off_by_default_and_an_unknown_tracker_is_refused_naming_what_works():
 def test_a_tracker_that_is_not_installed_is_refused_before_ray_starts(monkeypatch, tmp_path, capsys):
     import ray
 
-    from raytrain_hybrid.launch import start
+    from raytrain_hybrid.launch.runtime import start
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # what importing it finds: not installed
     started: list = []  # Ray may run already (other tests in this process): record any start or join

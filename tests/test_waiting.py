@@ -1,10 +1,10 @@
-"""Until the first step, the driver says every few seconds what a run waits for (launch.waiting)."""
+"""Until the first step, the driver says every few seconds what a run waits for (launch.runtime.waiting)."""
 
 from __future__ import annotations
 
 import ray
 
-from raytrain_hybrid.launch.waiting import Waiting
+from raytrain_hybrid.launch.runtime.waiting import Waiting
 
 
 def test_a_line_every_few_seconds_saying_what_the_start_waits_for(monkeypatch):

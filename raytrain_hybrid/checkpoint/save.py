@@ -18,7 +18,7 @@ save is complete at a step boundary with a one-integer all-reduce on a second gl
 flight is waited for before the next one starts and at the end of the run.
 
 A checkpoint commits only under the lease its run started under: rank 0 reads the driver's
-lease on run.output_dir (launch.lease) when its writer is made and again before it completes a
+lease on run.output_dir (launch.records.lease) when its writer is made and again before it completes a
 save, and refuses to complete it once another run has taken the lease over (this run's driver
 killed, or cut off from the storage): the other run may have chosen its checkpoint already.
 """
@@ -68,7 +68,7 @@ class _InFlight:
     blocked_s: float = 0.0
 
 
-LEASE_FILE = "run.lease.json"  # launch.lease.LEASE, read here (this layer is below launch)
+LEASE_FILE = "run.lease.json"  # launch.records.lease.LEASE, read here (this layer is below launch)
 _UNKNOWN = object()  # no lease could be read: nothing to compare with
 
 

@@ -284,7 +284,7 @@ RAY_ADDRESS_FORM = re.compile(r"auto|local|(ray://)?[A-Za-z0-9_.\-\[\]:]+:\d+")
 
 def _validate_run(cfg: Config) -> None:
     """run.shared_fs declares a mounted directory shared; a URI is shared by what it is; a
-    cluster.address has a form Ray joins (a dashboard's http:// address: launch.address says why not)."""
+    cluster.address has a form Ray joins (a dashboard's http:// address: launch.plan.address says why not)."""
     address = cfg.cluster.address.strip()
     if address and not RAY_ADDRESS_FORM.fullmatch(address) and not address.lower().startswith(("http://", "https://")):
         raise ConfigError(

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class WorkerPlan:
-    """What every worker of a run is given, read-only: the driver's RunPlan (launch.start) as its
+    """What every worker of a run is given, read-only: the driver's RunPlan (launch.runtime.start) as its
     workers need it, derived once on the driver. A run without a driver (the engine's tests, the
     benchmarks) gives ``WorkerPlan(cfg)``."""
 
@@ -28,14 +28,14 @@ class WorkerPlan:
     resume: str | None = None  # a verified checkpoint directory to continue from (model, optimizer, data position)
     launch_id: str = ""  # written into every manifest: a restart tells this launch's checkpoints apart
     # The steps the run trains when the driver knows that data.epochs end the data before
-    # train.steps (launch.inputs.steps_to_train); None: train.steps.
+    # train.steps (launch.plan.inputs.steps_to_train); None: train.steps.
     end: int | None = None
     # The step at which this run's data began (0; a resume that starts a new data set from its
     # beginning: the step it resumed at), so the stream skips the steps since then; None: the
     # resumed checkpoint's own.
     data_origin: int | None = None
     trajectory: dict | None = None  # what the driver recorded of the run's trajectory, in every manifest
-    data_env: dict[str, str] = field(default_factory=dict)  # Ray Data's readers' environment (launch.inputs)
+    data_env: dict[str, str] = field(default_factory=dict)  # Ray Data's readers' environment (launch.plan.inputs)
     layout_hardware: dict | None = None  # an elastic run with layout=auto: the profile each start's pick is priced on
     registered_models: tuple = ()  # models.custom's registrations (import paths), made again on each worker
 

@@ -1,6 +1,6 @@
 """The body of one training worker, given an initialised default process group.
 
-Ray Train's ``train_loop_per_worker`` (launch.entry) calls :func:`run_worker`;
+Ray Train's ``train_loop_per_worker`` (launch.runtime.entry) calls :func:`run_worker`;
 so can plain gloo processes (tests of the engine without Ray). Its steps: join the
 layout's mesh, choose the input (a replica feed from Ray Data, or data held in memory),
 build the trainer, run the step loop (checkpoints on interval), gather every rank's report.

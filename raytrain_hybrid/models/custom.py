@@ -5,7 +5,7 @@ transformers' own are (a ``PretrainedConfig`` with a ``model_type``, ``base_mode
 ``base_model_pp_plan``; a ``PreTrainedModel`` causal LM whose base model holds the embedding, the
 block list and the final norm the pipeline plan names) and registered with transformers' Auto
 classes, which ``register_model`` does. The registration is recorded by the classes' import paths,
-and every Ray Train worker makes it again before it reads the run's config (launch.entry), so the
+and every Ray Train worker makes it again before it reads the run's config (launch.runtime.entry), so the
 classes must live in a module the workers can import (not ``__main__``).
 """
 
@@ -72,7 +72,7 @@ def _forget(model_type: str) -> None:
 
 
 def registered() -> list[tuple[str, str, str, str]]:
-    """What this process registered, by import path: what workers register again (launch.entry)."""
+    """What this process registered, by import path: what workers register again (launch.runtime.entry)."""
     return list(_REGISTERED.values())
 
 

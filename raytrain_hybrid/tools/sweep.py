@@ -30,7 +30,7 @@ TRIAL_KEYS = tuple(dict.fromkeys((*LAYOUT_KEYS, "cp", "ep")))
 def _trial(config: dict) -> None:
     from ray import tune
 
-    from raytrain_hybrid.launch.driver import run
+    from raytrain_hybrid.launch.runtime.driver import run
 
     cfg = Config.from_dict(config["base"])  # the sweep's resolved config, as a dict
     trial = config["trial"]
@@ -110,7 +110,7 @@ def sweep(
     """Run the planner's ``top`` best distinct feasible layouts (or the planned rows matching
     each partial layout in ``only``, e.g. ``{"dp": 2, "tp": 2, "pp": 1}``) as Tune trials.
     ``out_dir``: a directory or URI for the results (see the module docstring)."""
-    from raytrain_hybrid.launch.session import ensure_ray, use_train_v2
+    from raytrain_hybrid.launch.runtime.session import ensure_ray, use_train_v2
 
     use_train_v2()  # before ray.tune imports ray.train
     from ray import tune

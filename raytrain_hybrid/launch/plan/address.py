@@ -1,5 +1,5 @@
 """Which Ray cluster a run joins, decided without joining it: the address the plan, the checks
-and the driver all read (launch.session joins it)."""
+and the driver all read (launch.runtime.session joins it)."""
 
 from __future__ import annotations
 

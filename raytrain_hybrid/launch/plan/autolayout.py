@@ -1,9 +1,9 @@
 """parallelism.layout = "auto" on a cluster: the workers each node holds, the live nodes and
-those an autoscaler may add (launch.reach), handed to the planner (planner.auto) before any
+those an autoscaler may add (launch.plan.reach), handed to the planner (planner.auto) before any
 worker starts; `train` and `check` print its pick.
 
 An elastic run (parallelism.min_dp) with layout=auto asks Ray for whole replicas of the
-configured tp*pp, as a fixed one does (launch.elastic), and picks at every start of its worker
+configured tp*pp, as a fixed one does (launch.plan.elastic), and picks at every start of its worker
 group, the first and each resize: the best layout that uses all the workers Ray started, on the
 nodes they landed on (``group_layout``, in the workers). Every layout trains the same model and
 checkpoints reshard, so a pick changes the speed, never the losses.
@@ -18,9 +18,9 @@ from collections.abc import Callable
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.config.elastic import at_world, is_elastic
 from raytrain_hybrid.errors import ConfigError
-from raytrain_hybrid.launch.elastic import worker_counts, workers_that_fit
-from raytrain_hybrid.launch.placement import predict_workers_per_node, worker_resources
-from raytrain_hybrid.launch.reach import Reach, cluster_reach
+from raytrain_hybrid.launch.plan.elastic import worker_counts, workers_that_fit
+from raytrain_hybrid.launch.plan.placement import predict_workers_per_node, worker_resources
+from raytrain_hybrid.launch.plan.reach import Reach, cluster_reach
 from raytrain_hybrid.planner.auto import hardware_for, pick, pick_for_group
 from raytrain_hybrid.planner.hardware import Hardware
 
@@ -28,7 +28,7 @@ from raytrain_hybrid.planner.hardware import Hardware
 def node_slots(cfg: Config, nodes: list[dict[str, float]], use_gpu: bool) -> list[int]:
     """Workers each node holds (whole workers of cluster.cpus_per_worker CPUs, and a GPU each),
     most first. Ray Data's read tasks need a CPU the workers leave free somewhere in the cluster
-    (launch.preflight): unless data.path is "memory", the largest node gives up workers until one is."""
+    (launch.plan.preflight): unless data.path is "memory", the largest node gives up workers until one is."""
     per_worker = worker_resources(cfg, use_gpu)
     slots = [min(int(n.get(k, 0) // v) for k, v in per_worker.items() if v > 0) for n in nodes]
     spare = sum(n.get("CPU", 0) for n in nodes) - sum(slots) * cfg.cluster.cpus_per_worker

@@ -6,7 +6,7 @@ runs it looks again every ``elastic_resize_monitor_interval_s``; a change tears 
 down and starts the train function again on the new count, from the newest checkpoint.
 Ray's policy counts single workers, so it could start 5 workers of a layout whose replicas
 are 2 ranks each, or 3 replicas of a global batch that 3 does not split into whole
-micro-batches. Ours (launch.elastic_ray) asks it only for the counts of usable layouts:
+micro-batches. Ours (launch.runtime.elastic_ray) asks it only for the counts of usable layouts:
 whole replicas of cp*tp*pp workers, every TP group on one node, at a dp of config.elastic's
 ``usable_dps``. The workers then take dp = world // (cp*tp*pp) (config.elastic.at_world):
 context parallelism keeps its cp at every start, as tp and pp are kept.

@@ -1,7 +1,7 @@
 """The run's input on the driver: resolve data.path, check the files, build the Ray Datasets.
 
 data.ray_data is imported where it is used: it imports ray.train, which must come after
-launch.session.use_train_v2.
+launch.runtime.session.use_train_v2.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from raytrain_hybrid.config import Config
 from raytrain_hybrid.data.checks import check_tokenizer, schema_check
 from raytrain_hybrid.data.files import open_parquet
 from raytrain_hybrid.data.prepare import builtin_dataset, builtin_path
-from raytrain_hybrid.launch.plan import DataSource
+from raytrain_hybrid.launch.plan.run_plan import DataSource
 
 # Ray Data's Parquet reader (datasource V2) starts RAY_DATA_PARQUET_FOOTER_NUM_ACTORS (32)
 # footer-reading actors, a Python process each, every time a dataset is executed, i.e. once

@@ -8,8 +8,8 @@ from raytrain_hybrid.config import Config
 from raytrain_hybrid.config.elastic import at_world
 from raytrain_hybrid.distributed.parallel_dims import ParallelDims, check_nodes
 from raytrain_hybrid.errors import ConfigError
-from raytrain_hybrid.launch.elastic import worker_counts
-from raytrain_hybrid.launch.placement import live_node_totals, predict_workers_per_node
+from raytrain_hybrid.launch.plan.elastic import worker_counts
+from raytrain_hybrid.launch.plan.placement import live_node_totals, predict_workers_per_node
 from raytrain_hybrid.models import get_arch, hf_checkpoint
 from raytrain_hybrid.storage import open_store
 
@@ -49,7 +49,7 @@ CROWDED_PER_CORE = 4
 def crowded(cfg: Config) -> str:
     """A warning when a run without a cluster gives this machine far more workers than cores
     (each takes seconds of CPU to start, and every step shares the cores); "" otherwise."""
-    from raytrain_hybrid.launch.address import ray_address
+    from raytrain_hybrid.launch.plan.address import ray_address
 
     if ray_address(cfg) or cfg.parallelism.layout == "auto":
         return ""

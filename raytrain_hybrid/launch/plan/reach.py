@@ -2,7 +2,7 @@
 
 `parallelism.layout=auto` picks for the most a cluster may reach (within parallelism.dp's bound):
 a run that fits only once the autoscaler has added nodes asks for them, and the start-up watchdog
-(launch.autoscale) waits while they join. Ray 2.60 publishes no node types to a driver: its
+(launch.runtime.autoscale) waits while they join. Ray 2.60 publishes no node types to a driver: its
 cluster status (either autoscaler) holds live and pending nodes only, and the GCS key that Ray
 Train's own resource check reads (``ray._private.state.get_cluster_config``) is written by no
 autoscaler of this version. What the autoscaler itself reads is its config: `ray up` puts it on
@@ -89,7 +89,7 @@ def cluster_reach(connected: bool, accelerator_type: str = "") -> Reach:
     """The connected cluster's reach for a run's workers (Ray initialized). ``connected``: Ray was
     joined at an address (a private local Ray has no autoscaler, whatever files this machine holds);
     ``accelerator_type``: cluster.accelerator_type."""
-    from raytrain_hybrid.launch.placement import live_node_totals
+    from raytrain_hybrid.launch.plan.placement import live_node_totals
 
     live = live_node_totals()
     path = Path(os.path.expanduser(BOOTSTRAP))

@@ -1,4 +1,4 @@
-"""The run plan: what a run is, derived once on the driver (launch.start derives it), as plain
+"""The run plan: what a run is, derived once on the driver (launch.runtime.start derives it), as plain
 frozen data: `check` prints it, `train` runs it, and every worker gets its WorkerPlan
 (engine.plan). Nothing here joins Ray, reads storage or writes anything.
 """
@@ -11,7 +11,7 @@ import uuid
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.config.elastic import is_elastic
 from raytrain_hybrid.engine.plan import WorkerPlan
-from raytrain_hybrid.launch.reach import Reach
+from raytrain_hybrid.launch.plan.reach import Reach
 from raytrain_hybrid.models.params import sequence_parallel_line
 from raytrain_hybrid.planner.hardware import Hardware
 from raytrain_hybrid.storage import is_uri, open_store
@@ -33,15 +33,15 @@ class ResumePoint:
 
 @dataclasses.dataclass(frozen=True)
 class DataSource:
-    """The run's input as `train` checked it before Ray starts (launch.inputs.check_input): where its
+    """The run's input as `train` checked it before Ray starts (launch.plan.inputs.check_input): where its
     rows are (data.path resolved), and what the check read of them."""
 
     path: str  # data.path resolved: "memory", a Parquet file, a directory of them, a URI
     format: str  # data.format: text, chat, prompt_completion
     columns: tuple[str, ...] = ()  # the Parquet schema's columns (empty: "memory", or not read yet)
     rows: int | None = None  # the rows the check counted (None: not counted before the run)
-    files: int | None = None  # the Parquet files (sizes Ray Data's footer readers: launch.inputs.reader_env)
-    # The check is whole; False: what is left is done once Ray is up (launch.start.start_run): the
+    files: int | None = None  # the Parquet files (sizes Ray Data's footer readers: launch.plan.inputs.reader_env)
+    # The check is whole; False: what is left is done once Ray is up (launch.runtime.start.start_run): the
     # shipped corpus prepared into ``path`` the first time, chat rows too many to encode on the driver.
     checked: bool = True
     shipped: bool = False  # the shipped corpus (data.path "builtin"), tokenized into its cache
@@ -74,7 +74,7 @@ class RunPlan:
     end: int  # the steps it trains (data.epochs may end it before train.steps)
     lease: str = "held by this run"  # run.output_dir's lease when planned (`check` reads it, never takes it)
     asked: Config | None = None  # the config as loaded, before the plan resolved anything (None: ``cfg``)
-    data_env: dict[str, str] = dataclasses.field(default_factory=dict)  # Ray Data's readers' (launch.inputs)
+    data_env: dict[str, str] = dataclasses.field(default_factory=dict)  # Ray Data's readers' (launch.plan.inputs)
     registered_models: tuple = ()  # models registered from Python (models.custom): each worker registers them again
     unverified: tuple[str, ...] = ()  # what `check` could not read here (no network, no credentials)
     # Written into every manifest of this launch: a restart tells its own checkpoints apart.

@@ -1,6 +1,6 @@
 """What rank 0 tells the driver while a run goes on: one frozen dataclass per kind of event, sent
-through the driver's Ray queue (launch.entry), or handed over in the process under torchrun
-(launch.torchrun), and consumed by launch.progress.RunLog.
+through the driver's Ray queue (launch.runtime.entry), or handed over in the process under torchrun
+(launch.runtime.torchrun), and consumed by launch.records.progress.RunLog.
 
 ``record()`` is the event as the run's files keep it (summary.json's checkpoints, preemptions and
 elastic starts): its fields, without those left unset.
@@ -37,7 +37,7 @@ class StartEvent:
 
 @dataclasses.dataclass(frozen=True)
 class LayoutEvent:
-    """An elastic run with layout=auto: what this start's pick said (launch.autolayout)."""
+    """An elastic run with layout=auto: what this start's pick said (launch.plan.autolayout)."""
 
     lines: tuple[str, ...]
 

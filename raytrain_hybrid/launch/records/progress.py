@@ -1,6 +1,6 @@
 """What the driver shows and records while a run goes on.
 
-Rank 0's per-step metrics arrive through a Ray queue (launch.driver); here they become
+Rank 0's per-step metrics arrive through a Ray queue (launch.runtime.driver); here they become
 a live progress bar (a terminal), one line per step (a log, e.g. a `ray job submit`
 driver), ``metrics.jsonl`` and TensorBoard event files in the run directory.
 """
@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from raytrain_hybrid.errors import redact
-from raytrain_hybrid.launch.events import (
+from raytrain_hybrid.launch.records.events import (
     CheckpointEvent,
     DoneEvent,
     LayoutEvent,
@@ -104,7 +104,7 @@ def _status(m: dict) -> str:
 
 
 class RunLog:
-    """Consumes the events of one run (launch.events): its starts, layouts, steps, checkpoints,
+    """Consumes the events of one run (launch.records.events): its starts, layouts, steps, checkpoints,
     preemption notices and end."""
 
     def __init__(

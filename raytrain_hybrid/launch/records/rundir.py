@@ -60,11 +60,11 @@ class RunDir:
 
 
 def complete_records(cfg, point) -> dict:
-    """A resume with nothing left to train (launch.start.check_resume's ``finished``: a driver
+    """A resume with nothing left to train (launch.runtime.start.check_resume's ``finished``: a driver
     killed as its workers completed the last step and its checkpoint): metrics.jsonl and
     summary.json of the whole run, from what it kept and the checkpoints' records; returns the
     summary. Nothing else there (driver.log, TensorBoard) is touched."""
-    from raytrain_hybrid.launch.summary import summarize
+    from raytrain_hybrid.launch.records.summary import summarize
 
     run_dir = RunDir.open(cfg.run.output_dir, fresh=True)  # (a URI's: only these two files are sent)
     write_new(run_dir.local / "metrics.jsonl", "".join(json.dumps(h) + "\n" for h in point.history))

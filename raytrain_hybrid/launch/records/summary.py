@@ -10,7 +10,7 @@ SUMMARY_LAYOUT = ("dp", "tp", "pp", "microbatches", "schedule", "zero", "virtual
 
 # Start-up phases, each from the mark before it: where the time to the first step goes.
 _PHASES = (
-    ("plan", "planned"),  # the checks and the run plan, before Ray starts (launch.start.plan_run)
+    ("plan", "planned"),  # the checks and the run plan, before Ray starts (launch.runtime.start.plan_run)
     ("ray_init", "ray_ready"),
     ("input_check", "input_checked"),
     ("worker_start", "worker_entered"),  # placement group, worker processes, process group

@@ -22,19 +22,19 @@ from raytrain_hybrid.checkpoint.manifest import MANIFEST, step_dirs, step_number
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.config.elastic import is_elastic
 from raytrain_hybrid.errors import redact
-from raytrain_hybrid.launch.autoscale import POLL_S, ScalerProbe, StartupTimeout, StartupWatchdog
-from raytrain_hybrid.launch.elastic import scaling_workers
-from raytrain_hybrid.launch.entry import train_loop_per_worker
-from raytrain_hybrid.launch.inputs import build_datasets
-from raytrain_hybrid.launch.lease import LeaseLost, acquire
-from raytrain_hybrid.launch.preflight import waiting_for
-from raytrain_hybrid.launch.progress import RunLog
-from raytrain_hybrid.launch.rundir import RunDir, complete_records
-from raytrain_hybrid.launch.session import use_train_v2
-from raytrain_hybrid.launch.start import RunPlan, check_before_ray, plan_run, prepare_run_dir, start_run
-from raytrain_hybrid.launch.summary import startup_breakdown, startup_cpu, summarize
-from raytrain_hybrid.launch.tracking import TrackedRun, check_tracking
-from raytrain_hybrid.launch.waiting import Waiting
+from raytrain_hybrid.launch.plan.elastic import scaling_workers
+from raytrain_hybrid.launch.plan.inputs import build_datasets
+from raytrain_hybrid.launch.plan.preflight import waiting_for
+from raytrain_hybrid.launch.records.lease import LeaseLost, acquire
+from raytrain_hybrid.launch.records.progress import RunLog
+from raytrain_hybrid.launch.records.rundir import RunDir, complete_records
+from raytrain_hybrid.launch.records.summary import startup_breakdown, startup_cpu, summarize
+from raytrain_hybrid.launch.records.tracking import TrackedRun, check_tracking
+from raytrain_hybrid.launch.runtime.autoscale import POLL_S, ScalerProbe, StartupTimeout, StartupWatchdog
+from raytrain_hybrid.launch.runtime.entry import train_loop_per_worker
+from raytrain_hybrid.launch.runtime.session import use_train_v2
+from raytrain_hybrid.launch.runtime.start import RunPlan, check_before_ray, plan_run, prepare_run_dir, start_run
+from raytrain_hybrid.launch.runtime.waiting import Waiting
 from raytrain_hybrid.storage import open_store
 from raytrain_hybrid.storage.nofollow import write_new
 
@@ -55,7 +55,7 @@ def run(
     ``allow_change``: trajectory keys a resume may change on purpose (checkpoint.trajectory).
     """
     marks = {"launched": time.time()}
-    asked = cfg  # as loaded: the plan resolves the rest (launch.start.RunPlan)
+    asked = cfg  # as loaded: the plan resolves the rest (launch.runtime.start.RunPlan)
     check_tracking(cfg)  # run.tracking's package, before Ray starts
     use_train_v2()  # refused before Ray starts when a user turned Ray Train V2 off
     said: list[str] = []  # what is printed before the run (RunLog does not repeat it)
@@ -67,7 +67,7 @@ def run(
 
     out = open_store(cfg.run.output_dir)
     fresh = not out.exists()
-    # One run per output directory, from here to the end (launch.lease); taken before the resume
+    # One run per output directory, from here to the end (launch.records.lease); taken before the resume
     # picks its checkpoint: a killed run's workers that outlive their driver complete no save
     # after this (checkpoint.save), so the checkpoint picked is the newest there will be.
     lease = acquire(out.uri)
@@ -116,7 +116,7 @@ def _run_leased(plan: RunPlan, marks: dict, say, said: list[str], stream, driver
     try:
         with contextlib.closing(run_log), tracked:  # a run that fails ends its tracker run FAILED
             watchdog = StartupWatchdog.for_run(cfg.cluster, plan.resources, cfg.run.startup_timeout_s)
-            # A run whose lease another run took over stops at once (launch.lease): no more saves there.
+            # A run whose lease another run took over stops at once (launch.records.lease): no more saves there.
             watch(trainer, sink, run_log, watchdog, marks, lost=lambda: None if held() else lease_lost(cfg, held))
     except BaseException as exc:  # failed, Ctrl-C, SIGTERM (cli): summary.json says how, beside driver.log
         with contextlib.suppress(Exception):
@@ -193,7 +193,7 @@ def make_trainer(plan: RunPlan, *, sink, tracking=None):
     use_train_v2()  # before the driver first imports ray.train (below, and data.ray_data in build_datasets)
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 
-    from raytrain_hybrid.launch.backend import torch_config  # imports ray.train: after use_train_v2
+    from raytrain_hybrid.launch.runtime.backend import torch_config  # imports ray.train: after use_train_v2
 
     cfg, use_gpu = plan.cfg, plan.use_gpu
     backend = cfg.cluster.backend if cfg.cluster.backend != "auto" else ("nccl" if use_gpu else "gloo")
@@ -201,12 +201,12 @@ def make_trainer(plan: RunPlan, *, sink, tracking=None):
         plan,
         train_loop_per_worker=train_loop_per_worker,
         # The plan as every worker gets it (engine.plan.WorkerPlan, read-only), and the run's two
-        # live handles: the driver's event queue and rank 0's tracker run (launch.tracking.TrackerRun).
+        # live handles: the driver's event queue and rank 0's tracker run (launch.records.tracking.TrackerRun).
         train_loop_config={"plan": plan.for_workers(), "sink": sink, "tracking": tracking},
         torch_config=torch_config(cfg, backend),  # with run.hang_timeout_s, NCCL's flight recorder
         **build_datasets(cfg, plan.data_env),
         scaling_config=ScalingConfig(
-            **scaling_workers(cfg, plan.counts),  # a range of whole replicas for an elastic run (launch.elastic)
+            **scaling_workers(cfg, plan.counts),  # a range of whole replicas for an elastic run (launch.plan.elastic)
             use_gpu=use_gpu,
             resources_per_worker=plan.resources,
             placement_strategy=cfg.cluster.placement_strategy,
@@ -227,12 +227,12 @@ def make_trainer(plan: RunPlan, *, sink, tracking=None):
 
 def make_torch_trainer(plan: RunPlan, **kwargs):
     """TorchTrainer(**kwargs); for an elastic run the one whose policy starts only the plan's
-    worker counts (launch.elastic_ray)."""
+    worker counts (launch.runtime.elastic_ray)."""
     from ray.train.torch import TorchTrainer
 
     if not is_elastic(plan.cfg.parallelism):
         return TorchTrainer(**kwargs)
-    from raytrain_hybrid.launch.elastic_ray import ReplicaTorchTrainer
+    from raytrain_hybrid.launch.runtime.elastic_ray import ReplicaTorchTrainer
 
     return ReplicaTorchTrainer(counts=plan.counts, tp=plan.cfg.parallelism.tp, **kwargs)
 
@@ -240,8 +240,8 @@ def make_torch_trainer(plan: RunPlan, **kwargs):
 def watch(trainer, sink, run_log: RunLog, watchdog: StartupWatchdog, marks: dict, lost=lambda: None) -> None:
     """Run ``trainer.fit()`` in a thread and hand the workers' events to ``run_log`` until it
     ends; its error is raised here, on the driver's main thread. Until the first step,
-    ``watchdog`` reads the autoscaler every POLL_S and may end the run (see launch/autoscale.py),
-    and a line every few seconds says what the run waits for (launch/waiting.py). Every
+    ``watchdog`` reads the autoscaler every POLL_S and may end the run (see launch/runtime/autoscale.py),
+    and a line every few seconds says what the run waits for (launch/runtime/waiting.py). Every
     LEASE_LOOK_S, ``lost()`` (an error, or None) says whether the run lost its lease: raised here,
     it ends the run at once."""
     from ray.util.queue import Empty

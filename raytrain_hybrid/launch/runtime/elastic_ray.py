@@ -1,5 +1,5 @@
 """Ray Train V2's elastic policy, restricted to the worker counts of usable layouts (see
-launch.elastic). Imported only after launch.session.use_train_v2, by launch.driver.
+launch.plan.elastic). Imported only after launch.runtime.session.use_train_v2, by launch.runtime.driver.
 
 Ray has no public hook for a scaling policy: ``TorchTrainer.fit`` builds one from the
 ScalingConfig. So this subclasses Ray's ``ElasticScalingPolicy`` (only its worker count
@@ -19,7 +19,7 @@ from ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_cli
 )
 from ray.train.v2._internal.util import ObjectRefWrapper, time_monotonic
 
-from raytrain_hybrid.launch.elastic import workers_that_fit
+from raytrain_hybrid.launch.plan.elastic import workers_that_fit
 
 
 class ReplicaScalingPolicy(ElasticScalingPolicy):

@@ -12,7 +12,7 @@ from raytrain_hybrid.checkpoint.manifest import MANIFEST, read_manifest, step_di
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.config.elastic import at_world
 from raytrain_hybrid.errors import ConfigError
-from raytrain_hybrid.launch.events import (
+from raytrain_hybrid.launch.records.events import (
     CheckpointEvent,
     DoneEvent,
     LayoutEvent,
@@ -20,14 +20,14 @@ from raytrain_hybrid.launch.events import (
     StartEvent,
     StepEvent,
 )
-from raytrain_hybrid.launch.tracking import StepLogger
+from raytrain_hybrid.launch.records.tracking import StepLogger
 from raytrain_hybrid.storage import open_store
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """Runs on every Ray Train worker (the process group is already initialised). ``loop_config``:
     ``plan``, the run's WorkerPlan (engine.plan), read-only; ``sink``, the driver's event queue;
-    ``tracking``, rank 0's tracker run (launch.tracking.TrackerRun) or None."""
+    ``tracking``, rank 0's tracker run (launch.records.tracking.TrackerRun) or None."""
     entered, entered_cpu = time.time(), time.process_time()  # CPU so far: Ray's (process, imports, group)
     import ray
     import ray.train
@@ -117,14 +117,14 @@ def predicted_memory(cfg: Config) -> dict | None:
 
 def _start_layout(cfg: Config, node_id: str, hardware: dict | None) -> tuple[Config, list[str]]:
     """This start's layout: an elastic run's dp follows the workers Ray started (config.elastic);
-    with layout=auto (``hardware`` given) the planner picks all of it for them (launch.autolayout)."""
+    with layout=auto (``hardware`` given) the planner picks all of it for them (launch.plan.autolayout)."""
     import ray.train
 
     if cfg.fault_tolerance.enabled:  # the workers are one replica group (engine.worker sizes it)
         return cfg, []
     if hardware is None:
         return at_world(cfg, ray.train.get_context().get_world_size()), []
-    from raytrain_hybrid.launch.autolayout import group_layout
+    from raytrain_hybrid.launch.plan.autolayout import group_layout
     from raytrain_hybrid.planner.hardware import Hardware
 
     return group_layout(cfg, node_id, Hardware(**hardware))

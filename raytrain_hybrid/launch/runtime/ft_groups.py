@@ -84,9 +84,9 @@ def train_groups(cfg: Config, source: Source, resume: str | None, verbose: bool,
     own output goes to run.output_dir/driver.log unless ``verbose``, as for any run."""
     import ray
 
-    from raytrain_hybrid.launch.driver import sigterm_ends_the_run
-    from raytrain_hybrid.launch.progress import quiet_driver
-    from raytrain_hybrid.launch.rundir import mirror_dir
+    from raytrain_hybrid.launch.records.progress import quiet_driver
+    from raytrain_hybrid.launch.records.rundir import mirror_dir
+    from raytrain_hybrid.launch.runtime.driver import sigterm_ends_the_run
 
     groups = replica_groups(cfg.parallelism)
     resumes = [group_resume(resume, g) for g in range(groups)]  # refused before Ray starts
@@ -112,7 +112,7 @@ def train_groups(cfg: Config, source: Source, resume: str | None, verbose: bool,
 def _run_groups(cfg, source, resumes, verbose, allow_change, children, out) -> list[int]:
     import ray
 
-    from raytrain_hybrid.launch.session import ensure_ray
+    from raytrain_hybrid.launch.runtime.session import ensure_ray
 
     groups = len(resumes)
     # Every group's workers and its Ray Train controller on a private local Ray.
@@ -132,7 +132,7 @@ def _run_groups(cfg, source, resumes, verbose, allow_change, children, out) -> l
 
 def _stop(cfg: Config, children: list[subprocess.Popen], exc: KeyboardInterrupt, err) -> int:
     """Ctrl-C or SIGTERM: each group is told the same, and given a minute to write its records."""
-    from raytrain_hybrid.launch.driver import Terminated
+    from raytrain_hybrid.launch.runtime.driver import Terminated
 
     how = signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT
     for child in children:

@@ -28,7 +28,7 @@ def group_launch(cfg: Config, world: int | None, how: str, restart: int = 0, eve
     (replica_<g>_restart<n> after torchrun restarted it). ``world``: the processes torchrun
     started (None on Ray, which starts the group's workers itself); ``how``: the launcher's way
     to set the process count, for the messages. ``every``: a Ray launch of every group
-    (launch.ft_groups), checked here as its group 0, which needs no Lighthouse named."""
+    (launch.runtime.ft_groups), checked here as its group 0, which needs no Lighthouse named."""
     from raytrain_hybrid.engine.replicas import lighthouse_address
 
     ft, par = cfg.fault_tolerance, cfg.parallelism
@@ -71,7 +71,7 @@ def serve(port: int, min_replicas: int, join_timeout_s: float, heartbeat_timeout
         from torchft.coordination import LighthouseServer
     except ImportError as exc:
         raise ConfigError("lighthouse", "", "needs torchft: pip install 'torchft>=0.2'") from exc
-    from raytrain_hybrid.launch.driver import sigterm_ends_the_run
+    from raytrain_hybrid.launch.runtime.driver import sigterm_ends_the_run
 
     server = LighthouseServer(
         bind=f"[::]:{port}",

@@ -1,7 +1,7 @@
 """The CLI's `train` and `prepare-data` as a user sees them: Ray's own output kept off the
 terminal (in driver.log, or a log file for prepare-data) unless ``--verbose``; one line for a
 refusal, a failure or Ctrl-C; exit codes 0 done, 1 failed, 2 refused, 130 Ctrl-C, 143 SIGTERM.
-Under torchrun, `train` runs without Ray (launch.torchrun).
+Under torchrun, `train` runs without Ray (launch.runtime.torchrun).
 """
 
 from __future__ import annotations
@@ -19,19 +19,19 @@ def train_command(
     allow_change: list[str] | None = None,
     source=None,
 ) -> int:
-    """``source`` (launch.ft_groups.Source): the config file and overrides given, from which a
+    """``source`` (launch.runtime.ft_groups.Source): the config file and overrides given, from which a
     fault-tolerant run on Ray without fault_tolerance.replica_group launches every group."""
-    from raytrain_hybrid.launch.address import ray_address
-    from raytrain_hybrid.launch.driver import sigterm_ends_the_run
-    from raytrain_hybrid.launch.torchrun import torchrun_train
+    from raytrain_hybrid.launch.plan.address import ray_address
+    from raytrain_hybrid.launch.runtime.driver import sigterm_ends_the_run
+    from raytrain_hybrid.launch.runtime.torchrun import torchrun_train
 
     if (code := torchrun_train(cfg, resume, allow_change)) is not None:  # started by torchrun: no Ray
         return code
-    if cfg.fault_tolerance.enabled:  # this launch is one replica group (launch.lighthouse), or all
-        from raytrain_hybrid.launch.lighthouse import group_launch
+    if cfg.fault_tolerance.enabled:  # this launch is one replica group (launch.runtime.lighthouse), or all
+        from raytrain_hybrid.launch.runtime.lighthouse import group_launch
 
         if source is not None and cfg.fault_tolerance.replica_group < 0:
-            from raytrain_hybrid.launch.ft_groups import train_groups
+            from raytrain_hybrid.launch.runtime.ft_groups import train_groups
 
             group_launch(cfg, None, "", every=True)  # group 0's checks stand for each group's
             ray_address(cfg)
@@ -45,10 +45,10 @@ def train_command(
 def _train_in(cfg, resume, verbose: bool, allow_change) -> int:
     import ray
 
-    from raytrain_hybrid.launch.driver import Terminated, run
-    from raytrain_hybrid.launch.lease import LeaseLost
-    from raytrain_hybrid.launch.progress import quiet_driver
-    from raytrain_hybrid.launch.rundir import RunDir, mirror_dir
+    from raytrain_hybrid.launch.records.lease import LeaseLost
+    from raytrain_hybrid.launch.records.progress import quiet_driver
+    from raytrain_hybrid.launch.records.rundir import RunDir, mirror_dir
+    from raytrain_hybrid.launch.runtime.driver import Terminated, run
 
     connected_before = ray.is_initialized()  # e.g. a notebook's or a test's own session
     log = mirror_dir(cfg.run.output_dir) / "driver.log"  # the run dir itself, unless it is a URI
@@ -75,7 +75,7 @@ def _train_in(cfg, resume, verbose: bool, allow_change) -> int:
                 if not verbose:
                     print(f"Ray's output of this run: {log}", file=err)
                 return 1
-            except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (launch.driver.sigterm_ends_the_run)
+            except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (launch.runtime.driver.sigterm_ends_the_run)
                 how = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted (Ctrl-C)"
                 print(f"{how}: the run stopped; what it wrote is in {cfg.run.output_dir}", file=err, flush=True)
                 return 143 if isinstance(exc, Terminated) else 130
@@ -102,9 +102,9 @@ def prepare_command(
     import ray
 
     from raytrain_hybrid.data.prepare import prepare_data
-    from raytrain_hybrid.launch.address import join_address
-    from raytrain_hybrid.launch.progress import quiet_driver
-    from raytrain_hybrid.launch.session import join_ray
+    from raytrain_hybrid.launch.plan.address import join_address
+    from raytrain_hybrid.launch.records.progress import quiet_driver
+    from raytrain_hybrid.launch.runtime.session import join_ray
     from raytrain_hybrid.storage import private_dir
 
     connected_before = ray.is_initialized()

@@ -10,7 +10,7 @@ import threading
 
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.errors import ConfigError, LayoutError
-from raytrain_hybrid.launch.address import ray_address
+from raytrain_hybrid.launch.plan.address import ray_address
 
 _TRAIN_V2 = "RAY_TRAIN_V2_ENABLED"
 
@@ -42,7 +42,7 @@ def local_cpus(cfg: Config, world_size: int) -> int:
 
 
 def join_ray(address: str, need_cpus: int = 0) -> None:
-    """ray.init on ``address`` (from launch.address.join_address), or a private local Ray when it is ""."""
+    """ray.init on ``address`` (from launch.plan.address.join_address), or a private local Ray when it is ""."""
     import ray
 
     if ray.is_initialized():
@@ -54,8 +54,8 @@ def join_ray(address: str, need_cpus: int = 0) -> None:
             ray.init(address=address, log_to_driver=False)
             return
         _start_local_ray(max(need_cpus, os.cpu_count() or 1))
-    # Its processes end with this one however it ends, kill -9 included (launch.reaper).
-    from raytrain_hybrid.launch import reaper
+    # Its processes end with this one however it ends, kill -9 included (launch.runtime.reaper).
+    from raytrain_hybrid.launch.runtime import reaper
 
     reaper.start()
 
@@ -114,8 +114,8 @@ def live_workers_per_node(cfg: Config, world: int, say=print) -> list[int]:
     address = ray_address(cfg)
     if not address:
         return [world]
-    from raytrain_hybrid.launch.placement import predict_workers_per_node, worker_resources
-    from raytrain_hybrid.launch.reach import cluster_reach
+    from raytrain_hybrid.launch.plan.placement import predict_workers_per_node, worker_resources
+    from raytrain_hybrid.launch.plan.reach import cluster_reach
 
     join_ray(address)
     reach = cluster_reach(True, cfg.cluster.accelerator_type)

@@ -1,7 +1,7 @@
 """A run's start, worked out once on the driver: where it starts and writes, the cluster it may
 reach, its layout, the workers' count and resources, where they are placed, the steps it trains.
 
-Every check and the launch read this one plan (launch.plan.RunPlan) instead of each working the
+Every check and the launch read this one plan (launch.plan.run_plan.RunPlan) instead of each working the
 same facts out again. It is derived before Ray starts (plan_run; a private local Ray is planned as
 the node it will be, a named cluster is read), the driver says it, and only then is Ray started for
 it (start_run): a refused run has not started Ray, and `check` derives the same plan the same way.
@@ -29,15 +29,15 @@ from raytrain_hybrid.checkpoint.trajectory import check_allowed, check_trajector
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.config.elastic import is_elastic
 from raytrain_hybrid.errors import ConfigError
-from raytrain_hybrid.launch.address import ray_address
-from raytrain_hybrid.launch.autolayout import choose_layout, held_nodes, use_gpu_for
-from raytrain_hybrid.launch.elastic import start_line, worker_counts
-from raytrain_hybrid.launch.inputs import check_input, finish_input, reader_env, steps_to_train
-from raytrain_hybrid.launch.placement import worker_resources
-from raytrain_hybrid.launch.plan import DataSource, ResumePoint, RunPlan
-from raytrain_hybrid.launch.preflight import check_placement, check_weights, crowded, predict_start
-from raytrain_hybrid.launch.reach import Reach, cluster_reach
-from raytrain_hybrid.launch.session import join_ray, local_cpus, resolve_use_gpu
+from raytrain_hybrid.launch.plan.address import ray_address
+from raytrain_hybrid.launch.plan.autolayout import choose_layout, held_nodes, use_gpu_for
+from raytrain_hybrid.launch.plan.elastic import start_line, worker_counts
+from raytrain_hybrid.launch.plan.inputs import check_input, finish_input, reader_env, steps_to_train
+from raytrain_hybrid.launch.plan.placement import worker_resources
+from raytrain_hybrid.launch.plan.preflight import check_placement, check_weights, crowded, predict_start
+from raytrain_hybrid.launch.plan.reach import Reach, cluster_reach
+from raytrain_hybrid.launch.plan.run_plan import DataSource, ResumePoint, RunPlan
+from raytrain_hybrid.launch.runtime.session import join_ray, local_cpus, resolve_use_gpu
 from raytrain_hybrid.models.custom import registered
 from raytrain_hybrid.planner.hardware import Hardware
 from raytrain_hybrid.storage import Store, open_store
@@ -271,8 +271,8 @@ def local_gpus() -> int:
 def check_before_ray(cfg: Config, say=print) -> tuple[Config, DataSource]:
     """The checks `train` makes before Ray starts, and `check` makes the same: the pretrained
     checkpoint's weights, a machine given far more workers than cores (said), the input
-    (launch.inputs.check_input). Returns the config with data.path resolved and the input as
-    checked (what is left needs Ray: launch.inputs.finish_input)."""
+    (launch.plan.inputs.check_input). Returns the config with data.path resolved and the input as
+    checked (what is left needs Ray: launch.plan.inputs.finish_input)."""
     check_weights(cfg)
     if warning := crowded(cfg):
         say(warning)
@@ -299,7 +299,7 @@ def plan_run(
 def start_run(plan: RunPlan, marks: dict, say=print) -> None:
     """Ray for ``plan``: the cluster it names joined, else the private local Ray of the node it was
     planned for started; then the output directory made (only now: a refused run leaves nothing
-    behind) and what the input's check left for Ray done (launch.inputs.finish_input: the shipped
+    behind) and what the input's check left for Ray done (launch.plan.inputs.finish_input: the shipped
     corpus prepared into the plan's data.path the first time, chat rows too many to encode here)."""
     cfg = plan.cfg
     join_ray(ray_address(cfg), need_cpus=0 if ray_address(cfg) else int(sum(n["CPU"] for n in plan.reach.live)))

@@ -1,11 +1,11 @@
-"""`check`'s start plan: the plan `train`'s driver would make (launch.start.derive_plan, the same
+"""`check`'s start plan: the plan `train`'s driver would make (launch.runtime.start.derive_plan, the same
 derivation and the same start line), made without starting anything.
 
 Nothing is written: no output directory is made, no lease taken, no Ray snapshot removed, no
 input prepared. The nodes are those `--topology` gives (workers per node), else the cluster
 `--address` or RAY_ADDRESS names (joined to read it), else the one node of the private local Ray
 `train` would start. run.output_dir's lease is read, never taken; ``--resume`` is checked by the
-driver's own check (launch.start.prepare_run_dir), so `check` refuses what `train` would. Storage
+driver's own check (launch.runtime.start.prepare_run_dir), so `check` refuses what `train` would. Storage
 that cannot be read here (no network, no credentials) is said as "not verified", at once: an
 object store is read without the retries a run makes.
 """
@@ -21,14 +21,15 @@ import pyarrow.fs as pafs
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.config.elastic import is_elastic
 from raytrain_hybrid.errors import ConfigError
-from raytrain_hybrid.launch.address import ray_address
-from raytrain_hybrid.launch.autolayout import pick_for_check
-from raytrain_hybrid.launch.lease import LEASE, describe, expired, in_use
-from raytrain_hybrid.launch.plan import DataSource
-from raytrain_hybrid.launch.preflight import _check_output_dir
-from raytrain_hybrid.launch.reach import Reach
-from raytrain_hybrid.launch.session import live_workers_per_node, use_train_v2
-from raytrain_hybrid.launch.start import (
+from raytrain_hybrid.launch.plan.address import ray_address
+from raytrain_hybrid.launch.plan.autolayout import pick_for_check
+from raytrain_hybrid.launch.plan.preflight import _check_output_dir
+from raytrain_hybrid.launch.plan.reach import Reach
+from raytrain_hybrid.launch.plan.run_plan import DataSource
+from raytrain_hybrid.launch.records.lease import LEASE, describe, expired, in_use
+from raytrain_hybrid.launch.records.tracking import check_tracking
+from raytrain_hybrid.launch.runtime.session import live_workers_per_node, use_train_v2
+from raytrain_hybrid.launch.runtime.start import (
     ResumePoint,
     RunPlan,
     check_before_ray,
@@ -36,7 +37,6 @@ from raytrain_hybrid.launch.start import (
     prepare_run_dir,
     run_nodes,
 )
-from raytrain_hybrid.launch.tracking import check_tracking
 from raytrain_hybrid.models.hub import Unreadable
 from raytrain_hybrid.storage import Store, is_uri, open_store
 
@@ -127,7 +127,7 @@ def check_plan(
 
 
 def _inputs(cfg: Config, say, unverified: list[str]) -> tuple[Config, DataSource | None]:
-    """`train`'s checks before Ray starts (launch.start.check_before_ray), refusing what it refuses;
+    """`train`'s checks before Ray starts (launch.runtime.start.check_before_ray), refusing what it refuses;
     a data set or model in storage out of reach here is said as not verified (no DataSource)."""
     try:
         cfg, data = check_before_ray(cfg, say)
@@ -147,7 +147,7 @@ def _inputs(cfg: Config, say, unverified: list[str]) -> tuple[Config, DataSource
 
 
 def lease_state(out: Store) -> str:
-    """run.output_dir's lease (launch.lease), read and never taken: free, else the ConfigError
+    """run.output_dir's lease (launch.records.lease), read and never taken: free, else the ConfigError
     `train` gives when another run holds it."""
     lease = out.child(LEASE)
     if not lease.is_file():

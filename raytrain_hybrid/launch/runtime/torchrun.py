@@ -25,7 +25,7 @@ from raytrain_hybrid.config import Config
 from raytrain_hybrid.config.elastic import is_elastic
 from raytrain_hybrid.engine.hang import nccl_env, set_env
 from raytrain_hybrid.errors import ConfigError, LayoutError, redact
-from raytrain_hybrid.launch.events import CheckpointEvent, DoneEvent, StartEvent, StepEvent
+from raytrain_hybrid.launch.records.events import CheckpointEvent, DoneEvent, StartEvent, StepEvent
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
 
@@ -42,7 +42,7 @@ def torchrun_train(cfg: Config, resume: str | None = None, allow_change: list[st
         return None
     import torch.distributed as dist
 
-    from raytrain_hybrid.launch.driver import sigterm_ends_the_run
+    from raytrain_hybrid.launch.runtime.driver import sigterm_ends_the_run
 
     launched = _process_start()
     rank = int(os.environ["RANK"])
@@ -118,10 +118,10 @@ class _NothingLeft(Exception):
 def _prepare(cfg: Config, resume, allow_change, use_gpu: bool, marks: dict):
     """Rank 0, before any rank builds anything: what `train` checks before Ray starts, and the
     run directory made. Returns (what rank 0 keeps, the lease)."""
-    from raytrain_hybrid.launch.inputs import finish_input, steps_to_train
-    from raytrain_hybrid.launch.lease import acquire
-    from raytrain_hybrid.launch.placement import worker_resources
-    from raytrain_hybrid.launch.start import RunPlan, check_before_ray, prepare_run_dir
+    from raytrain_hybrid.launch.plan.inputs import finish_input, steps_to_train
+    from raytrain_hybrid.launch.plan.placement import worker_resources
+    from raytrain_hybrid.launch.records.lease import acquire
+    from raytrain_hybrid.launch.runtime.start import RunPlan, check_before_ray, prepare_run_dir
     from raytrain_hybrid.storage import open_store
 
     par, world = cfg.parallelism, int(os.environ["WORLD_SIZE"])
@@ -129,7 +129,7 @@ def _prepare(cfg: Config, resume, allow_change, use_gpu: bool, marks: dict):
         key, value = ("parallelism.layout", par.layout) if par.layout == "auto" else ("parallelism.min_dp", par.min_dp)
         raise ConfigError(key, value, "needs Ray's view of the cluster; under torchrun give a fixed layout")
     if cfg.fault_tolerance.enabled:
-        from raytrain_hybrid.launch.lighthouse import group_launch
+        from raytrain_hybrid.launch.runtime.lighthouse import group_launch
 
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         cfg = group_launch(cfg, world, "torchrun --nproc-per-node", restart)
@@ -152,7 +152,7 @@ def _prepare(cfg: Config, resume, allow_change, use_gpu: bool, marks: dict):
     try:
         cfg, point = prepare_run_dir(cfg, resume, allow_change, say)
         if point.finished:  # nothing left to train: the run's records completed (said), no rank trains
-            from raytrain_hybrid.launch.rundir import complete_records
+            from raytrain_hybrid.launch.records.rundir import complete_records
 
             complete_records(cfg, point)
             raise _NothingLeft
@@ -193,10 +193,10 @@ def _prepare(cfg: Config, resume, allow_change, use_gpu: bool, marks: dict):
 def _train(rank: int, plan, prepared: dict | None, marks: dict) -> int:
     """Every rank: the worker loop of ``plan`` (engine.plan.WorkerPlan, rank 0's broadcast); rank 0
     also records the run as the Ray driver does."""
-    marks["worker_entered"], marks["cpu_worker_entered"] = time.time(), time.process_time()  # (as launch.entry)
+    marks["worker_entered"], marks["cpu_worker_entered"] = time.time(), time.process_time()  # (as launch.runtime.entry)
     from raytrain_hybrid.engine.plan import WorkerIO
     from raytrain_hybrid.engine.worker import mark, run_worker
-    from raytrain_hybrid.launch.driver import how_ended, write_results
+    from raytrain_hybrid.launch.runtime.driver import how_ended, write_results
     from raytrain_hybrid.models import get_arch
 
     cfg = plan.cfg
@@ -240,14 +240,14 @@ def _train(rank: int, plan, prepared: dict | None, marks: dict) -> int:
 
 
 def _exit_code(exc: KeyboardInterrupt) -> int:
-    from raytrain_hybrid.launch.driver import Terminated
+    from raytrain_hybrid.launch.runtime.driver import Terminated
 
     return 143 if isinstance(exc, Terminated) else 130
 
 
 def _said_how(exc: BaseException, cfg: Config) -> int:
     """Rank 0's one line for a run that did not complete, and its exit code."""
-    from raytrain_hybrid.launch.driver import how_ended
+    from raytrain_hybrid.launch.runtime.driver import how_ended
 
     if isinstance(exc, KeyboardInterrupt):
         print(f"{how_ended(exc)}: the run stopped; what it wrote is in {cfg.run.output_dir}", file=sys.stderr)
@@ -270,9 +270,9 @@ class _Record:
     """Rank 0's records of the run: config.json, metrics.jsonl, TensorBoard, checkpoint.keep."""
 
     def __init__(self, cfg: Config, prepared: dict, resume: str | None) -> None:
-        from raytrain_hybrid.launch.driver import write_config
-        from raytrain_hybrid.launch.progress import RunLog
-        from raytrain_hybrid.launch.rundir import RunDir
+        from raytrain_hybrid.launch.records.progress import RunLog
+        from raytrain_hybrid.launch.records.rundir import RunDir
+        from raytrain_hybrid.launch.runtime.driver import write_config
 
         self.cfg = cfg
         self.run_dir = RunDir.open(cfg.run.output_dir, fresh=True)
