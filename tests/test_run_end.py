@@ -71,3 +71,34 @@ def test_a_run_ended_early_leaves_its_log_and_a_summary_saying_how(
     assert summary["ended"] == ended and summary["steps"] == 0, summary
     assert "Ray's own line, for driver.log" in (out / "driver.log").read_text()
     assert (out / "config.json").exists() and not (out / "run.lease.json").exists()
+
+
+def test_ctrl_c_while_ray_starts_leaves_the_runs_records_too(tmp_path, monkeypatch, capsys):
+    """Ray's start is the longest wait before the first step, where a Ctrl-C is likeliest: the
+    run directory is made then, with driver.log and a summary saying how it ended. Before the
+    start (the run's checks) nothing is written, and the line says so."""
+
+    def starting(*args, **kwargs):
+        print("Ray's own line, for driver.log")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(start, "run_nodes", lambda cfg: Reach([{"CPU": 4.0}]))
+    monkeypatch.setattr(start, "join_ray", starting)
+    out = tmp_path / "run"
+    argv = ["train", *(a for s in [*SETS, f"run.output_dir={out}"] for a in ("--set", s))]
+    assert cli.main(argv) == 130
+    err = capsys.readouterr().err
+    assert err == f"interrupted (Ctrl-C): the run stopped; what it wrote is in {out}\n", err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ended"] == "interrupted (Ctrl-C)" and summary["steps"] == 0, summary
+    assert "Ray's own line, for driver.log" in (out / "driver.log").read_text()
+    assert (out / "config.json").exists() and not (out / "run.lease.json").exists()
+
+    def checking(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(driver, "check_before_ray", checking)
+    assert cli.main([*argv[:-1], f"run.output_dir={tmp_path / 'other'}"]) == 130
+    err = capsys.readouterr().err
+    assert err == "interrupted (Ctrl-C) before the run started: nothing was written\n", err
+    assert not (tmp_path / "other").exists()

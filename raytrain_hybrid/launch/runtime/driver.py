@@ -94,25 +94,25 @@ def _run_leased(plan: RunPlan, marks: dict, say, said: list[str], stream, driver
     import ray
     from ray.util.queue import Queue
 
-    cfg, point = plan.cfg, plan.point
+    cfg = plan.cfg
     for line in plan.lines():
         say(line)
-    start_run(plan, marks, say)
+    try:
+        start_run(plan, marks, say)
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM while Ray starts (the longest wait): said there too
+        with contextlib.suppress(Exception):
+            if held():
+                open_store(cfg.run.output_dir).makedirs()  # (start_run makes it once Ray is up)
+                run_dir, run_log = _records(plan, stream, driver_log, said)
+                with contextlib.closing(run_log):
+                    write_results(cfg, run_log, marks, run_dir, driver_log, ended=how_ended(exc))
+                exc.records_written = True  # (the CLI's line says where)
+        raise
     sink = Queue(actor_options=sink_options())  # rank 0's events, see the module docstring
     tracked = TrackedRun()  # run.tracking: its run is opened before any worker starts
     tracking = tracked.open(cfg)
     trainer = make_trainer(plan, sink=sink, tracking=tracking)
-    run_dir = RunDir.open(cfg.run.output_dir, fresh=True)
-    write_config(cfg, run_dir)
-    run_log = RunLog(
-        run_dir.local,
-        steps=plan.end,
-        progress=cfg.run.progress,
-        history=point.history,
-        stream=stream,
-        on_checkpoint=functools.partial(run_dir.sync, driver_log),
-        said=said,
-    )
+    run_dir, run_log = _records(plan, stream, driver_log, said)
     try:
         with contextlib.closing(run_log), tracked:  # a run that fails ends its tracker run FAILED
             watchdog = StartupWatchdog.for_run(cfg.cluster, plan.resources, cfg.run.startup_timeout_s)
@@ -122,6 +122,7 @@ def _run_leased(plan: RunPlan, marks: dict, say, said: list[str], stream, driver
         with contextlib.suppress(Exception):
             if held():  # (not over the summary of the run that took the directory over)
                 write_results(cfg, run_log, marks, run_dir, driver_log, ended=how_ended(exc))
+                exc.records_written = True
         raise
     if not held():
         raise lease_lost(cfg, held)
@@ -134,6 +135,22 @@ def _run_leased(plan: RunPlan, marks: dict, say, said: list[str], stream, driver
     tracked.finish(summary)
     ray.kill(sink.actor)
     return summary
+
+
+def _records(plan: RunPlan, stream, driver_log, said: list[str]) -> tuple[RunDir, RunLog]:
+    """The run's files from its start: config.json, and metrics.jsonl (the steps a resume keeps)."""
+    run_dir = RunDir.open(plan.cfg.run.output_dir, fresh=True)
+    write_config(plan.cfg, run_dir)
+    run_log = RunLog(
+        run_dir.local,
+        steps=plan.end,
+        progress=plan.cfg.run.progress,
+        history=plan.point.history,
+        stream=stream,
+        on_checkpoint=functools.partial(run_dir.sync, driver_log),
+        said=said,
+    )
+    return run_dir, run_log
 
 
 def lease_lost(cfg: Config, held) -> LeaseLost:

@@ -77,7 +77,10 @@ def _train_in(cfg, resume, verbose: bool, allow_change) -> int:
                 return 1
             except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (launch.runtime.driver.sigterm_ends_the_run)
                 how = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted (Ctrl-C)"
-                print(f"{how}: the run stopped; what it wrote is in {cfg.run.output_dir}", file=err, flush=True)
+                if not getattr(exc, "records_written", False):  # stopped in its checks, before the start
+                    print(f"{how} before the run started: nothing was written", file=err, flush=True)
+                else:
+                    print(f"{how}: the run stopped; what it wrote is in {cfg.run.output_dir}", file=err, flush=True)
                 return 143 if isinstance(exc, Terminated) else 130
             finally:
                 if ray.is_initialized() and not connected_before:
