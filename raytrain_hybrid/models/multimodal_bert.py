@@ -17,97 +17,23 @@ Dropout is off (as in the other models) so every layout computes the same functi
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-from transformers import BertConfig
-from transformers.models.bert.modeling_bert import BertEmbeddings, BertLayer
-
 from raytrain_hybrid.errors import ConfigError
-from raytrain_hybrid.models.common import full_init_state_dict
-from raytrain_hybrid.models.pretrained import encoder_sizes, load_tensors, read_config
-from raytrain_hybrid.models.spec import ArchSpec
+from raytrain_hybrid.models.pretrained import encoder_sizes, read_config
+from raytrain_hybrid.models.spec import ArchSpec, TransformersClass
 
 
-class TabularNet(nn.Module):
-    def __init__(self, features: int, hidden: int) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(features, hidden)
-        self.fc2 = nn.Linear(hidden, hidden)
+class _Code(TransformersClass):
+    """A function or class of the model code (models.multimodal_bert_model), imported when first
+    called: a config's defaults and checks (every `check`) cost no import of torch and
+    transformers' BERT (seconds of CPU)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.relu(self.fc2(F.relu(self.fc1(x))))
+    def load(self):
+        from raytrain_hybrid.models import multimodal_bert_model
 
+        return getattr(multimodal_bert_model, self.name)
 
-class FusionHead(nn.Module):
-    def __init__(self, width: int, hidden: int, classes: int) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(width, hidden)
-        self.fc2 = nn.Linear(hidden, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.relu(self.fc1(x)))
-
-
-def mean_pool(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of the hidden states over real tokens (the pooling all-MiniLM-L6-v2 was trained with)."""
-    m = mask.unsqueeze(-1).to(h.dtype)
-    return (h * m).sum(1) / m.sum(1).clamp(min=1.0)
-
-
-def attention_mask(mask: torch.Tensor) -> torch.Tensor:
-    """[batch, seq] 1/0 -> [batch, 1, 1, seq] bool for sdpa: every query sees the real keys."""
-    return mask[:, None, None, :].bool()
-
-
-class MultimodalBert(nn.Module):
-    """Parameter names: embeddings_a/b.*, layers.<0..2L-1>.*, tabular.*, head.*."""
-
-    def __init__(self, config: BertConfig) -> None:
-        super().__init__()
-        self.config = config
-        layers = config.num_hidden_layers
-        self.embeddings_a = BertEmbeddings(config)
-        self.embeddings_b = BertEmbeddings(config)
-        self.layers = nn.ModuleList(BertLayer(config, layer_idx=i % layers) for i in range(2 * layers))
-        self.tabular = TabularNet(config.num_tabular_features, config.tabular_hidden_size)
-        width = 2 * config.hidden_size + config.tabular_hidden_size
-        self.head = FusionHead(width, config.fusion_hidden_size, config.num_classes)
-
-    def encode(self, embeddings, layers, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        h = embeddings(input_ids=ids)
-        for layer in layers:
-            h = layer(h, attention_mask=attention_mask(mask))
-        return mean_pool(h, mask)
-
-    def forward(self, ids_a, mask_a, ids_b, mask_b, tabular) -> torch.Tensor:
-        """Logits [batch, classes]: the plain, unpipelined forward (what the oracle runs)."""
-        n = self.config.num_hidden_layers
-        a = self.encode(self.embeddings_a, self.layers[:n], ids_a, mask_a)
-        b = self.encode(self.embeddings_b, self.layers[n:], ids_b, mask_b)
-        return self.head(torch.cat([a, b, self.tabular(tabular)], dim=-1))
-
-
-def hf_config(cfg) -> BertConfig:
-    m = cfg.model
-    conf = read_config(m.pretrained)  # {} for random weights
-    if not conf:
-        conf = {
-            "vocab_size": m.vocab_size,
-            "hidden_size": m.hidden_size,
-            "num_hidden_layers": m.num_layers,
-            "num_attention_heads": m.num_heads,
-            "intermediate_size": m.ffn_hidden_size,
-            "max_position_embeddings": m.seq_len,
-        }
-    conf = {k: v for k, v in conf.items() if not k.startswith("_") and k not in ("architectures", "model_type")}
-    config = BertConfig(**{**conf, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0})
-    config._attn_implementation = "sdpa"
-    config.num_tabular_features = len(cfg.data.tabular_columns)
-    config.tabular_hidden_size = m.tabular_hidden_size
-    config.fusion_hidden_size = m.fusion_hidden_size
-    config.num_classes = m.num_classes
-    return config
+    def __repr__(self) -> str:
+        return f"raytrain_hybrid.models.multimodal_bert_model.{self.name}"
 
 
 # What travels between stages, by the index of the next block to run (L blocks per encoder).
@@ -121,70 +47,6 @@ def carried(next_block: int, layers: int) -> tuple[str, ...]:
     return ("h", "mask_b", "pooled_a", "tab_h")
 
 
-def stage_forward(stage, *xs: torch.Tensor):
-    n = stage.hf_config.num_hidden_layers
-    blocks = sorted(int(k) for k in stage.layers.keys())
-    st = dict(zip(carried(blocks[0], n), xs, strict=True))
-    if stage.tabular is not None:
-        st["tab_h"] = stage.tabular(st.pop("tabular"))
-    for i in blocks:
-        if i == 0:
-            st["h"] = stage.embeddings_a(input_ids=st.pop("ids_a"))
-        if i == n:
-            st["h"] = stage.embeddings_b(input_ids=st.pop("ids_b"))
-        mask = st["mask_a"] if i < n else st["mask_b"]
-        st["h"] = stage.layers[str(i)](st["h"], attention_mask=attention_mask(mask))
-        if i == n - 1:
-            st["pooled_a"] = mean_pool(st.pop("h"), st.pop("mask_a"))
-        if i == 2 * n - 1:
-            st["pooled_b"] = mean_pool(st.pop("h"), st.pop("mask_b"))
-    if stage.head is not None:
-        return stage.head(torch.cat([st["pooled_a"], st["pooled_b"], st["tab_h"]], dim=-1)).float()
-    # float32 between stages whatever autocast produced: the stages' I/O shapes are declared.
-    return tuple(st[k].float() if st[k].is_floating_point() else st[k] for k in carried(blocks[-1] + 1, n))
-
-
-def stage_io(config: BertConfig, blocks: list[int], rows: int, seq_len: int, device) -> tuple[tuple, tuple]:
-    """Example inputs and outputs of the stage holding ``blocks`` for a micro-batch of ``rows``.
-
-    Declared, not inferred: torch.distributed.pipelining would infer them by running each stage
-    on uninitialised tensors, and uninitialised token ids index outside the embedding.
-    """
-    n, h = config.num_hidden_layers, config.hidden_size
-    shapes = {
-        "ids_a": (rows, seq_len),
-        "mask_a": (rows, seq_len),
-        "ids_b": (rows, seq_len),
-        "mask_b": (rows, seq_len),
-        "tabular": (rows, config.num_tabular_features),
-        "h": (rows, seq_len, h),
-        "pooled_a": (rows, h),
-        "tab_h": (rows, config.tabular_hidden_size),
-    }
-
-    def example(key: str, grad: bool = True) -> torch.Tensor:
-        if key.startswith(("ids", "mask")):
-            return torch.zeros(shapes[key], dtype=torch.int64, device=device)
-        # Float activations from an earlier stage carry a gradient back; the batch's own do not.
-        return torch.zeros(shapes[key], device=device, requires_grad=grad)
-
-    inputs = tuple(example(k, grad=blocks[0] > 0) for k in carried(blocks[0], n))
-    if blocks[-1] == 2 * n - 1:
-        outputs = (torch.zeros((rows, config.num_classes), device=device),)
-    else:
-        outputs = tuple(example(k) for k in carried(blocks[-1] + 1, n))
-    return inputs, outputs
-
-
-def init_buffers(stage, config: BertConfig, device: torch.device) -> None:
-    # position_ids / token_type_ids are non-persistent buffers: garbage after to_empty().
-    for emb in (stage.embeddings_a, stage.embeddings_b):
-        if emb is not None:
-            positions = torch.arange(config.max_position_embeddings, device=device).expand((1, -1))
-            emb.position_ids = positions
-            emb.token_type_ids = torch.zeros_like(positions)
-
-
 def checkpoint_name(name: str, layers: int) -> str | None:
     """Project parameter name -> name in a BertModel checkpoint (None: not in it)."""
     head, _, rest = name.partition(".")
@@ -194,25 +56,6 @@ def checkpoint_name(name: str, layers: int) -> str | None:
         index, _, rest = rest.partition(".")
         return f"encoder.layer.{int(index) % layers}.{rest}"
     return None  # tabular network and fusion head: new, drawn from the seed
-
-
-def initial_state(cfg, stage, shapes: dict) -> dict:
-    state = full_init_state_dict(stage, cfg.train.seed, cfg.train.init_std, shapes)
-    if cfg.model.pretrained.lower() == "none":
-        return state
-    names = {n: checkpoint_name(n, cfg.model.num_layers) for n in shapes}
-    loaded = load_tensors(cfg.model.pretrained, sorted({c for c in names.values() if c}))
-    for name, ckpt in names.items():
-        if ckpt is not None:
-            assert loaded[ckpt].shape == shapes[name], (name, loaded[ckpt].shape, shapes[name])
-            state[name] = loaded[ckpt]
-    return state
-
-
-def tp_adjust(block, tp: int) -> None:
-    attn = block.attention.self
-    attn.num_attention_heads //= tp
-    attn.all_head_size //= tp
 
 
 def checkpoint_sizes(m) -> dict:
@@ -284,8 +127,8 @@ def matmul_params(m) -> int:
 
 SPEC = ArchSpec(
     name="multimodal-bert",
-    hf_config=hf_config,
-    build=MultimodalBert,
+    hf_config=_Code("hf_config"),
+    build=_Code("MultimodalBert"),
     layers="layers",
     first_stage=("embeddings_a", "tabular"),
     last_stage=("head",),
@@ -301,9 +144,9 @@ SPEC = ArchSpec(
         "intermediate.dense": "colwise",
         "output.dense": "rowwise",
     },
-    tp_adjust=tp_adjust,
-    stage_forward=stage_forward,
-    init_buffers=init_buffers,
+    tp_adjust=_Code("tp_adjust"),
+    stage_forward=_Code("stage_forward"),
+    init_buffers=_Code("init_buffers"),
     check=check,
     task="classify",
     default_lr=2e-4,  # fine-tuning pretrained encoders
@@ -319,6 +162,6 @@ SPEC = ArchSpec(
     logits_per_row=lambda m: m.num_classes,  # a class per row, not a vocabulary per token
     num_blocks=lambda m: 2 * m.num_layers,
     anchors=lambda config: {"embeddings_b": config.num_hidden_layers},
-    initial_state=initial_state,
-    stage_io=stage_io,
+    initial_state=_Code("initial_state"),
+    stage_io=_Code("stage_io"),
 )
