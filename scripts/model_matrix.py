@@ -228,7 +228,7 @@ def _cell(row: dict, name: str) -> str:
     """A feature's column: the layout it was held to its reference at, or why not (the error itself
     stays in the JSON), or that it was not checked."""
     if row.get(name):
-        return row[f"{name}_layout"]
+        return row[f"{name}_layout"] + (" (tp=1 only: differs at tp=2)" if row.get(f"{name}_tp_reason") else "")
     if name == "sp" and not row.get("tp"):
         return "- (tp=1 only)"
     why = row.get(f"{name}_reason")
@@ -255,8 +255,8 @@ def write_doc(record: dict) -> None:
         "`config.json`'s `model_type` picks the architecture. Two kinds of families train here:",
         "",
         f"- **Hand-written specs**: {', '.join(f'`{n}`' for n in ARCH_NAMES)}. Sequence parallelism,",
-        "  context parallelism, packing, LoRA, and for the mixtures of experts expert parallelism and the",
-        "  router's auxiliary loss.",
+        "  context parallelism, packing, LoRA (not on the mixtures of experts), and for the mixtures of",
+        "  experts expert parallelism and the router's auxiliary loss.",
         "- **Any other transformers decoder** with a tensor-parallel and a pipeline plan: transformers' own",
         "  class and plans, no code of ours per family; dp, tp, pp and the ZeRO stages, and, where the",
         "  columns below say so, sequence parallelism (on by default with tp > 1), context parallelism,",
@@ -282,7 +282,9 @@ def write_doc(record: dict) -> None:
         "- *LoRA*: rank 4 on every linear, at the same layout, against peft's adapters on transformers' model.",
         "",
         "`check` refuses `parallelism.cp`, `data.packing` and `lora.rank` for a family with a reason in its",
-        "column, before any worker starts, and says whether sequence parallelism applies to a run at tp > 1.",
+        "column (and at tp > 1 where the column says *tp=1 only*), before any worker starts, and says whether",
+        "sequence parallelism applies to a run at tp > 1. A LoRA run adapts the linears of the family's",
+        "tensor-parallel plan (`lora.targets=all-linear`), not a mixture of experts' experts.",
         "*not checked*: no verdict was recorded for that feature and family (`check` does not refuse it).",
         "",
         f"## Supported ({len(passed)} families)",

@@ -59,10 +59,14 @@ class PositionDropout(torch.nn.Module):
 def peft_model(cfg, pretrained: str):
     """The checkpoint's transformers model with peft's adapters for ``cfg.lora`` (fp32)."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    hf_config = AutoConfig.from_pretrained(pretrained, local_files_only=True)
+    for key, value in hf_config.to_dict().items():  # dropout off, as the engine has it (Seed-OSS's files say 0.1)
+        if isinstance(value, float) and key.endswith(("dropout", "pdrop", "dropout_prob")):
+            setattr(hf_config, key, 0.0)
     base = AutoModelForCausalLM.from_pretrained(
-        pretrained, dtype=torch.float32, attn_implementation="eager", local_files_only=True
+        pretrained, config=hf_config, dtype=torch.float32, attn_implementation="eager", local_files_only=True
     )
     lora = cfg.lora
     targets = "all-linear" if "all-linear" in lora.targets else list(lora.targets)

@@ -224,6 +224,8 @@ def test_check_says_whether_sequence_parallelism_applies(monkeypatch):
         ("qwen3_next", ["data.packing=true"], "data.packing", "qwen3_next has linear_attention layers"),
         ("qwen3", ["data.packing=true"], "data.packing", "qwen3 differs from the reference with packing"),
         ("qwen3", ["lora.rank=4"], "lora.rank", "qwen3 differs from the reference with lora"),
+        ("qwen2_moe", ["lora.rank=4"], "lora.rank", "qwen2_moe is a mixture of experts (num_experts=8)"),
+        ("gemma2", ["lora.rank=4", "parallelism.tp=2"], "lora.rank", "gemma2 with lora.rank=4 differs at tp=2"),
     ],
 )
 def test_check_refuses_packing_and_lora_where_the_family_cannot_take_them(
@@ -239,10 +241,14 @@ def test_check_refuses_packing_and_lora_where_the_family_cannot_take_them(
         "packing_reason": "differs from the reference with packing",
         "lora_reason": "differs from the reference with lora",
     }
-    monkeypatch.setattr(generic, "verified", lambda: {"qwen3": row})
+    tp1_only = {"status": "passed", "tp": True, "lora": True, "lora_tp_reason": "differs at tp=2"}
+    monkeypatch.setattr(generic, "verified", lambda: {"qwen3": row, "gemma2": tp1_only})
     AutoConfig.for_model(model_type, **tiny_sizes(model_type)).save_pretrained(tmp_path)
     layout = ["parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=1", "data.path=memory", "model.seq_len=32"]
     with pytest.raises(ConfigError, match=re.escape(words)) as err:
         load_config(None, [f"model.pretrained={tmp_path}", *layout, *overrides])
     assert err.value.key == key and f"{key}=" in str(err.value)
     assert "data.packing=false" in str(err.value) or "lora.rank=0" in str(err.value)
+    if "parallelism.tp=2" in overrides:  # held at tp=1 only: taken there
+        assert "use parallelism.tp=1" in str(err.value)
+        load_config(None, [f"model.pretrained={tmp_path}", *layout, *(o for o in overrides if "tp=" not in o)])

@@ -67,6 +67,11 @@ def features(model_type: str, cfg) -> None:
     from raytrain_hybrid.models import generic
 
     row = generic.verified().get(model_type) or {}
+    for key, name, off in (("data.packing", "packing", "false"), ("lora.rank", "lora", "0")):
+        on = cfg.data.packing if name == "packing" else cfg.lora.rank
+        if on and cfg.parallelism.tp > 1 and row.get(f"{name}_tp_reason"):  # held at tp=1 only
+            why = f"with {key}={on} {row[f'{name}_tp_reason']}"
+            raise ConfigError(key, on, f"{model_type} {why}; use parallelism.tp=1 or {key}={off}")
     if cfg.data.packing:
         why = row.get("packing_reason") if row.get("packing") is False else None
         why = why or packing_refusal(generic.hf_config(model_type, cfg))
