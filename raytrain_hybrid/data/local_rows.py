@@ -3,8 +3,8 @@
 ``LocalRows`` has the one method the streams call on a Ray Data iterator
 (``iter_batches(batch_size=, batch_format=)``) and yields the same rows in the same order as
 data.ray_data's datasets with ``preserve_order``: the Parquet files in path order, each file's
-rows in order, mapped by the same functions (tokenized text,
-a classifier's encoded rows, chat examples). Only the replica leaders read, as under Ray.
+rows in order, in the same form (data.forms: tokenized text, a classifier's encoded rows, chat
+examples). Only the replica leaders read, as under Ray.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from raytrain_hybrid.config import Config
+from raytrain_hybrid.data.forms import row_form
 
 
 class LocalRows:
@@ -34,54 +35,35 @@ class LocalRows:
                 yield table.slice(start, batch_size)
 
 
-def _files(path: str, columns: list[str]) -> Iterator[pa.Table]:
-    """Each file's rows of ``columns`` with its path, file by file in path order (Ray Data's
-    read_parquet sorts the files it lists by path too)."""
+def _files(path: str, columns: list[str], paths: bool) -> Iterator[pa.Table]:
+    """Each file's rows of ``columns`` (with its path, if ``paths``), file by file in path order
+    (Ray Data's read_parquet sorts the files it lists by path too)."""
     import pyarrow.dataset as pads
 
     dataset = pads.dataset(path, format="parquet")
     for fragment in sorted(dataset.get_fragments(), key=lambda f: f.path):
         table = fragment.to_table(columns=columns)
-        yield table.append_column("path", pa.array([fragment.path] * table.num_rows, type=pa.string()))
+        if paths:
+            table = table.append_column("path", pa.array([fragment.path] * table.num_rows, type=pa.string()))
+        yield table
 
 
 def train_rows(cfg: Config) -> LocalRows:
     """data.path's rows as data.ray_data.build_dataset gives them to the streams."""
-    d = cfg.data
-    if d.text_columns:  # a classifier's rows
-        return rows_of(cfg, d.path)
-    if d.format != "text":  # chat / prompt_completion: one example a row, with its label mask
-        from raytrain_hybrid.data.chat import ExampleSpec, encode_table
-
-        spec = ExampleSpec.of(cfg)
-        return LocalRows(lambda: (encode_table(t, spec=spec) for t in _files(d.path, list(spec.columns))))
-    if not d.text_column:  # token ids already
-        return LocalRows(lambda: _files(d.path, [d.token_column]))
-    from raytrain_hybrid.data.prepare import tokenize_batch
-    from raytrain_hybrid.data.tokenizer import end_of_text, resolve_tokenizer
-
-    tokenizer, eos = resolve_tokenizer(cfg), end_of_text(cfg)
-
-    def tokenized() -> Iterator[pa.Table]:
-        for t in _files(d.path, [d.text_column]):
-            ids = tokenize_batch(t, text_column=d.text_column, tokenizer=tokenizer, eos=eos)
-            yield ids.append_column("path", t.column("path"))
-
-    return LocalRows(tokenized)
+    return rows_of(cfg, cfg.data.path)
 
 
 def rows_of(cfg: Config, path: str) -> LocalRows:
-    """A classifier's labelled rows of ``path``, encoded (data.ray_data.build_rows_dataset)."""
-    from raytrain_hybrid.data.rows import encode, encoder_kwargs
+    """The rows of ``path`` in data.forms' form (a classifier's labelled rows for data.val_path)."""
+    form = row_form(cfg)
 
-    d, kwargs = cfg.data, encoder_kwargs(cfg)
-    columns = [*d.text_columns, *d.tabular_columns, d.label_column]
+    def rows() -> Iterator:
+        for table in _files(path, list(form.columns), form.paths):
+            if form.batch_format == "numpy":  # as Ray Data hands a numpy batch: the columns' arrays
+                table = {c: table.column(c).to_numpy(zero_copy_only=False) for c in form.columns}
+            yield table if form.encode is None else form.encode(table)
 
-    def encoded() -> Iterator[dict]:
-        for t in _files(path, columns):
-            yield encode({c: t.column(c).to_numpy(zero_copy_only=False) for c in columns}, **kwargs)
-
-    return LocalRows(encoded)
+    return LocalRows(rows)
 
 
 def documents(docs: list[np.ndarray]) -> LocalRows:

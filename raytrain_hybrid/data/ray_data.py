@@ -7,47 +7,25 @@ from __future__ import annotations
 from ray.train import DataConfig
 
 from raytrain_hybrid.config import Config
-from raytrain_hybrid.data.tokenizer import end_of_text, resolve_tokenizer
+from raytrain_hybrid.data.forms import row_form
 
 
 def build_rows_dataset(cfg: Config, path: str):
-    """Classifiers: the labelled rows of ``path``, tokenized and encoded in Ray Data's tasks."""
+    """Classifiers: the labelled rows of ``path`` (data.val_path), encoded in Ray Data's tasks."""
+    return build_dataset(cfg, path)
+
+
+def build_dataset(cfg: Config, path: str | None = None):
+    """The Ray Dataset the trainer streams from data.path (or ``path``), in data.forms' form:
+    documents with token ids (tokenized here if text), examples or labelled rows, encoded here."""
     import ray.data
 
-    from raytrain_hybrid.data.rows import encode, encoder_kwargs
-
-    d = cfg.data
-    kwargs = encoder_kwargs(cfg)
-    ds = ray.data.read_parquet(path).select_columns([*d.text_columns, *d.tabular_columns, d.label_column])
-    return ds.map_batches(lambda b: encode(b, **kwargs), batch_format="numpy", batch_size=256)
-
-
-def build_dataset(cfg: Config):
-    """The Ray Dataset the trainer streams: documents with token ids (tokenized here if text)."""
-    import ray.data
-
-    from raytrain_hybrid.data.prepare import tokenize_batch
-
-    d = cfg.data
-    if d.text_columns:  # a classifier's rows (resolve_defaults() fills text_columns for those only)
-        return build_rows_dataset(cfg, d.path)
-    if d.format != "text":  # chat / prompt_completion: one example a row, with its label mask
-        from raytrain_hybrid.data.chat import ExampleSpec, encode_table
-
-        spec = ExampleSpec.of(cfg)
-        ds = ray.data.read_parquet(d.path, include_paths=True).select_columns([*spec.columns, "path"])
-        return ds.map_batches(encode_table, fn_kwargs={"spec": spec}, batch_format="pyarrow", batch_size=64)
-    ds = ray.data.read_parquet(d.path, include_paths=True).select_columns([d.text_column or d.token_column, "path"])
-    if d.text_column:
-        tokenizer, eos = resolve_tokenizer(cfg), end_of_text(cfg)
-        ds = ds.map_batches(
-            lambda b: tokenize_batch(b, text_column=d.text_column, tokenizer=tokenizer, eos=eos).append_column(
-                "path", b.column("path")
-            ),
-            batch_format="pyarrow",
-            batch_size=256,
-        )
-    return ds
+    form = row_form(cfg)
+    ds = ray.data.read_parquet(path or cfg.data.path, include_paths=form.paths)
+    ds = ds.select_columns([*form.columns, *(["path"] if form.paths else [])])
+    if form.encode is None:
+        return ds
+    return ds.map_batches(form.encode, batch_format=form.batch_format, batch_size=form.batch_size)
 
 
 class ReplicaDataConfig(DataConfig):
