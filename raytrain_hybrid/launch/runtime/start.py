@@ -29,13 +29,14 @@ from raytrain_hybrid.checkpoint.trajectory import check_allowed, check_trajector
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.config.elastic import is_elastic
 from raytrain_hybrid.errors import ConfigError
+from raytrain_hybrid.launch.plan import reach as reach_of  # called through it: tests stub the reach
 from raytrain_hybrid.launch.plan.address import ray_address
 from raytrain_hybrid.launch.plan.autolayout import choose_layout, held_nodes, use_gpu_for
 from raytrain_hybrid.launch.plan.elastic import start_line, worker_counts
 from raytrain_hybrid.launch.plan.inputs import check_input, finish_input, reader_env, steps_to_train
 from raytrain_hybrid.launch.plan.placement import worker_resources
 from raytrain_hybrid.launch.plan.preflight import check_placement, check_weights, crowded, predict_start
-from raytrain_hybrid.launch.plan.reach import Reach, cluster_reach
+from raytrain_hybrid.launch.plan.reach import Reach
 from raytrain_hybrid.launch.plan.run_plan import DataSource, ResumePoint, RunPlan
 from raytrain_hybrid.launch.runtime.session import join_ray, local_cpus, resolve_use_gpu
 from raytrain_hybrid.models.custom import registered
@@ -250,7 +251,7 @@ def run_nodes(cfg: Config, topology: list[int] | None = None) -> Reach:
     ray = sys.modules.get("ray")  # (not imported for a local run: Ray's import alone is seconds)
     if ray_address(cfg) or ray is not None and ray.is_initialized():  # (a sweep's trial has joined one)
         join_ray(ray_address(cfg))
-        return cluster_reach(bool(ray_address(cfg)), cfg.cluster.accelerator_type)
+        return reach_of.cluster_reach(bool(ray_address(cfg)), cfg.cluster.accelerator_type)
     gpus = local_gpus()
     node = {"CPU": float(local_cpus(cfg, cfg.parallelism.world_size)), **({"GPU": float(gpus)} if gpus else {})}
     return Reach([node])
