@@ -35,6 +35,10 @@ def _documents() -> list[pa.Table]:
     ]
 
 
+def _tokens(docs: list[list[int]]) -> pa.Table:
+    return pa.table({"input_ids": pa.array(docs, type=pa.list_(pa.int32())), "path": ["t.parquet"] * len(docs)})
+
+
 def _examples() -> list[pa.Table]:
     """Encoded chat examples (input_ids, label_mask), some longer than the window."""
     rng = np.random.default_rng(1)
@@ -126,6 +130,7 @@ def test_each_stream_yields_the_recorded_batches_and_resumes_mid_epoch(kind):
     ("kind", "tables", "message"),
     [
         ("windows", [], "the dataset is empty"),
+        ("windows", lambda: [_tokens([[1, 2], [3]])], r"holds 3 tokens, fewer than one row of model.seq_len\+1=9"),
         ("packed documents", [], "the dataset is empty"),
         ("packed documents", lambda: [_documents()[0].slice(0, 1)], "holds 3 rows once packed, fewer than one global"),
         (

@@ -85,16 +85,23 @@ class TokenDocuments:
             yield from pack((piece for ids in self._checked(items) for piece in document_pieces(ids, width)), width)
             return
         buffer: list[np.ndarray] = []
-        held = 0
+        held = total = windows = 0
         for ids in self._checked(items):
             buffer.append(ids)
             held += ids.size
+            total += ids.size
             if held >= width:
                 flat = np.concatenate(buffer)
                 n = flat.size // width
+                windows += n
                 yield from flat[: n * width].reshape(n, width)
                 rest = flat[n * width :]
                 buffer, held = [rest], rest.size
+        if not windows:  # every epoch would be as empty: with data.epochs=0 the run would wait forever
+            raise ValueError(
+                f"the dataset holds {total} tokens, fewer than one row of model.seq_len+1={width}: "
+                "no step can run (data.path); lower model.seq_len or give more data"
+            )
 
     def arrays(self, rows: list) -> np.ndarray | dict[str, np.ndarray]:
         """[rows, seq_len+1] int64 (packed: tokens, label_mask and positions, packing.rows_arrays)."""
