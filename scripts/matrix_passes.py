@@ -88,6 +88,7 @@ def sequence_parallel(row: dict, path: Path, model_type: str) -> None:
 
 def packing(row: dict, path: Path, model_type: str) -> None:
     from gloo_harness import run_gloo_jobs
+    from model_matrix import rank_env
     from reference import _buffer_shuffle, corpus_tokens
     from reference_packing import packed_reference_run, packed_steps, text_examples
     from test_models import SINGLE, _assert_oracle
@@ -111,7 +112,7 @@ def packing(row: dict, path: Path, model_type: str) -> None:
 
     def attempt(tp: int, keys: tuple[str, ...]) -> None:
         overrides = [f"model.pretrained={path}", *_common(), *STAGES, *keys, *packed]
-        _assert_oracle(run_gloo_jobs(2 * tp, {"run": overrides})["run"], reference)
+        _assert_oracle(run_gloo_jobs(2 * tp, {"run": overrides}, env=rank_env())["run"], reference)
 
     _held(row, "packing", attempt)
 
@@ -141,6 +142,7 @@ def _common() -> tuple[str, ...]:
 def lora(row: dict, path: Path, model_type: str) -> None:
     import numpy as np
     from gloo_harness import run_gloo_jobs
+    from model_matrix import rank_env
     from reference_lora import lora_reference_run
     from test_lora import lora_mismatches
     from test_models import SINGLE
@@ -162,7 +164,8 @@ def lora(row: dict, path: Path, model_type: str) -> None:
     cfg = _config(path, *SINGLE, *lora)
 
     def attempt(tp: int, keys: tuple[str, ...]) -> None:
-        run = run_gloo_jobs(2 * tp, {"run": [f"model.pretrained={path}", *_common(), *STAGES, *keys, *lora]})["run"]
+        overrides = [f"model.pretrained={path}", *_common(), *STAGES, *keys, *lora]
+        run = run_gloo_jobs(2 * tp, {"run": overrides}, env=rank_env())["run"]
         probe = run["probe"]
         head = f"{generic.head_name(model_type)}.weight"
         embed = f"{generic._prefix(model_type)}.{generic.pp_names(model_type)[0]}.weight"
@@ -207,10 +210,13 @@ def run_pass(name: str, only: list[str], out: Path) -> dict:
         for key in KEYS[name]:
             row.pop(key, None)
         t0 = time.perf_counter()
+        if row.get("attention") == "eager":  # the family runs eager (model_matrix.single_oracle)
+            os.environ["RH_EAGER"] = "1"
         try:
             PASSES[name](row, make_checkpoint(tmp, mt), mt)
         except Exception as exc:  # noqa: BLE001 - recorded per family
             row.update({verdict: False, reason: f"differs from the reference with {name}: {_short(exc)}"})
+        os.environ.pop("RH_EAGER", None)
         shutil.rmtree(tmp / mt, ignore_errors=True)
         print(
             f"{mt:24s} {name}={row[verdict]} {row.get(reason, row.get(layout, ''))[:100]} "

@@ -252,3 +252,43 @@ def test_check_refuses_packing_and_lora_where_the_family_cannot_take_them(
     if "parallelism.tp=2" in overrides:  # held at tp=1 only: taken there
         assert "use parallelism.tp=1" in str(err.value)
         load_config(None, [f"model.pretrained={tmp_path}", *layout, *(o for o in overrides if "tp=" not in o)])
+
+
+def test_per_layer_inputs_are_made_on_the_first_stage_and_carried(monkeypatch):
+    """Gemma 4's per-layer embeddings (made from the token ids) live on the first stage only; a later
+    stage takes them beside the hidden states (floats), told apart from packed positions (integers),
+    and hands both on. A family the model matrix recorded as running eager (SDPA's rounding past the
+    oracle's bound) runs eager and is refused context parallelism."""
+    from raytrain_hybrid.errors import ConfigError
+    from raytrain_hybrid.models.common import build_stage
+
+    spec = generic.spec("gemma4_text")
+    made = ("embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm")
+    assert spec.first_stage == ("model.embed_tokens", *(f"model.{n}" for n in made))
+    assert generic.spec("qwen3").first_stage == ("model.embed_tokens",)
+    config = AutoConfig.for_model("gemma4_text", **tiny_sizes("gemma4_text"))
+    config._attn_implementation = "eager"
+    with torch.device("cpu"):
+        first, later = (build_stage(spec, config, [i], first=i == 0, last=False) for i in (0, 1))
+    for stage in (first, later):  # the engine's materialisation: parameters drawn, computed buffers kept
+        buffers = [
+            (m, n, b.clone()) for m in stage.modules() for n, b in m._buffers.items() if b is not None and not b.is_meta
+        ]
+        stage.to_empty(device="cpu")
+        for m, n, b in buffers:
+            m._buffers[n] = b
+        for p in stage.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+    assert later.model.embed_tokens_per_layer is None and first.model.embed_tokens_per_layer is not None
+    ids = torch.randint(3, 100, (2, 8))
+    positions = torch.arange(8).repeat(2, 1)
+    h, pos, per_layer = first(ids, positions)
+    assert torch.equal(pos, positions) and per_layer.shape == (2, 8, 4, 16)
+    out = later(h, pos, per_layer)
+    assert torch.equal(out[1], positions) and out[2] is per_layer
+    assert not torch.equal(later(h, pos, torch.zeros_like(per_layer))[0], out[0])  # block 1 reads its slice
+
+    monkeypatch.setattr(generic, "verified", lambda: {"qwen3": {"status": "passed", "attention": "eager"}})
+    assert generic.attention_implementation("qwen3") == "eager"
+    with pytest.raises(ConfigError, match="eager attention"):
+        load_config(None, ["model.arch=qwen3", "data.path=memory", "model.seq_len=32", "parallelism.cp=2"])

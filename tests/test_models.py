@@ -66,6 +66,9 @@ TINY_EXTRAS = {
     "topk_group": 1,
     "first_k_dense_replace": 1,
     "rotary_dim": 8,  # CodeGen, GPT-J: a rotated slice of each head, 64 wide by default
+    # Gemma 4's per-layer embeddings: 262,144 ids x 256 a layer by default (1 GB at 4 layers).
+    "vocab_size_per_layer_input": VOCAB,
+    "hidden_size_per_layer_input": 16,
 }
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from raytrain_hybrid.errors import ConfigError
 from raytrain_hybrid.models import generic_check, generic_counts, generic_cp, generic_sp
-from raytrain_hybrid.models.generic_forward import experts_always_used, on_stage, stage_forward
+from raytrain_hybrid.models.generic_forward import experts_always_used, on_stage, per_layer_modules, stage_forward
 from raytrain_hybrid.models.spec import ArchSpec
 
 # transformers' TP styles -> the engine's (distributed.tensor_parallel._style). "headnorm": a
@@ -198,8 +198,9 @@ def hf_config(model_type: str, cfg):
 
 
 def attention_implementation(model_type: str) -> str:
-    """SDPA where the family takes it (causal without a mask tensor), else transformers' eager."""
-    if os.environ.get("RH_EAGER"):
+    """SDPA where the family takes it (causal without a mask tensor), else transformers' eager (also
+    where the model matrix found SDPA's rounding beyond the oracle's bound and eager within it)."""
+    if os.environ.get("RH_EAGER") or (verified().get(model_type) or {}).get("attention") == "eager":
         return "eager"
     return "sdpa" if getattr(classes(model_type)[1], "_supports_sdpa", False) else "eager"
 
@@ -348,7 +349,7 @@ def spec(model_type: str) -> ArchSpec:
         matmul_params=functools.partial(generic_counts.matmul_params, model_type),
         held_copies=functools.partial(generic_counts.held_copies, model_type),
         layers=f"{prefix}.{layers}",
-        first_stage=(f"{prefix}.{embed}",),
+        first_stage=(f"{prefix}.{embed}", *(f"{prefix}.{n}" for n in per_layer_modules(classes(model_type)[0]))),
         last_stage=(f"{prefix}.{norm}", head),
         tp_plan=tp_plan,
         # Vocab-parallel embedding and head: a tied pair is sharded alike (engine.tied sums them).

@@ -58,7 +58,10 @@ def cp_refusal(model_type: str, hf_config) -> str | None:
         return (
             "has latent attention (compressed keys and values), which the context-parallel attention does not exchange"
         )
-    if not getattr(generic.classes(model_type)[1], "_supports_sdpa", False):
+    if (
+        not getattr(generic.classes(model_type)[1], "_supports_sdpa", False)
+        or hf_config._attn_implementation == "eager"
+    ):
         return "runs only transformers' eager attention, which the context-parallel attention (SDPA) would replace"
     if getattr(hf_config, "attn_logit_softcapping", None):
         return "soft-caps its attention scores (attn_logit_softcapping), which the context-parallel attention does not"

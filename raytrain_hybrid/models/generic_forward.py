@@ -7,6 +7,7 @@ family's logit scaling and soft-capping are transformers' code."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +16,20 @@ if TYPE_CHECKING:
 
 # Attributes a base model multiplies its token embeddings by (first stage only), by name.
 _EMBEDDING_MULTIPLIERS = ("embedding_multiplier", "embedding_scale")
+
+
+def per_layer_modules(config_cls) -> tuple[str, ...]:
+    """The base model's modules that make per-layer inputs (Gemma 4's embeddings per layer, their
+    projection and norm), where its class computes them: they live on the first stage."""
+    from transformers import AutoModel
+
+    try:
+        base = AutoModel._model_mapping[config_cls]
+    except KeyError:  # a causal LM registered without a base model class
+        return ()
+    if not hasattr(base, "get_per_layer_inputs"):
+        return ()
+    return ("embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm")
 
 
 def layer_type(config, index: int) -> str:
@@ -91,16 +106,23 @@ class _Hidden:
     def __call__(self, *args, **kwargs):
         from transformers.modeling_outputs import MoeModelOutputWithPast
 
-        # (A mixture of experts' head reads router_logits: none, its auxiliary loss is not added.)
-        return MoeModelOutputWithPast(last_hidden_state=self.value, router_logits=None)
+        # (A mixture of experts' head reads router_logits: none, its auxiliary loss is not added;
+        # Gemma 4's reads shared_kv_states: none, no cache is kept.)
+        out = MoeModelOutputWithPast(last_hidden_state=self.value, router_logits=None)
+        out.__dict__["shared_kv_states"] = None
+        return out
 
 
-def stage_forward(stage, x: torch.Tensor, position_ids: torch.Tensor | None = None):
+def stage_forward(stage, x: torch.Tensor, *carried: torch.Tensor):
     """A pipeline stage: embed (first), the blocks it holds, the final norm and head (last).
-    ``position_ids``: packed rows' per-example positions (data.packing), passed on beside the
-    hidden states as in models.llama.stage_forward."""
+    ``carried``, passed on beside the hidden states from stage to stage, told apart by type:
+    packed rows' per-example positions (data.packing, integers, as in models.llama.stage_forward)
+    and a family's per-layer inputs (floats: Gemma 4's, computed from the token ids on the first
+    stage, [batch, seq, layers, width], block i reading [:, :, i])."""
     import torch
 
+    position_ids = next((c for c in carried if not c.is_floating_point()), None)
+    per_layer = next((c for c in carried if c.is_floating_point()), None)
     inner, config = getattr(stage, stage._generic_prefix), stage.hf_config
     embed_name, layers_name, norm_name, head_name = stage._generic_names
     embed, layers, norm = (getattr(inner, n) for n in (embed_name, layers_name, norm_name))
@@ -112,6 +134,8 @@ def stage_forward(stage, x: torch.Tensor, position_ids: torch.Tensor | None = No
             scale = getattr(inner, name, None)
             if isinstance(scale, (int, float)) and scale != 1:
                 h = h * scale
+        if getattr(inner, "hidden_size_per_layer_input", None):  # Gemma 4's per-layer embeddings
+            per_layer = inner.project_per_layer_inputs(h, inner.get_per_layer_inputs(x, h))
     packed = position_ids is not None
     if packed:
         # A later stage's first call is the pipeline's shape inference, on uninitialised tensors:
@@ -131,13 +155,16 @@ def stage_forward(stage, x: torch.Tensor, position_ids: torch.Tensor | None = No
     mask_positions = whole(positions) if whole is not None else positions
     masks = {k: _mask(k, config, mask_positions, packed, h.dtype) for k in kinds}
     tables = _rotary(inner, h, positions, kinds)
+    shared_kv: dict = {}  # keys and values a later layer of the stage reuses (Gemma 4), this call's
     for i, block in zip(ids, layers.values(), strict=True):
         kind = layer_type(config, i)
         kwargs: dict[str, Any] = {"attention_mask": masks[kind], "position_ids": positions}
         if tables[kind] is not None or _nope(inner.config, kind):
             kwargs["position_embeddings"] = tables[kind]
         kwargs.update(_attention_scaling(inner, block, positions, kind))
-        out = block(h, **kwargs)
+        if "shared_kv_states" in _parameters(block):
+            kwargs["shared_kv_states"] = shared_kv
+        out = block(h, per_layer[:, :, i], **kwargs) if per_layer is not None else block(h, **kwargs)
         h = out[0] if isinstance(out, tuple) else out
     if norm is not None:
         h = norm(h)
@@ -146,10 +173,25 @@ def stage_forward(stage, x: torch.Tensor, position_ids: torch.Tensor | None = No
         hidden = getattr(lm, stage._generic_prefix)  # the base model's attribute: model, gpt_neox, ...
         hidden.value = h
         try:
-            return lm(logits_to_keep=0).logits
+            given = {"inputs_embeds": h} if _head_reads_input(type(lm)) else {}
+            return lm(logits_to_keep=0, **given).logits
         finally:
             hidden.value = None
-    return h if position_ids is None else (h, position_ids)
+    out = (h, *(c for c in (position_ids, per_layer) if c is not None))
+    return out if len(out) > 1 else h
+
+
+@functools.cache
+def _head_reads_input(lm_cls) -> bool:
+    """Whether the causal LM's forward compares the hidden states' length with its input's (Gemma 4's
+    heads): then the stage's hidden states are given as the input (read in its source)."""
+    return "inputs_embeds).shape" in inspect.getsource(lm_cls.forward)
+
+
+def _parameters(block) -> dict:
+    """A block's forward's parameters (through an activation-checkpoint wrapper)."""
+    inner = getattr(block, "_checkpoint_wrapped_module", block)
+    return inspect.signature(inner.forward).parameters
 
 
 def on_stage(prefix: str, names: tuple[str, str, str, str], stage, model) -> None:
