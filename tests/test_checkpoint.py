@@ -228,7 +228,7 @@ def test_a_finished_runs_resume_completes_its_records_or_is_refused(saved_run, t
     sets = [a for s in [*COMMON, f"run.output_dir={run}"] for a in ("--set", s)]
     said = (
         f"the checkpoint {run}/checkpoints/step_4 has done all 4 steps; "
-        "metrics.jsonl lacked steps 4 and summary.json its end: "
+        "metrics.jsonl lacked step 4 and summary.json its end: "
     )
     assert cli(["check", "--resume", str(run), *sets]) == 0
     assert "resume: nothing left to train: " + said + "train --resume writes" in capsys.readouterr().out

@@ -142,7 +142,7 @@ def _say_finished(out: Store, path: Store, manifest: dict, history, heard: set, 
     ended = isinstance(summary, dict) and summary.get("ended") == "completed" and summary.get("steps") == len(history)
     if not added and ended:
         raise done_already(manifest["step"], manifest, path)
-    lacked = [f"metrics.jsonl lacked steps {_spans(added)}"] if added else []
+    lacked = [f"metrics.jsonl lacked {_spans(added)}"] if added else []
     lacked += [] if ended else ["summary.json its end"]
     gaps = "".join(f"; {line.removeprefix('resume: ')}" for line in told if line.startswith("resume: no record"))
     say(
@@ -173,7 +173,7 @@ def _with_checkpoint_records(history: list[dict], manifest: dict, others: list[S
     added = sorted(s for s in found if s not in have)
     if added:
         say(
-            f"resume: metrics.jsonl lacked steps {_spans(added)} (trained after its driver stopped hearing, "
+            f"resume: metrics.jsonl lacked {_spans(added)} (trained after its driver stopped hearing, "
             "a driver killed?); their metrics are taken from the checkpoints' records"
         )
     history = sorted([*history, *(found[s] for s in added)], key=lambda h: h["step"])
@@ -183,14 +183,16 @@ def _with_checkpoint_records(history: list[dict], manifest: dict, others: list[S
 
 
 def _spans(steps: list[int]) -> str:
-    """0-based steps as the 1-based steps a user reads (metrics.jsonl's 0 is step 1): "2-4, 7"."""
+    """0-based steps as the 1-based steps a user reads (metrics.jsonl's 0 is step 1): "steps 2-4,
+    7", "step 3"."""
     spans: list[list[int]] = []
     for s in steps:
         if spans and s == spans[-1][1] + 1:
             spans[-1][1] = s
         else:
             spans.append([s, s])
-    return ", ".join(f"{a + 1}-{b + 1}" if b > a else f"{a + 1}" for a, b in spans)
+    said = ", ".join(f"{a + 1}-{b + 1}" if b > a else f"{a + 1}" for a, b in spans)
+    return f"step {said}" if len(steps) == 1 else f"steps {said}"
 
 
 def _metrics_lines(metrics: Store, say) -> list[dict]:
