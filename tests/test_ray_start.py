@@ -71,3 +71,14 @@ def test_prepare_data_says_a_failed_start_in_one_line(monkeypatch, tmp_path, cap
     assert rc == 1, err
     assert "error: prepare-data failed: the local Ray did not start (2 tries" in err
     assert "Traceback" not in err
+
+
+def test_sigterm_while_ray_starts_ends_as_the_clis_handler_ends_it():
+    # ray.init's own handler exits with SystemExit(15): the CLI's handler (Terminated) is what ends the run
+    import signal
+
+    from raytrain_hybrid.launch.runtime.driver import Terminated, sigterm_ends_the_run
+
+    with sigterm_ends_the_run(), pytest.raises(Terminated), session._sigterm_kept():
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)  # as ray.init sets its own
+        raise SystemExit(signal.SIGTERM)

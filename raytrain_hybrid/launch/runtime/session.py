@@ -103,6 +103,10 @@ def _sigterm_kept():
     held = signal.getsignal(signal.SIGTERM) if main else None
     try:
         yield
+    except SystemExit as exc:  # ray.init's handler ran (SIGTERM while Ray starts): ended as the CLI's ends it
+        if callable(held) and exc.code == signal.SIGTERM:
+            held(signal.SIGTERM, None)
+        raise
     finally:
         if callable(held):
             signal.signal(signal.SIGTERM, held)
