@@ -155,3 +155,11 @@ def test_an_out_of_vocabulary_id_names_its_file():
     bad = bad.append_column("label_mask", pa.array([[0, 1]], type=pa.list_(pa.int8())))
     with pytest.raises(ValueError, match=r"token id 50 in bad.parquet is outside \[0, model.vocab_size=50\)"):
         list(_stream("padded examples", 0, tables=[bad]))
+
+
+def test_epochs_that_make_no_global_batch_say_so():
+    # 2 windows a pass, 1 pass: 2 rows, fewer than a global batch (the run trained 0 steps, said "completed")
+    stream = _stream("windows", 0, tables=[_tokens([list(range(1, 19))])])
+    stream.epochs = 1
+    with pytest.raises(ValueError, match=r"makes 2 rows in data.epochs=1 passes, fewer than one global batch"):
+        list(stream)

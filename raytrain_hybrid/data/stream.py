@@ -126,7 +126,7 @@ class ReplicaStream:
         share = self.global_batch // self.dp
         lo, hi = self.dp_rank * share, (self.dp_rank + 1) * share
         held: list = []
-        epoch = 0
+        epoch = made = 0
         while self.epochs == 0 or epoch < self.epochs:
             self.position.epoch, self.position.samples_in_epoch, self.position.documents_in_epoch = epoch, 0, 0
             if self.source.whole_epochs:
@@ -134,6 +134,7 @@ class ReplicaStream:
             steps = 0
             for row in self.source.rows(self._items(epoch)):
                 self.position.samples_in_epoch += 1
+                made += 1
                 held.append(row)
                 if len(held) < self.global_batch:
                     continue
@@ -147,6 +148,12 @@ class ReplicaStream:
                     f"(train.global_batch_size={self.global_batch}): no step can run (data.path)"
                 )
             epoch += 1
+        if made < self.global_batch:  # data.epochs passes made no global batch: the run would train no step
+            raise ValueError(
+                f"the dataset makes {made} rows in data.epochs={self.epochs} passes, fewer than one global batch "
+                f"(train.global_batch_size={self.global_batch}): no step can run (data.path); raise data.epochs "
+                "(0: no limit) or give more data"
+            )
 
 
 def stream_args(cfg: Config, dp: int, dp_rank: int) -> dict:
