@@ -102,3 +102,21 @@ def test_ctrl_c_while_ray_starts_leaves_the_runs_records_too(tmp_path, monkeypat
     err = capsys.readouterr().err
     assert err == "interrupted (Ctrl-C) before the run started: nothing was written\n", err
     assert not (tmp_path / "other").exists()
+
+
+def test_the_done_line_of_a_run_that_trained_no_step_says_so():
+    """A run that ended well with no step (e.g. data.epochs too few) has no loss to format: the
+    done line said so instead of failing with a traceback after the run."""
+    from raytrain_hybrid.launch.records.summary import done_line
+
+    none = {"steps": 0, "final_loss": None, "mean_tokens_per_s": None, "checkpoints": []}
+    assert done_line(none, "runs/x") == "done: 0 steps trained -> runs/x"
+    two = {
+        "steps": 2,
+        "final_loss": 7.12345,
+        "mean_tokens_per_s": 12345.6,
+        "checkpoints": [{"path": "runs/x/checkpoints/step_2"}],
+    }
+    assert done_line(two, "runs/x") == (
+        "done: 2 steps, final loss 7.1235, 12,346 tokens/s -> runs/x; newest checkpoint runs/x/checkpoints/step_2"
+    )

@@ -114,3 +114,15 @@ def replica_record(cfg: Config, history: list[dict]) -> dict:
         "steps_trained_here": len(history),
         "steps_without": {g: steps for g, steps in missed.items() if steps},
     }
+
+
+def done_line(summary: dict, output_dir: str) -> str:
+    """The last line of a run that ended well: its steps, final loss, throughput and newest
+    checkpoint (a run that trained no step says so rather than formatting a loss it has not)."""
+    newest = f"; newest checkpoint {summary['checkpoints'][-1]['path']}" if summary["checkpoints"] else ""
+    if not summary["steps"]:
+        return f"done: 0 steps trained -> {output_dir}{newest}"
+    return (
+        f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
+        f"{summary['mean_tokens_per_s']:,.0f} tokens/s -> {output_dir}{newest}"
+    )

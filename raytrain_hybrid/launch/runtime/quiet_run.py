@@ -48,6 +48,7 @@ def _train_in(cfg, resume, verbose: bool, allow_change) -> int:
     from raytrain_hybrid.launch.records.lease import LeaseLost
     from raytrain_hybrid.launch.records.progress import quiet_driver
     from raytrain_hybrid.launch.records.rundir import RunDir, mirror_dir
+    from raytrain_hybrid.launch.records.summary import done_line
     from raytrain_hybrid.launch.runtime.driver import Terminated, run
 
     connected_before = ray.is_initialized()  # e.g. a notebook's or a test's own session
@@ -88,12 +89,7 @@ def _train_in(cfg, resume, verbose: bool, allow_change) -> int:
     finally:
         if log.exists() and started:  # the run started: its driver.log goes where its other files went
             RunDir.open(cfg.run.output_dir).sync()
-    newest = f"; newest checkpoint {summary['checkpoints'][-1]['path']}" if summary["checkpoints"] else ""
-    print(
-        f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
-        f"{summary['mean_tokens_per_s']:,.0f} tokens/s -> {cfg.run.output_dir}{newest}"
-        + ("" if verbose else f" (Ray's output: {log.name})")
-    )
+    print(done_line(summary, cfg.run.output_dir) + ("" if verbose else f" (Ray's output: {log.name})"))
     return 0
 
 

@@ -26,6 +26,7 @@ from raytrain_hybrid.config.elastic import is_elastic
 from raytrain_hybrid.engine.hang import nccl_env, set_env
 from raytrain_hybrid.errors import ConfigError, LayoutError, redact
 from raytrain_hybrid.launch.records.events import CheckpointEvent, DoneEvent, StartEvent, StepEvent
+from raytrain_hybrid.launch.records.summary import done_line
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
 
@@ -230,12 +231,7 @@ def _train(rank: int, plan, prepared: dict | None, marks: dict) -> int:
     record.log.handle(DoneEvent(result["memory"], result["marks"]))
     record.log.close()
     summary = write_results(cfg, record.log, marks, record.run_dir)
-    newest = f"; newest checkpoint {summary['checkpoints'][-1]['path']}" if summary["checkpoints"] else ""
-    print(
-        f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
-        f"{summary['mean_tokens_per_s']:,.0f} tokens/s -> {cfg.run.output_dir}{newest}",
-        flush=True,
-    )
+    print(done_line(summary, cfg.run.output_dir), flush=True)
     return 0
 
 
