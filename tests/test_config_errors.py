@@ -57,3 +57,19 @@ def test_one_mistake_reads_as_before_and_keeps_its_key():
 def test_key_lines_reads_tables_dotted_and_quoted_keys_and_skips_arrays():
     text = 'a = 1\n[s]\nx.y = [\n  "k = v",\n]\n"q" = 2\n[[t]]\nz=3\n'
     assert key_lines(text) == {"a": 1, "s": 2, "s.x.y": 3, "s.q": 6, "t": 7, "t.z": 8}
+
+
+def test_lora_targets_that_name_no_linear_are_refused_with_the_linears_that_would_work(tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    conf = AutoConfig.for_model(
+        "qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(conf).save_pretrained(tmp_path / "q3")
+    sets = [f"model.pretrained={tmp_path / 'q3'}", "data.path=memory", "lora.rank=4", 'lora.targets=["qkv"]']
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, sets)
+    said = str(caught.value)
+    assert "lora.targets=['qkv']: 'qkv' matches no linear of the qwen3 blocks; use some of " in said, said
+    assert "q_proj" in said and "'all-linear'" in said, said

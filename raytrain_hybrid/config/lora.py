@@ -73,6 +73,6 @@ def check_lora(cfg, spec) -> None:
         raise ConfigError(
             "lora.targets",
             lora.targets,
-            f"{', '.join(map(repr, missing))} matches no linear of a {cfg.model.arch} block; "
+            f"{', '.join(map(repr, missing))} matches no linear of the {cfg.model.arch} blocks; "
             f"use some of {', '.join(names)}, or {ALL_LINEAR!r}",
         )
