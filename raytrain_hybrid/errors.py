@@ -135,7 +135,9 @@ class ConfigError(ValueError):
 
     def __init__(self, key: str, value: object, fix: str) -> None:
         self.key, self.value, self.fix = key, value, fix
-        super().__init__(redact(f"{key}={value!r}: {fix}"))
+        # A boolean as the user writes it (TOML and --set): true/false, not Python's True/False.
+        shown = str(value).lower() if isinstance(value, bool) else repr(value)
+        super().__init__(redact(f"{key}={shown}: {fix}"))
 
 
 class LayoutError(ValueError):

@@ -73,3 +73,8 @@ def test_lora_targets_that_name_no_linear_are_refused_with_the_linears_that_woul
     said = str(caught.value)
     assert "lora.targets=['qkv']: 'qkv' matches no linear of the qwen3 blocks; use some of " in said, said
     assert "q_proj" in said and "'all-linear'" in said, said
+
+
+def test_a_boolean_is_said_as_the_user_writes_it():
+    assert str(ConfigError("data.packing", True, "not for this family")) == "data.packing=true: not for this family"
+    assert str(ConfigError("train.steps", 0, "must be > 0")) == "train.steps=0: must be > 0"
