@@ -582,5 +582,5 @@ def test_steps_a_killed_driver_never_heard_of_come_from_the_checkpoints(saved_ru
     said.clear()
     point = check_resume(cfg, str(run), ["train.steps"], said.append)
     assert [h["step"] for h in point.history] == [0, 1, 3]
-    assert said[-1] == "resume: no record of steps 3 was kept (not in metrics.jsonl nor in a checkpoint here)"
+    assert said[-1] == "resume: no record of step 3 was kept (not in metrics.jsonl nor in a checkpoint here)"
     assert summarize(cfg, point.history, [])["steps_unrecorded"] == [2]

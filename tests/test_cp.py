@@ -117,7 +117,8 @@ def test_cp_with_packing_matches_each_example_alone(chat_dir):
     runs = run_gloo_jobs(4, jobs)
     examples = chat_examples(chat_dir / "tok", chat_dir / "chat.parquet", seq)
     for name, overrides in (("1x2x1x2", sets), ("gemma3_text", generic)):
-        cfg = load_config(None, overrides)
+        # (at the run's tp=1: check refuses Gemma 3's packing at tp > 1, the default layout's)
+        cfg = load_config(None, [*overrides, "parallelism.tp=1"])
         steps = packed_steps(cfg, examples, _buffer_shuffle)
         # From the run's own initial state (the init rule is tests/test_oracle.py's to check).
         assert_oracle(runs[name], packed_reference_run(cfg, steps, runs[name]["probe"]["initial"]))

@@ -94,7 +94,11 @@ def test_only_the_failed_group_restarted_and_the_lighthouse_cost_no_restart(faul
     first = faults["earlier"]
     restarts = [[line for line in first.splitlines() if line.startswith(f"[group {g}] restart ")] for g in (0, 1)]
     assert [len(r) for r in restarts] == [0, 1], restarts
-    assert restarts[1][0] == "[group 1] restart 1: the worker group continues from step 0", restarts
+    # From its newest checkpoint, none (step 0) or step 2 (checkpoint.interval=2) if its save of
+    # step 2 completed before the node went: the groups step together, so which is timing.
+    said = "[group 1] restart 1: the worker group continues from step "
+    assert restarts[1][0].startswith(said), restarts
+    assert int(restarts[1][0][len(said) :]) in range(0, faults["faults"][0]["group0_steps"] + 1, 2), restarts
 
 
 def test_the_resume_after_the_heads_loss_continued_each_group_from_its_checkpoint(faults):

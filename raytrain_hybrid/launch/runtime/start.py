@@ -178,7 +178,7 @@ def _with_checkpoint_records(history: list[dict], manifest: dict, others: list[S
         )
     history = sorted([*history, *(found[s] for s in added)], key=lambda h: h["step"])
     if gaps and history and (missing := sorted(set(range(history[0]["step"], end)) - {h["step"] for h in history})):
-        say(f"resume: no record of steps {_spans(missing)} was kept (not in metrics.jsonl nor in a checkpoint here)")
+        say(f"resume: no record of {_spans(missing)} was kept (not in metrics.jsonl nor in a checkpoint here)")
     return history
 
 
