@@ -280,6 +280,26 @@ def _first_report(queue, procs, limit: float = 600.0):
     return "error", f"no report within {limit:.0f} s"
 
 
+def _the_other_ranks(queue, procs, grace: float = 3.0) -> str:
+    """After the first error, what the other ranks said or how they ended within ``grace`` s: a
+    rank that reports a peer's reset is often not the one that failed (one killed by a signal,
+    for instance, says nothing itself)."""
+    import queue as queues
+    import time
+
+    said = []
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        try:
+            status, text = queue.get(timeout=0.2)
+        except queues.Empty:
+            continue
+        if status != "ok":
+            said.append(text.splitlines()[0])
+    ends = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode is not None}
+    return f"\nthen: {said or 'no other rank reported'}; exit codes by rank (negative: a signal): {ends}"
+
+
 def launch_ranks(body, world: int, *args, env: dict | None = None):
     """``body(rank, world, *args)`` in ``world`` forked gloo ranks (``env`` added to each one's
     environment); returns rank 0's result, or fails the test with the first error."""
@@ -290,6 +310,8 @@ def launch_ranks(body, world: int, *args, env: dict | None = None):
     for p in procs:
         p.start()
     status, payload = _first_report(queue, procs)
+    if status != "ok":
+        payload += _the_other_ranks(queue, procs)
     for p in procs:
         if status != "ok":  # the others may wait on the failed rank in a collective: not for minutes
             p.kill()
