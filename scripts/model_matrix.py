@@ -66,8 +66,10 @@ def families() -> list[str]:
 
 
 def _short(exc: BaseException) -> str:
-    text = " ".join(f"{type(exc).__name__}: {exc}".split())
-    return text if len(text) <= 240 else text[:237] + "..."
+    """The error in words (matrix_words.describe): what a reader of the refusal needs."""
+    from matrix_words import describe
+
+    return describe(f"{type(exc).__name__}: {exc}")
 
 
 def forward_gap(path: Path, model_type: str) -> float:

@@ -292,3 +292,30 @@ def test_per_layer_inputs_are_made_on_the_first_stage_and_carried(monkeypatch):
     assert generic.attention_implementation("qwen3") == "eager"
     with pytest.raises(ConfigError, match="eager attention"):
         load_config(None, ["model.arch=qwen3", "data.path=memory", "model.seq_len=32", "parallelism.cp=2"])
+
+
+def test_the_recorded_reasons_are_sentences_not_the_harness_output():
+    """What `check` and docs/models.md quote of the matrix is said in words: no assertion text, no
+    raw 'got, want' numbers (scripts/matrix_words.describe makes them at recording time)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "scripts"))
+    from matrix_words import describe
+
+    record = json.loads((root / "raytrain_hybrid/assets/generic_families.json").read_text())
+    said = [v for row in record["families"].values() for k, v in row.items() if k.endswith("reason") or k == "error"]
+    assert len(said) > 100
+    raw = [s for s in said if re.search(r"AssertionError|mismatches|, want |\bat 0x", s)]
+    assert not raw, raw
+    harness = (
+        "AssertionError: 28 mismatches: gradient norm of model.layers.0.self_attn.k_proj.weight at step 0: "
+        "0.2035020577474682, want 0.20352631638292648 gradient norm of model.norm.weight at step 0: 0.1, want 0.2"
+    )
+    assert describe(harness) == (
+        "the gradient norm of model.layers.0.self_attn.k_proj.weight differs by 1.2e-04 at step 0, "
+        "past the 1e-04 bound (and 27 other values past the bound)"
+    )
+    assert describe("AssertionError: a rank exited with -9 before reporting").startswith("a training rank was killed")
