@@ -199,6 +199,8 @@ def run_pass(name: str, only: list[str], out: Path) -> dict:
     os.environ["RAYTRAIN_MODEL_MATRIX"] = "1"  # the recorded verdicts are what is being redone
     from test_models import make_checkpoint
 
+    from raytrain_hybrid.models import GENERIC_PATH_ENV
+
     record = json.loads(out.read_text())
     tmp = Path(tempfile.mkdtemp(prefix=f"matrix-{name}-"))
     # Each pass in order (a pass --only some families redoes their rows alone).
@@ -214,11 +216,14 @@ def run_pass(name: str, only: list[str], out: Path) -> dict:
         t0 = time.perf_counter()
         if row.get("attention") == "eager":  # the family runs eager (model_matrix.single_oracle)
             os.environ["RH_EAGER"] = "1"
+        if row.get("spec"):  # a hand-written family, held on the generic path (model_matrix.main)
+            os.environ[GENERIC_PATH_ENV] = mt
         try:
             PASSES[name](row, make_checkpoint(tmp, mt), mt)
         except Exception as exc:  # noqa: BLE001 - recorded per family
             row.update({verdict: False, reason: f"differs from the reference with {name}: {_short(exc)}"})
         os.environ.pop("RH_EAGER", None)
+        os.environ.pop(GENERIC_PATH_ENV, None)
         shutil.rmtree(tmp / mt, ignore_errors=True)
         print(
             f"{mt:24s} {name}={row[verdict]} {row.get(reason, row.get(layout, ''))[:100]} "

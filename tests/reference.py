@@ -41,7 +41,9 @@ def lm_model(cfg) -> nn.Module:
     import transformers
 
     m = cfg.model
-    if m.arch not in ("llama", "gpt2"):  # any other family: transformers' own class for its checkpoint
+    # Any other family, and a Llama checkpoint (its config.json may set what model.* does not: tying,
+    # RoPE, norms): transformers' own class for its checkpoint.
+    if m.arch != "gpt2" and (m.arch != "llama" or m.pretrained.lower() not in ("", "none")):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         assert m.pretrained, f"a {m.arch} reference is built from its checkpoint"

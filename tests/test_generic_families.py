@@ -319,3 +319,17 @@ def test_the_recorded_reasons_are_sentences_not_the_harness_output():
         "past the 1e-04 bound (and 27 other values past the bound)"
     )
     assert describe("AssertionError: a rank exited with -9 before reporting").startswith("a training rank was killed")
+
+
+def test_the_matrix_can_put_a_hand_written_family_on_the_generic_path(monkeypatch):
+    """RAYTRAIN_GENERIC_PATH (the model matrix's switch, scripts/model_matrix.py) trains a family that
+    has a hand-written spec with the generic path's instead; without it the hand-written spec is used."""
+    from raytrain_hybrid.models import GENERIC_PATH_ENV, get_arch
+    from raytrain_hybrid.models import llama as hand_written
+
+    assert get_arch("llama") is hand_written.SPEC
+    monkeypatch.setenv(GENERIC_PATH_ENV, "llama,qwen2")
+    assert get_arch("llama") is not hand_written.SPEC and get_arch("llama").hf_config.func is generic.hf_config
+    assert get_arch("mistral").hf_config.func is not generic.hf_config  # not named: its own spec
+    monkeypatch.delenv(GENERIC_PATH_ENV)
+    assert get_arch("llama") is hand_written.SPEC

@@ -28,10 +28,21 @@ _MODULES = {
 
 ARCH_NAMES = tuple(_MODULES)
 
+# The model matrix (scripts/model_matrix.py) holds the hand-written families on the generic path
+# too, to show it gives their result: this variable names the model types it trains so. Users have
+# no reason to set it (a hand-written spec resolves a config without importing torch or transformers).
+GENERIC_PATH_ENV = "RAYTRAIN_GENERIC_PATH"
+
+
+def _hand(name: str) -> bool:
+    import os
+
+    return name in _MODULES and name not in os.environ.get(GENERIC_PATH_ENV, "").split(",")
+
 
 def is_arch(name: str) -> bool:
     """A hand-written architecture, or a transformers decoder family the generic path trains."""
-    if name in _MODULES:
+    if _hand(name):
         return True
     from raytrain_hybrid.models import generic
 
@@ -41,7 +52,7 @@ def is_arch(name: str) -> bool:
 def arch_refusal(name: str) -> str | None:
     """Why ``name`` is no architecture here (the family's own reason where transformers has it), with
     what would work; None: it is one."""
-    if name in _MODULES:
+    if _hand(name):
         return None
     from raytrain_hybrid.models import generic
 
@@ -54,9 +65,16 @@ def arch_refusal(name: str) -> str | None:
     return f"{why}; use one of {sorted(_MODULES)} or a transformers decoder model_type (docs/models.md)"
 
 
-@functools.cache
 def get_arch(name: str) -> ArchSpec:
-    if name in _MODULES:
+    return _get_arch(name, _hand(name))
+
+
+get_arch.cache_clear = lambda: _get_arch.cache_clear()  # (models.custom: a registered family anew)
+
+
+@functools.cache
+def _get_arch(name: str, hand: bool) -> ArchSpec:
+    if hand:
         return importlib.import_module(f"raytrain_hybrid.models.{_MODULES[name]}").SPEC
     why = arch_refusal(name)
     if why:
