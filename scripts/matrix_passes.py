@@ -21,8 +21,16 @@ import tempfile
 import time
 from pathlib import Path
 
-STAGES = ("parallelism.dp=1", "parallelism.pp=2", "parallelism.microbatches=2")
-CP_LAYOUT = ("parallelism.dp=1", "parallelism.cp=2", "parallelism.pp=2", "parallelism.microbatches=2")
+# The family's pipeline stages: 2, or 1 for a family without a pipeline plan, whose layouts then
+# take dp=2 instead (the same ranks). Set by run_pass per family.
+_STAGED = {"pp": 2}
+
+
+def _stages(*middle: str) -> tuple[str, ...]:
+    pp = _STAGED["pp"]
+    return (f"parallelism.dp={3 - pp}", *middle, f"parallelism.pp={pp}", "parallelism.microbatches=2")
+
+
 LORA = ("lora.rank=4", "lora.alpha=8", "train.lr=1e-2")
 # The row keys each pass writes: the verdict, its layout, its reason.
 KEYS = {
@@ -41,7 +49,8 @@ def _tp_keys(row: dict) -> tuple[str, ...]:
 
 
 def _layout_name(tp: int, cp: int = 1) -> str:
-    return f"dp1-{f'cp{cp}-' if cp > 1 else ''}tp{tp}-pp2"
+    pp = _STAGED["pp"]
+    return f"dp{3 - pp}-{f'cp{cp}-' if cp > 1 else ''}tp{tp}-pp{pp}"
 
 
 def _config(path: Path, *extra: str):
@@ -49,7 +58,8 @@ def _config(path: Path, *extra: str):
 
     from raytrain_hybrid.config import load_config
 
-    return load_config(None, [f"model.pretrained={path}", *COMMON, *extra])
+    pp = f"parallelism.pp={_STAGED['pp']}"  # (the default layout's pp=2 is refused without a pipeline plan)
+    return load_config(None, [f"model.pretrained={path}", *COMMON, pp, *extra])
 
 
 def _start(path: Path) -> tuple[dict, set[str]]:
@@ -72,7 +82,7 @@ def context_parallel(row: dict, path: Path, model_type: str) -> None:
         row.update(cp=False, cp_reason=why)
         return
     tp = _tp(row)
-    oracle(path, (*CP_LAYOUT, *_tp_keys(row)), 4 * tp)
+    oracle(path, (*_stages("parallelism.cp=2"), *_tp_keys(row)), 4 * tp)
     row.update(cp=True, cp_layout=_layout_name(tp, 2))
 
 
@@ -82,7 +92,7 @@ def sequence_parallel(row: dict, path: Path, model_type: str) -> None:
     if not row.get("tp"):
         row.update(sp=False, sp_reason="runs at tp=1 only, where sequence parallelism has nothing to split")
         return
-    oracle(path, (*STAGES, "parallelism.tp=2", "parallelism.sequence_parallel=true"), 4)
+    oracle(path, (*_stages(), "parallelism.tp=2", "parallelism.sequence_parallel=true"), 4)
     row.update(sp=True, sp_layout=_layout_name(2))
 
 
@@ -111,7 +121,7 @@ def packing(row: dict, path: Path, model_type: str) -> None:
     reference[0]["initial"] = {n: v for n, v in reference[0]["initial"].items() if n not in buffers}
 
     def attempt(tp: int, keys: tuple[str, ...]) -> None:
-        overrides = [f"model.pretrained={path}", *_common(), *STAGES, *keys, *packed]
+        overrides = [f"model.pretrained={path}", *_common(), *_stages(), *keys, *packed]
         _assert_oracle(run_gloo_jobs(2 * tp, {"run": overrides}, env=rank_env())["run"], reference)
 
     _held(row, "packing", attempt)
@@ -164,7 +174,7 @@ def lora(row: dict, path: Path, model_type: str) -> None:
     cfg = _config(path, *SINGLE, *lora)
 
     def attempt(tp: int, keys: tuple[str, ...]) -> None:
-        overrides = [f"model.pretrained={path}", *_common(), *STAGES, *keys, *lora]
+        overrides = [f"model.pretrained={path}", *_common(), *_stages(), *keys, *lora]
         run = run_gloo_jobs(2 * tp, {"run": overrides}, env=rank_env())["run"]
         probe = run["probe"]
         head = f"{generic.head_name(model_type)}.weight"
@@ -199,7 +209,7 @@ def run_pass(name: str, only: list[str], out: Path) -> dict:
     os.environ["RAYTRAIN_MODEL_MATRIX"] = "1"  # the recorded verdicts are what is being redone
     from test_models import make_checkpoint
 
-    from raytrain_hybrid.models import GENERIC_PATH_ENV
+    from raytrain_hybrid.models import GENERIC_PATH_ENV, generic
 
     record = json.loads(out.read_text())
     tmp = Path(tempfile.mkdtemp(prefix=f"matrix-{name}-"))
@@ -216,6 +226,7 @@ def run_pass(name: str, only: list[str], out: Path) -> dict:
         t0 = time.perf_counter()
         if row.get("attention") == "eager":  # the family runs eager (model_matrix.single_oracle)
             os.environ["RH_EAGER"] = "1"
+        _STAGED["pp"] = 2 if generic.has_pp_plan(mt) else 1
         if row.get("spec"):  # a hand-written family, held on the generic path (model_matrix.main)
             os.environ[GENERIC_PATH_ENV] = mt
         try:

@@ -333,3 +333,22 @@ def test_the_matrix_can_put_a_hand_written_family_on_the_generic_path(monkeypatc
     assert get_arch("mistral").hf_config.func is not generic.hf_config  # not named: its own spec
     monkeypatch.delenv(GENERIC_PATH_ENV)
     assert get_arch("llama") is hand_written.SPEC
+
+
+def test_a_family_without_a_pipeline_plan_trains_at_pp_1_once_the_matrix_held_it(monkeypatch):
+    """HunYuan's dense model has a tensor-parallel plan and no pipeline plan: its stages are not
+    known, so it runs at pp=1 (the usual embed_tokens, layers, norm) once the model matrix held it
+    to its reference so, and pp > 1 is refused naming parallelism.pp; unheld, the family is refused."""
+    from raytrain_hybrid.errors import ConfigError
+
+    sizes = ["model.arch=hunyuan_v1_dense", "model.num_layers=2", "model.hidden_size=64", "model.num_heads=4"]
+    monkeypatch.setattr(generic, "verified", lambda: {"hunyuan_v1_dense": {"status": "passed", "tp": True}})
+    assert not generic.has_pp_plan("hunyuan_v1_dense") and generic.refusal("hunyuan_v1_dense") is None
+    assert generic.pp_names("hunyuan_v1_dense") == ("embed_tokens", "layers", "norm")
+    load_config(None, [*sizes, "parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=1"])
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [*sizes, "parallelism.pp=2"])
+    assert err.value.key == "parallelism.pp" and "no pipeline plan" in str(err.value) and "pp=1" in str(err.value)
+    monkeypatch.setattr(generic, "verified", lambda: {})
+    with pytest.raises(ConfigError, match="no pipeline plan in transformers"):
+        load_config(None, sizes)

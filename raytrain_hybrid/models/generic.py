@@ -92,15 +92,17 @@ def refusal(model_type: str, *, tp: int = 1, recorded: bool = True) -> str | Non
     if any(word in model_type for word in _NOT_DECODERS):
         return "is not a transformer decoder (state-space, linear-attention or encoder-decoder layers)"
     config_cls, _ = classes(model_type)
-    if not getattr(config_cls, "base_model_pp_plan", None):
-        return "has no pipeline plan in transformers (base_model_pp_plan), so its stages are not known"
     if not getattr(config_cls, "base_model_tp_plan", None):
         return "has no tensor-parallel plan in transformers (base_model_tp_plan)"
+    known = verified().get(model_type) if recorded else None
+    # No pipeline plan: the usual names at pp=1, for a family the model matrix held to its reference so.
+    if not has_pp_plan(model_type) and not os.environ.get("RAYTRAIN_MODEL_MATRIX"):
+        if not (known and known.get("status") == "passed"):
+            return "has no pipeline plan in transformers (base_model_pp_plan), so its stages are not known"
     try:
         pp_names(model_type)
     except (KeyError, StopIteration):
         return "has a pipeline plan that names no embedding, block list and final norm"
-    known = verified().get(model_type) if recorded else None
     if known and known.get("status") == "refused":
         return known["reason"]
     if tp > 1 and known and known.get("tp_reason"):
@@ -133,6 +135,8 @@ def pp_names(model_type: str) -> tuple[str, str, str]:
     """(embedding, block list, final norm) of the base model, read off its pipeline plan: the module
     that takes input_ids, the one that takes the attention mask, and the last. Modules between them
     (an embedding dropout, at 0 here) are not run."""
+    if not has_pp_plan(model_type):  # (pp=1 only: models.generic_check)
+        return "embed_tokens", "layers", "norm"
     plan = dict(classes(model_type)[0].base_model_pp_plan)
     embed = next(k for k, (inputs, _) in plan.items() if "input_ids" in inputs)
     layers = "layers" if "layers" in plan else next(k for k, (inputs, _) in plan.items() if "attention_mask" in inputs)
@@ -140,6 +144,10 @@ def pp_names(model_type: str) -> tuple[str, str, str]:
     if norm in (embed, layers):
         raise KeyError(f"{model_type}'s pipeline plan names no final norm: {list(plan)}")
     return embed, layers, norm
+
+
+def has_pp_plan(model_type: str) -> bool:
+    return bool(getattr(classes(model_type)[0], "base_model_pp_plan", None))
 
 
 def head_name(model_type: str) -> str:
