@@ -206,8 +206,10 @@ def start_session_ray():
     os.environ.update(session_env())
     import psutil
 
+    from raytrain_hybrid.launch.runtime.session import left_by_a_failed_start
+
     for attempt in (1, 2):
-        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        before = {p.pid for p in psutil.Process().children()}
         try:
             ray.init(
                 address="local",
@@ -220,10 +222,9 @@ def start_session_ray():
             ray.shutdown()
             # What the failed start left running (its GCS, dashboard, monitors: ray.init drops the
             # node that holds them, and they idled beside the second start for the whole session).
-            for proc in psutil.Process().children(recursive=True):
+            for proc in left_by_a_failed_start(before):
                 with contextlib.suppress(psutil.Error):
-                    if proc.pid not in before and "ray" in " ".join(proc.cmdline()):
-                        proc.kill()
+                    proc.kill()
             if attempt == 2 or "timed out during startup" not in str(exc):
                 raise
 

@@ -31,6 +31,9 @@ def inits(monkeypatch):
 
     monkeypatch.setattr(ray, "init", init)
     monkeypatch.setattr(ray, "shutdown", lambda: None)
+    # No real start left anything: what a failed start leaves is test_what_a_failed_start_leaves_is_its_own's.
+    # (Killing in this process would reach the processes the suite's background clusters start.)
+    monkeypatch.setattr(session, "left_by_a_failed_start", lambda before: [])
     return calls
 
 
@@ -55,6 +58,37 @@ def test_another_failure_is_not_retried(inits):
     with pytest.raises(RuntimeError, match="port 6379"):
         session._start_local_ray(3)
     assert len(inits) == 1
+
+
+def test_what_a_failed_start_leaves_is_its_own():
+    """A failed ray.init's leftovers are this process's Ray children born since the start began,
+    with their children; not a child that was there before, nor one that is not Ray's (the CLI
+    process has no other; the test process does: the background clusters' heads and drivers)."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    sleeper = "import time; time.sleep(60)"
+    parent = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {sleeper!r}]); time.sleep(60)"
+    old = subprocess.Popen([sys.executable, "-c", parent, "ray-before"])
+    before = {p.pid for p in psutil.Process().children()}
+    ours = subprocess.Popen([sys.executable, "-c", parent, "ray-gcs"])
+    other = subprocess.Popen([sys.executable, "-c", parent, "not-it"])
+    try:
+        deadline = time.time() + 30
+        while not psutil.Process(ours.pid).children() and time.time() < deadline:
+            time.sleep(0.05)
+        left = {p.pid for p in session.left_by_a_failed_start(before)}
+        grandchild = psutil.Process(ours.pid).children()[0].pid
+        assert {ours.pid, grandchild} <= left
+        assert old.pid not in left and other.pid not in left
+    finally:
+        for proc in (old, ours, other):
+            for p in psutil.Process(proc.pid).children(recursive=True):
+                p.kill()
+            proc.kill()
 
 
 def test_prepare_data_says_a_failed_start_in_one_line(monkeypatch, tmp_path, capsys):

@@ -71,16 +71,15 @@ def _start_local_ray(num_cpus: int) -> None:
     import ray
 
     for attempt in range(1, _RAY_START_TRIES + 1):
-        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        before = {p.pid for p in psutil.Process().children()}
         try:
             ray.init(address="local", num_cpus=num_cpus, log_to_driver=False, include_dashboard=False)
             return
         except Exception as exc:
             ray.shutdown()
-            for proc in psutil.Process().children(recursive=True):
-                if proc.pid not in before:
-                    with contextlib.suppress(psutil.Error):
-                        proc.kill()
+            for proc in left_by_a_failed_start(before):
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
             if "timed out during startup" not in str(exc):
                 raise
             if attempt == _RAY_START_TRIES:
@@ -88,6 +87,23 @@ def _start_local_ray(num_cpus: int) -> None:
                     f"the local Ray did not start ({_RAY_START_TRIES} tries; Ray: {str(exc).splitlines()[0]}): "
                     "the machine may be too busy; try again, or pass --address to join a running cluster"
                 ) from exc
+
+
+def left_by_a_failed_start(before: set[int]) -> list:
+    """What a failed ``ray.init`` left running: this process's Ray children born since ``before``
+    (its GCS, raylet, dashboard, monitors: ray.init starts them as direct children) and theirs.
+    Nothing else of this process is touched: another thread's processes, or their children born
+    meanwhile, are not the start's (in a test process, a cluster that other tests run)."""
+    import psutil
+
+    left = []
+    for child in psutil.Process().children():
+        try:
+            if child.pid not in before and "ray" in " ".join(child.cmdline()):
+                left += [child, *child.children(recursive=True)]
+        except psutil.Error:
+            continue
+    return left
 
 
 class RayStartError(RuntimeError):
