@@ -48,6 +48,7 @@ _NOT_DECODERS = ("mamba", "rwkv", "xlstm", "linear", "hybrid", "recurrent", "ssm
 # Dropout probabilities are set to 0: layouts would draw different masks.
 DROPOUT_KEYS = ("dropout", "pdrop", "dropout_prob")
 _VERIFIED = Path(__file__).parents[1] / "assets" / "generic_families.json"
+NO_PP_PLAN = "has no pipeline plan in transformers (base_model_pp_plan), so its stages are not known"
 
 
 def _transformers():
@@ -95,10 +96,9 @@ def refusal(model_type: str, *, tp: int = 1, recorded: bool = True) -> str | Non
     if not getattr(config_cls, "base_model_tp_plan", None):
         return "has no tensor-parallel plan in transformers (base_model_tp_plan)"
     known = verified().get(model_type) if recorded else None
-    # No pipeline plan: the usual names at pp=1, for a family the model matrix held to its reference so.
-    if not has_pp_plan(model_type) and not os.environ.get("RAYTRAIN_MODEL_MATRIX"):
-        if not (known and known.get("status") == "passed"):
-            return "has no pipeline plan in transformers (base_model_pp_plan), so its stages are not known"
+    held = (known or {}).get("status") == "passed" or os.environ.get("RAYTRAIN_MODEL_MATRIX")
+    if not has_pp_plan(model_type) and not held:  # (held: at pp=1 with the usual names, pp_names)
+        return NO_PP_PLAN
     try:
         pp_names(model_type)
     except (KeyError, StopIteration):

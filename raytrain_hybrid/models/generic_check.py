@@ -22,12 +22,7 @@ def check(model_type: str, cfg) -> None:
         key = "parallelism.tp" if "parallelism.tp" in why else "model.arch"
         raise ConfigError(key, par.tp if key == "parallelism.tp" else model_type, f"{model_type} {why}")
     if par.pp > 1 and not generic.has_pp_plan(model_type):
-        raise ConfigError(
-            "parallelism.pp",
-            par.pp,
-            f"{model_type} has no pipeline plan in transformers (base_model_pp_plan), so its stages are "
-            "not known; use parallelism.pp=1",
-        )
+        raise ConfigError("parallelism.pp", par.pp, f"{model_type} {generic.NO_PP_PLAN}; use parallelism.pp=1")
     if par.cp > 1:
         # The model matrix's cp=2 verdict where it has one (scripts/model_matrix.py --cp), else the rule.
         why = (generic.verified().get(model_type) or {}).get("cp_reason")
