@@ -30,9 +30,9 @@ def test_file_names_run_the_family_mapping_backwards():
 
 
 def test_only_a_tied_head_may_be_read_from_the_embedding():
-    untied, _, _ = generic.from_hf("gpt_neox", "lm_head.weight", {"tie_word_embeddings": False})
+    untied, _, _ = generic_weights.from_hf("gpt_neox", "lm_head.weight", {"tie_word_embeddings": False})
     assert "gpt_neox.embed_in.weight" not in untied
-    tied, _, _ = generic.from_hf("qwen3", "lm_head.weight", {"tie_word_embeddings": True})
+    tied, _, _ = generic_weights.from_hf("qwen3", "lm_head.weight", {"tie_word_embeddings": True})
     assert tied[-1] == "model.embed_tokens.weight"
 
 
@@ -105,13 +105,13 @@ def test_fused_and_stacked_tensors_are_read_as_the_model_holds_them():
     sarvam = AutoConfig.for_model("sarvam_moe", **tiny_sizes("sarvam_moe")).to_dict()
     q_rows = sarvam["num_attention_heads"] * sarvam["head_dim"]
     k_rows = sarvam["num_key_value_heads"] * sarvam["head_dim"]
-    names, _, offset = generic.from_hf("sarvam_moe", "model.layers.0.self_attn.v_proj.weight", sarvam)
+    names, _, offset = generic_weights.from_hf("sarvam_moe", "model.layers.0.self_attn.v_proj.weight", sarvam)
     assert names[-1] == "model.layers.0.attention.query_key_value.weight" and offset == (q_rows + k_rows, 0)
     longcat = AutoConfig.for_model("longcat_flash", **tiny_sizes("longcat_flash")).to_dict()
-    pieces = generic.from_hf("longcat_flash", "model.layers.0.mlp.experts.gate_up_proj", longcat)
+    pieces = generic_weights.from_hf("longcat_flash", "model.layers.0.mlp.experts.gate_up_proj", longcat)
     routed, zero = longcat["n_routed_experts"], longcat["zero_expert_num"]
     assert zero > 0 and len(pieces) == 2 * (routed + zero)
-    assert len(generic.from_hf("longcat_flash", "model.layers.0.mlp.experts.down_proj", longcat)) == routed
+    assert len(generic_weights.from_hf("longcat_flash", "model.layers.0.mlp.experts.down_proj", longcat)) == routed
 
 
 @pytest.mark.parametrize(

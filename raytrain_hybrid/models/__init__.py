@@ -27,6 +27,17 @@ _MODULES = {
 
 
 ARCH_NAMES = tuple(_MODULES)
+# The checkpoint model_types the hand-written language-model specs read (each spec's hf_model_types,
+# held equal by a test): a checkpoint's family is found without importing every spec (GPT-2's
+# imports torch and transformers, seconds of a `check`).
+HAND_MODEL_TYPES = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3_moe": "qwen3-moe",
+    "mixtral": "mixtral",
+    "gpt2": "gpt2",
+}
 
 # The model matrix (scripts/model_matrix.py) holds the hand-written families on the generic path
 # too, to show it gives their result: this variable names the model types it trains so. Users have
@@ -38,6 +49,13 @@ def _hand(name: str) -> bool:
     import os
 
     return name in _MODULES and name not in os.environ.get(GENERIC_PATH_ENV, "").split(",")
+
+
+def hand_arch_of(model_type: str) -> str | None:
+    """The hand-written architecture that trains checkpoints of ``model_type`` (None: the generic
+    path does, or the family is none of ours)."""
+    name = HAND_MODEL_TYPES.get(model_type)
+    return name if name is not None and _hand(name) else None
 
 
 def is_arch(name: str) -> bool:
@@ -89,4 +107,13 @@ def arch_names(task: str) -> tuple[str, ...]:
     return tuple(name for name in ARCH_NAMES if get_arch(name).task == task)
 
 
-__all__ = ["ARCH_NAMES", "ArchSpec", "arch_names", "arch_refusal", "get_arch", "is_arch"]
+__all__ = [
+    "ARCH_NAMES",
+    "HAND_MODEL_TYPES",
+    "ArchSpec",
+    "arch_names",
+    "arch_refusal",
+    "get_arch",
+    "hand_arch_of",
+    "is_arch",
+]

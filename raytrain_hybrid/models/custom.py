@@ -64,8 +64,9 @@ def register_model(config_class: type, model_class: type) -> str:
 
 def _forget(model_type: str) -> None:
     """Caches that may have seen the name before it was registered."""
-    from raytrain_hybrid.models import generic, get_arch
+    from raytrain_hybrid.models import generic, generic_facts, get_arch
 
+    generic_facts.overridden(model_type)
     generic.classes.cache_clear()
     generic.pp_names.cache_clear()
     get_arch.cache_clear()

@@ -29,8 +29,21 @@ import os
 from pathlib import Path
 
 from raytrain_hybrid.errors import ConfigError
-from raytrain_hybrid.models import generic_check, generic_counts, generic_cp, generic_sp
-from raytrain_hybrid.models.generic_forward import experts_always_used, on_stage, per_layer_modules, stage_forward
+from raytrain_hybrid.models import (
+    generic_check,
+    generic_counts,
+    generic_cp,
+    generic_facts,
+    generic_sp,
+    generic_weights,
+)
+from raytrain_hybrid.models.generic_forward import (
+    experts_always_used,
+    learnt_activations,
+    on_stage,
+    per_layer_modules,
+    stage_forward,
+)
 from raytrain_hybrid.models.spec import ArchSpec
 
 # transformers' TP styles -> the engine's (distributed.tensor_parallel._style). "headnorm": a
@@ -51,14 +64,6 @@ _VERIFIED = Path(__file__).parents[1] / "assets" / "generic_families.json"
 NO_PP_PLAN = "has no pipeline plan in transformers (base_model_pp_plan), so its stages are not known"
 
 
-def _transformers():
-    import transformers
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    return transformers, CONFIG_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-
 @functools.lru_cache(maxsize=1)
 def verified() -> dict[str, dict]:
     """{model_type: {"status": "passed" | "refused" | "hand-written", ...}} from the model matrix
@@ -76,24 +81,23 @@ def classes(model_type: str) -> tuple[type, type]:
     """(config class, causal-LM class) of a model_type, transformers' own or one registered with its
     Auto classes (models.custom.register_model); KeyError where there is none."""
     from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    _, config_mapping, _ = _transformers()
-    config_cls = config_mapping[model_type]
+    config_cls = CONFIG_MAPPING[model_type]
     return config_cls, AutoModelForCausalLM._model_mapping[config_cls]
 
 
 def refusal(model_type: str, *, tp: int = 1, recorded: bool = True) -> str | None:
     """Why ``model_type`` cannot be trained here (None: it can), in words for a message;
     ``recorded``: with the model matrix's verdicts (scripts/model_matrix.py), not only the plans'."""
-    transformers, _, _ = _transformers()
-    try:
-        classes(model_type)
-    except (KeyError, ValueError):
-        return f"is not a causal language model of transformers {transformers.__version__} nor one registered"
+    if generic_facts.recorded(model_type) is None:
+        try:
+            classes(model_type)
+        except (KeyError, ValueError):
+            return f"is not a causal language model of transformers {generic_facts.version()} nor one registered"
     if any(word in model_type for word in _NOT_DECODERS):
         return "is not a transformer decoder (state-space, linear-attention or encoder-decoder layers)"
-    config_cls, _ = classes(model_type)
-    if not getattr(config_cls, "base_model_tp_plan", None):
+    if not _tp_plan_raw(model_type):
         return "has no tensor-parallel plan in transformers (base_model_tp_plan)"
     known = verified().get(model_type) if recorded else None
     held = (known or {}).get("status") == "passed" or os.environ.get("RAYTRAIN_MODEL_MATRIX")
@@ -121,23 +125,46 @@ def is_generic(model_type: str) -> bool:
         return False
 
 
+def _fact(model_type: str, key: str, from_classes):
+    """A fact of the family as recorded (models.generic_facts), else ``from_classes()``."""
+    facts = generic_facts.recorded(model_type)
+    return facts[key] if facts is not None else from_classes()
+
+
 def _tp_plan_raw(model_type: str) -> dict[str, str]:
-    config_cls, lm_cls = classes(model_type)
-    return dict(config_cls.base_model_tp_plan or {})
+    return dict(_fact(model_type, "tp_plan", lambda: classes(model_type)[0].base_model_tp_plan or {}))
 
 
 def _prefix(model_type: str) -> str:
-    return classes(model_type)[1].base_model_prefix or "model"
+    return _fact(model_type, "prefix", lambda: classes(model_type)[1].base_model_prefix or "model")
+
+
+def supports_sdpa(model_type: str) -> bool:
+    return _fact(model_type, "sdpa", lambda: bool(getattr(classes(model_type)[1], "_supports_sdpa", False)))
+
+
+def per_layer_inputs(model_type: str) -> tuple[str, ...]:
+    return tuple(_fact(model_type, "per_layer", lambda: per_layer_modules(classes(model_type)[0])))
 
 
 @functools.cache
 def pp_names(model_type: str) -> tuple[str, str, str]:
-    """(embedding, block list, final norm) of the base model, read off its pipeline plan: the module
-    that takes input_ids, the one that takes the attention mask, and the last. Modules between them
-    (an embedding dropout, at 0 here) are not run."""
-    if not has_pp_plan(model_type):  # (pp=1 only: models.generic_check)
+    """(embedding, block list, final norm) of the base model: recorded, or off its pipeline plan."""
+    facts = generic_facts.recorded(model_type)
+    if facts is None:
+        return pp_names_of(model_type)
+    if facts["pp_names"] is None:
+        raise KeyError(facts.get("pp_error", model_type))
+    return tuple(facts["pp_names"])
+
+
+def pp_names_of(model_type: str) -> tuple[str, str, str]:
+    """(embedding, block list, final norm) read off the pipeline plan: the module that takes
+    input_ids, the one that takes the attention mask, and the last. Modules between them (an
+    embedding dropout, at 0 here) are not run."""
+    plan = dict(getattr(classes(model_type)[0], "base_model_pp_plan", None) or {})
+    if not plan:  # (pp=1 only: models.generic_check)
         return "embed_tokens", "layers", "norm"
-    plan = dict(classes(model_type)[0].base_model_pp_plan)
     embed = next(k for k, (inputs, _) in plan.items() if "input_ids" in inputs)
     layers = "layers" if "layers" in plan else next(k for k, (inputs, _) in plan.items() if "attention_mask" in inputs)
     norm = list(plan)[-1]
@@ -147,13 +174,16 @@ def pp_names(model_type: str) -> tuple[str, str, str]:
 
 
 def has_pp_plan(model_type: str) -> bool:
-    return bool(getattr(classes(model_type)[0], "base_model_pp_plan", None))
+    return _fact(model_type, "pp_plan", lambda: bool(getattr(classes(model_type)[0], "base_model_pp_plan", None)))
 
 
 def head_name(model_type: str) -> str:
+    return _fact(model_type, "head", lambda: head_name_of(classes(model_type)[1]))
+
+
+def head_name_of(lm_cls) -> str:
     """The causal LM's output head (``lm_head``; GPT-NeoX's ``embed_out``), from its pipeline plan."""
-    plan = getattr(classes(model_type)[1], "_pp_plan", None) or {}
-    return next(iter(plan), "lm_head")
+    return next(iter(getattr(lm_cls, "_pp_plan", None) or {}), "lm_head")
 
 
 # ----------------------------------------------------------------- config
@@ -210,7 +240,7 @@ def attention_implementation(model_type: str) -> str:
     where the model matrix found SDPA's rounding beyond the oracle's bound and eager within it)."""
     if os.environ.get("RH_EAGER") or (verified().get(model_type) or {}).get("attention") == "eager":
         return "eager"
-    return "sdpa" if getattr(classes(model_type)[1], "_supports_sdpa", False) else "eager"
+    return "sdpa" if supports_sdpa(model_type) else "eager"
 
 
 def _conf_keys(conf: dict) -> dict:
@@ -218,7 +248,12 @@ def _conf_keys(conf: dict) -> dict:
 
 
 def sizes_from_hf(model_type: str, conf: dict) -> dict:
-    """A config.json's sizes as model.* keys (read through the config class: its attribute map)."""
+    """A config.json's sizes as model.* keys: as recorded data where it can (models.generic_facts),
+    else read through the config class (its attribute map and defaults)."""
+    return generic_facts.sizes(model_type, conf) or sizes_from_class(model_type, conf)
+
+
+def sizes_from_class(model_type: str, conf: dict) -> dict:
     config_cls, _ = classes(model_type)
     c = config_cls(**_conf_keys(conf))
     heads = c.num_attention_heads
@@ -302,28 +337,6 @@ def build(model_type: str, hf_config):
 # ----------------------------------------------------------------- checkpoints and counts
 
 
-def from_hf(model_type: str, name: str, conf: dict):
-    """Engine names are transformers' module names; the files' names are those run back through
-    the family's conversion mapping (models.generic_weights); a tied checkpoint may have no head:
-    it is the embedding (an untied one must have its own)."""
-    from raytrain_hybrid.models import generic_weights
-
-    prefix = _prefix(model_type)
-    head = f"{head_name(model_type)}.weight"
-    if name == head:
-        files = generic_weights.checkpoint_names(model_type, head)
-        if not is_tied(classes(model_type)[0](**_conf_keys(conf))):
-            return files, False, ()
-        return (*files, f"{prefix}.{pp_names(model_type)[0]}.weight"), False, ()
-    pieces = generic_weights.stacked(model_type, name, conf)
-    if pieces is not None:
-        return pieces
-    block = generic_weights.split_block(model_type, name, conf)
-    if block is not None:
-        return block
-    return generic_weights.checkpoint_names(model_type, name), False, ()
-
-
 def to_hf(sd: dict) -> dict:
     return dict(sd)
 
@@ -351,13 +364,13 @@ def spec(model_type: str) -> ArchSpec:
         hf_model_types=(model_type,),
         sizes_from_hf=functools.partial(sizes_from_hf, model_type),
         max_seq_len=max_seq_len,
-        from_hf=functools.partial(from_hf, model_type),
+        from_hf=functools.partial(generic_weights.from_hf, model_type),
         default_ffn=lambda hidden: 32 * ((8 * hidden // 3 + 31) // 32),
         param_parts=functools.partial(generic_counts.param_parts, model_type),
         matmul_params=functools.partial(generic_counts.matmul_params, model_type),
         held_copies=functools.partial(generic_counts.held_copies, model_type),
         layers=f"{prefix}.{layers}",
-        first_stage=(f"{prefix}.{embed}", *(f"{prefix}.{n}" for n in per_layer_modules(classes(model_type)[0]))),
+        first_stage=(f"{prefix}.{embed}", *(f"{prefix}.{n}" for n in per_layer_inputs(model_type))),
         last_stage=(f"{prefix}.{norm}", head),
         tp_plan=tp_plan,
         # Vocab-parallel embedding and head: a tied pair is sharded alike (engine.tied sums them).
@@ -376,23 +389,6 @@ def spec(model_type: str) -> ArchSpec:
         on_stage=functools.partial(on_stage, prefix, (embed, layers, norm, head)),
         tp_adjust=learnt_activations,
     )
-
-
-def learnt_activations(block, tp: int) -> None:
-    """An activation with learnt parameters (Apertus's xIELU scalars) that runs between a
-    column-sharded projection and its row-sharded partner, in no TP plan: replicated, its input
-    the column shard, its gradient summed over tp (the engine's ``headnorm`` style)."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
-
-    mesh = next((p.device_mesh for p in block.parameters() if isinstance(p, DTensor)), None)
-    if mesh is None or tp == 1:
-        return
-    for name, module in block.named_modules():
-        learnt = any(not isinstance(p, DTensor) for p in module.parameters(recurse=False))
-        if learnt and type(module).__module__ == "transformers.activations":
-            # The column shard is the last dimension of [batch, seq, ffn / tp].
-            parallelize_module(block, mesh, {name: SequenceParallel(sequence_dim=2, use_local_output=True)})
 
 
 def _hf_model(model_type: str, config):

@@ -58,9 +58,8 @@ def cp_static(model_type: str) -> bool:
     plan, eager attention only, attention sinks (the planner then proposes no cp)."""
     from raytrain_hybrid.models import generic
 
-    lm_cls = generic.classes(model_type)[1]
     path = generic_cp.attention_path(model_type)
-    return path is None or not getattr(lm_cls, "_supports_sdpa", False) or generic_cp.adds_sinks(model_type)
+    return path is None or not generic.supports_sdpa(model_type) or generic_cp.adds_sinks(model_type)
 
 
 def features(model_type: str, cfg) -> None:

@@ -38,9 +38,12 @@ def attention_path(model_type: str) -> str | None:
 @functools.cache
 def adds_sinks(model_type: str) -> bool:
     """Whether the family's modeling code gives its attention function sinks (gpt-oss's ``s_aux``):
-    read in its source, as the config has no key for them."""
-    from raytrain_hybrid.models import generic
+    read in its source (recorded: models.generic_facts), as the config has no key for them."""
+    from raytrain_hybrid.models import generic, generic_facts
 
+    facts = generic_facts.recorded(model_type)
+    if facts is not None:
+        return facts["sinks"]
     source = inspect.getsource(inspect.getmodule(generic.classes(model_type)[1]))
     return "s_aux" in source or "sinks=" in source
 
@@ -58,10 +61,7 @@ def cp_refusal(model_type: str, hf_config) -> str | None:
         return (
             "has latent attention (compressed keys and values), which the context-parallel attention does not exchange"
         )
-    if (
-        not getattr(generic.classes(model_type)[1], "_supports_sdpa", False)
-        or hf_config._attn_implementation == "eager"
-    ):
+    if not generic.supports_sdpa(model_type) or hf_config._attn_implementation == "eager":
         return "runs only transformers' eager attention, which the context-parallel attention (SDPA) would replace"
     if getattr(hf_config, "attn_logit_softcapping", None):
         return "soft-caps its attention scores (attn_logit_softcapping), which the context-parallel attention does not"

@@ -219,3 +219,20 @@ def experts_always_used(model, hf_config) -> None:
     for module in model.modules():
         if type(module).__name__.endswith("Experts"):
             module.register_forward_hook(hook)
+
+
+def learnt_activations(block, tp: int) -> None:
+    """An activation with learnt parameters (Apertus's xIELU scalars) that runs between a
+    column-sharded projection and its row-sharded partner, in no TP plan: replicated, its input
+    the column shard, its gradient summed over tp (the engine's ``headnorm`` style)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+    mesh = next((p.device_mesh for p in block.parameters() if isinstance(p, DTensor)), None)
+    if mesh is None or tp == 1:
+        return
+    for name, module in block.named_modules():
+        learnt = any(not isinstance(p, DTensor) for p in module.parameters(recurse=False))
+        if learnt and type(module).__module__ == "transformers.activations":
+            # The column shard is the last dimension of [batch, seq, ffn / tp].
+            parallelize_module(block, mesh, {name: SequenceParallel(sequence_dim=2, use_local_output=True)})

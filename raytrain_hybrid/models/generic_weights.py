@@ -129,3 +129,25 @@ def _shapes(model_type: str, conf_json: str) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
         model = lm_cls(config_cls(**_conf_keys(json.loads(conf_json))))
     return {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def from_hf(model_type: str, name: str, conf: dict):
+    """Engine names are transformers' module names; the files' names are those run back through
+    the family's conversion mapping (below); a tied checkpoint may have no head:
+    it is the embedding (an untied one must have its own)."""
+    from raytrain_hybrid.models import generic
+
+    prefix = generic._prefix(model_type)
+    head = f"{generic.head_name(model_type)}.weight"
+    if name == head:
+        files = checkpoint_names(model_type, head)
+        if not generic.is_tied(generic.classes(model_type)[0](**generic._conf_keys(conf))):
+            return files, False, ()
+        return (*files, f"{prefix}.{generic.pp_names(model_type)[0]}.weight"), False, ()
+    pieces = stacked(model_type, name, conf)
+    if pieces is not None:
+        return pieces
+    block = split_block(model_type, name, conf)
+    if block is not None:
+        return block
+    return checkpoint_names(model_type, name), False, ()

@@ -157,18 +157,12 @@ def local_dir(location: str) -> Path:
 
 def arch_of(model_type: str, location: str) -> str:
     """The registry's architecture for the ``model_type`` of the checkpoint at ``location``."""
-    from raytrain_hybrid.models import ARCH_NAMES, arch_names, get_arch
+    from raytrain_hybrid.models import hand_arch_of
 
-    # The architecture named as the model_type first: asking every spec imports GPT-2's, which
-    # imports torch and transformers (seconds, for a `check` of a Llama checkpoint).
-    if model_type in ARCH_NAMES and model_type in get_arch(model_type).hf_model_types:
-        return model_type
-    supported = {}
-    for name in arch_names("lm"):
-        for mt in get_arch(name).hf_model_types:
-            supported[mt] = name
-    if model_type in supported:
-        return supported[model_type]
+    # By name: asking every spec would import GPT-2's, and with it torch and transformers.
+    name = hand_arch_of(model_type)
+    if name is not None:
+        return name
     if model_type == "bert":
         raise ConfigError(
             KEY, location, "is a BERT checkpoint, which is for the classifier: model.arch=multimodal-bert"

@@ -1,0 +1,160 @@
+"""What transformers says of each causal-LM family that resolving a config reads, as data.
+
+Resolving a config of a generic family (models.generic) asks its classes for their tensor-parallel
+and pipeline plans, the base model's and the head's names, whether the attention takes SDPA or
+sinks, and reads a checkpoint's sizes through the config class's attribute names. Asking the classes
+imports the family's modeling code, and with it torch: about 5 s of every `check` of a Qwen3 or
+Gemma checkpoint on a small machine, against half a second for a hand-written family.
+``scripts/generic_facts.py`` records these answers in assets/generic_facts.json for the installed
+transformers version; they are read from there when that version is the one installed and the family
+was not registered in this process (models.custom), and from the classes otherwise. A test derives
+every family's facts afresh (``derive``) and compares them with the file.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import inspect
+import json
+from pathlib import Path
+
+FACTS = Path(__file__).parents[1] / "assets" / "generic_facts.json"
+# The sizes a config resolves to (models.generic.sizes_from_hf), by the attribute names it reads.
+SIZE_KEYS = (
+    "num_hidden_layers",
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+)
+_OVERRIDDEN: set[str] = set()  # model_types registered in this process (models.custom): their classes
+
+
+@functools.cache
+def _file() -> dict:
+    try:
+        installed = importlib.metadata.version("transformers")
+        data = json.loads(FACTS.read_text())
+    except (importlib.metadata.PackageNotFoundError, OSError, ValueError):
+        return {}
+    return data if data.get("transformers") == installed else {}
+
+
+def recorded(model_type: str) -> dict | None:
+    """The recorded facts of ``model_type``, or None (read its classes)."""
+    if model_type in _OVERRIDDEN:
+        return None
+    return (_file().get("families") or {}).get(model_type)
+
+
+def version() -> str:
+    """The installed transformers' version, as the recorded facts say it (no import of transformers)."""
+    if _file():
+        return _file()["transformers"]
+    import transformers
+
+    return transformers.__version__
+
+
+def overridden(model_type: str) -> None:
+    """``model_type`` was registered in this process: its classes answer from now on."""
+    _OVERRIDDEN.add(model_type)
+
+
+def derive(model_type: str) -> dict:
+    """The facts of ``model_type`` from its classes (what the file records for it)."""
+    from raytrain_hybrid.models import generic
+    from raytrain_hybrid.models.generic_forward import per_layer_modules
+
+    config_cls, lm_cls = generic.classes(model_type)
+    facts: dict = {"tp_plan": dict(config_cls.base_model_tp_plan or {})}
+    facts["pp_plan"] = bool(getattr(config_cls, "base_model_pp_plan", None))
+    try:
+        facts["pp_names"] = list(generic.pp_names_of(model_type))
+    except (KeyError, StopIteration) as exc:
+        facts["pp_names"] = None
+        facts["pp_error"] = str(exc)
+    facts["head"] = generic.head_name_of(lm_cls)
+    facts["prefix"] = lm_cls.base_model_prefix or "model"
+    facts["sdpa"] = bool(getattr(lm_cls, "_supports_sdpa", False))
+    source = inspect.getsource(inspect.getmodule(lm_cls))
+    facts["sinks"] = "s_aux" in source or "sinks=" in source
+    facts["per_layer"] = list(per_layer_modules(config_cls))
+    facts["attribute_map"] = dict(getattr(config_cls, "attribute_map", {}) or {})
+    try:
+        default = config_cls()
+    except Exception:  # noqa: BLE001 - a family whose default config does not build (matrix: refused)
+        facts["sizes_from_class"] = True
+        return facts
+    facts["absent"] = [k for k in SIZE_KEYS if _missing(default, k, facts["attribute_map"])]
+    # The sizes as data must be the class's: else this family's are read through its class.
+    for conf in (default.to_dict(), _tiny(model_type, config_cls)):
+        try:
+            same = conf is not None and sizes(model_type, conf, facts) == generic.sizes_from_class(model_type, conf)
+        except Exception:  # noqa: BLE001 - the class itself refuses these sizes (Gemma 3n's per-layer widths)
+            same = False
+        if not same:
+            facts["sizes_from_class"] = True
+            break
+    return facts
+
+
+def _missing(config, key: str, attribute_map: dict) -> bool:
+    """Whether the config class has no such attribute at all (GPT-2 has no head_dim): read as None."""
+    if attribute_map.get(key, key) in config.to_dict():
+        return False
+    try:
+        return getattr(config, key, None) is None
+    except Exception:  # noqa: BLE001 - transformers' per-layer attribute error
+        return True
+
+
+def _tiny(model_type: str, config_cls) -> dict | None:
+    """A small config of the family as save_pretrained writes it (model.* sizes as the matrix's)."""
+    from types import SimpleNamespace
+
+    from raytrain_hybrid.models import generic
+
+    m = SimpleNamespace(vocab_size=512, hidden_size=64, ffn_hidden_size=128, num_layers=2, num_heads=4,
+                        num_kv_heads=2, head_dim=16, seq_len=32)  # fmt: skip
+    try:
+        return config_cls(**generic.tiny_kwargs(m)).to_dict()
+    except Exception:  # noqa: BLE001 - a family with other required keys: its default config decides
+        return None
+
+
+def sizes(model_type: str, conf: dict, facts: dict | None = None) -> dict | None:
+    """A config.json's model.* sizes read as data (as models.generic.sizes_from_hf reads them through
+    the class); None where the facts are not recorded or the file lacks a key the class would fill in."""
+    facts = facts if facts is not None else recorded(model_type)
+    if not facts or facts.get("sizes_from_class"):
+        return None
+    names, absent = facts["attribute_map"], set(facts.get("absent", ()))
+    got = {}
+    for key in SIZE_KEYS:
+        name = names.get(key, key)
+        if name in conf:
+            got[key] = conf[name]
+        elif key in absent or key == "num_layers":  # (num_layers: LongCat-Flash's blocks; no other's)
+            got[key] = None
+        else:
+            return None
+    heads, hidden, layers = got["num_attention_heads"], got["hidden_size"], got["num_hidden_layers"]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (heads, hidden, layers)):
+        return None  # (the class says what is wrong)
+    fewer = got["num_layers"]
+    if not all(v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in got.values()):
+        return None  # (a width per layer, a string: the class reads it)
+    return {
+        "num_layers": fewer if isinstance(fewer, int) and 0 < fewer < layers else layers,
+        "hidden_size": int(hidden),
+        "num_heads": int(heads),
+        "num_kv_heads": int(got["num_key_value_heads"] or heads),
+        "head_dim": int(got["head_dim"] or hidden // heads),
+        "ffn_hidden_size": int(got["intermediate_size"] or 4 * hidden),
+        "vocab_size": int(got["vocab_size"]),
+    }

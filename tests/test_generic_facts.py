@@ -1,0 +1,108 @@
+"""The facts of the generic families recorded as data (models.generic_facts): equal to what the
+installed transformers says, read instead of the family's classes, so that `check` of a Qwen3 or
+Gemma checkpoint imports neither torch nor transformers; not read for another transformers version or
+for a family registered in the process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from raytrain_hybrid.models import generic, generic_facts
+
+
+def test_the_recorded_facts_are_what_transformers_says():
+    """Every family of the file derived afresh from its classes (plans, names, attention, config
+    attribute names, and whether its sizes read as data equal its class's): equal, and every causal
+    LM with a tensor-parallel plan is in it."""
+    sys.path.insert(0, str(generic_facts.FACTS.parents[2] / "scripts"))
+    from generic_facts import families  # scripts/generic_facts.py
+
+    record = json.loads(generic_facts.FACTS.read_text())
+    import transformers
+
+    stale = "re-record with `.venv/bin/python scripts/generic_facts.py`"
+    assert record["transformers"] == transformers.__version__, stale
+    assert sorted(record["families"]) == families(), stale
+    for model_type, facts in record["families"].items():
+        assert generic_facts.derive(model_type) == facts, f"{model_type}: {stale}"
+
+
+# `raytrain-hybrid check ARGS` in this process, then what it resolved and imported.
+CHECK = """
+import sys
+from raytrain_hybrid.cli import main
+from raytrain_hybrid.config import load_config
+args = sys.argv[1:]
+try:
+    rc = main(["check", *args])
+except SystemExit as end:
+    rc = end.code
+assert not rc, rc
+cfg = load_config(None, [a for a in args if a != "--set"])
+print(cfg.model.arch, cfg.model.num_layers, cfg.model.num_kv_heads, cfg.model.head_dim)
+print(sorted(m for m in ("torch", "transformers") if m in sys.modules))
+"""
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text", "olmo2", "phi3"])
+def test_a_checkpoint_of_a_generic_family_resolves_without_torch_or_transformers(model_type, tmp_path):
+    """`check` of a checkpoint saved by transformers (its config.json; an empty weights file, as
+    `check` reads only headers) passes, resolving its family and sizes in a process that never
+    imports torch or transformers: the sizes its config class gives."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(
+        model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=512,
+    )  # fmt: skip
+    config.save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    sets = [f"model.pretrained={tmp_path}", "data.path=memory", "model.seq_len=32"]
+    args = [a for kv in sets for a in ("--set", kv)]
+    done = subprocess.run([sys.executable, "-c", CHECK, *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    resolved, imported = done.stdout.splitlines()[-2:]
+    assert resolved == f"{model_type} 3 2 16", done.stdout
+    assert "layout ok" in done.stdout and imported == "[]", done.stdout
+    want = generic.sizes_from_class(model_type, json.loads((tmp_path / "config.json").read_text()))
+    assert (want["num_layers"], want["num_kv_heads"], want["head_dim"]) == (3, 2, 16)
+
+
+def test_the_classes_answer_for_another_transformers_or_a_family_registered_here(monkeypatch, tmp_path):
+    """Facts recorded for another transformers version are not read; nor those of a model_type
+    registered in this process (models.custom), whose own classes then answer."""
+    assert generic_facts.recorded("qwen3") is not None
+    other = tmp_path / "facts.json"
+    other.write_text(json.dumps({**json.loads(generic_facts.FACTS.read_text()), "transformers": "0.0.1"}))
+    monkeypatch.setattr(generic_facts, "FACTS", other)
+    generic_facts._file.cache_clear()
+    try:
+        assert generic_facts.recorded("qwen3") is None
+        assert generic.has_pp_plan("qwen3") and generic.pp_names("qwen3") == ("embed_tokens", "layers", "norm")
+    finally:
+        generic_facts._file.cache_clear()
+    monkeypatch.setattr(generic_facts, "_OVERRIDDEN", {"qwen3"})
+    assert generic_facts.recorded("qwen3") is None
+    assert generic.head_name("qwen3") == "lm_head" and generic._prefix("qwen3") == "model"
+
+
+def test_sizes_read_as_data_need_every_key_the_class_would_fill_in():
+    """A config.json without a key the class would default (num_key_value_heads) is read through the
+    class, not guessed; with every key, as data."""
+    conf = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}  # fmt: skip
+    assert generic_facts.sizes("qwen3", conf) == generic.sizes_from_class("qwen3", conf)
+    assert generic_facts.sizes("qwen3", {k: v for k, v in conf.items() if k != "num_key_value_heads"}) is None
+    assert generic_facts.sizes("qwen3", {**conf, "head_dim": [16, 32]}) is None
+
+
+def test_the_hand_written_model_types_are_the_specs_own():
+    """models.HAND_MODEL_TYPES (a checkpoint's hand-written family found by name, without importing
+    every spec) is what the specs themselves declare."""
+    from raytrain_hybrid.models import HAND_MODEL_TYPES, arch_names, get_arch
+
+    assert HAND_MODEL_TYPES == {mt: name for name in arch_names("lm") for mt in get_arch(name).hf_model_types}
