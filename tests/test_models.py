@@ -7,7 +7,8 @@ architecture comes from its config.json. Per family, in fp32 against tests/refer
 plain loop over transformers' own model loaded from the same directory (eager attention):
 
 - (1,1,1): every family's run in one single-rank launch;
-- dp=2 x tp=2 x pp=2 (1F1B, ZeRO-0): every family's run in one 8-rank launch;
+- dp=2 x tp=2 x pp=2 (1F1B, ZeRO-0): every family's run in one 8-rank launch (dp=4 x tp=2 x pp=1
+  for a family transformers gives no pipeline plan);
 
 each with the losses, the global and every parameter's gradient norm, and the final weights.
 Export writes the source's key names and config.json, and transformers loads it as the same class.
@@ -42,10 +43,14 @@ FAMILIES = (
     "glm4",
     "cohere2",
     "ministral",
+    "nemotron",  # no pipeline plan (pp=1), a non-gated squared-ReLU MLP, LayerNorm with a +1 scale
 )
+# Families without a pipeline plan in transformers, trained at pp=1: their 3-D job is dp=4 x tp=2.
+NO_PIPELINE_PLAN = ("nemotron",)
 COMMON = ("data.path=memory", f"model.seq_len={SEQ}", "train.steps=3", "train.global_batch_size=8", "train.lr=1e-3")
 SINGLE = ("parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=1", "parallelism.microbatches=1")
 THREE_D = ("parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=2", "parallelism.microbatches=2")
+DP_TP = ("parallelism.dp=4", "parallelism.tp=2", "parallelism.pp=1", "parallelism.microbatches=1")
 
 
 # Latent attention's widths, a mixture of experts' sizes and a partial rotary slice, where the
@@ -155,7 +160,10 @@ def _jobs(checkpoints: dict, layout) -> dict:
     """Every checkpoint's run at ``layout``; the custom model's registered again in each rank."""
     from raytrain_hybrid.models.custom import registered
 
-    jobs: dict = {mt: _overrides(path, layout) for mt, path in checkpoints.items()}
+    jobs: dict = {
+        mt: _overrides(path, DP_TP if layout == THREE_D and mt in NO_PIPELINE_PLAN else layout)
+        for mt, path in checkpoints.items()
+    }
     jobs["custom"] = {"overrides": jobs["custom"], "register": registered()}
     return jobs
 
@@ -211,7 +219,8 @@ def three_d_runs(checkpoints):
 
 def test_the_architecture_comes_from_the_checkpoint(checkpoints):
     for mt, path in checkpoints.items():
-        cfg = load_config(None, [f"model.pretrained={path}"])
+        layout = ["parallelism.pp=1"] if mt in NO_PIPELINE_PLAN else []  # (the default layout's pp=2 is refused)
+        cfg = load_config(None, [f"model.pretrained={path}", *layout])
         assert cfg.model.arch == (mt if mt != "custom" else "rh_tiny_decoder")
 
 
@@ -312,7 +321,7 @@ def test_check_refuses_an_unknown_arch_naming_the_key():
 # Export, family by family: tied with per-head norms and sliding layers (Gemma 3), per-head query/key
 # norms (Qwen3), fused projections in the files (Phi-3), norms over the whole projected width (OLMo 2),
 # and a source whose config.json sets dropout, which training turns off (Seed-OSS).
-EXPORT_FAMILIES = ("gemma3_text", "qwen3", "phi3", "olmo2", "seed_oss")
+EXPORT_FAMILIES = ("gemma3_text", "qwen3", "phi3", "olmo2", "seed_oss", "nemotron")
 
 
 def _safetensors_keys(path: Path) -> set[str]:
