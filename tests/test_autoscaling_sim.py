@@ -275,10 +275,12 @@ def job_record(cluster: FakeCluster, job_id: str, wait_s: float = 120) -> dict:
     return job
 
 
-def status_settled(cluster, wait_s: float = 30.0) -> str:
+def status_settled(cluster, wait_s: float = 120.0) -> str:
     """`ray status` once the ended job's placement group is gone from its pending demands: the
     GCS removes a finished job's groups, and the autoscaler's report shows it, a round or two
-    after the job's end (seen still pending right at the end on a loaded machine)."""
+    after the job's end (seen still pending right at the end on a loaded machine; once, 30 s after
+    the end, the report itself was 50 s old: the autoscaler's round was still starting the H100
+    node on a machine loaded by other work)."""
     deadline = time.time() + wait_s
     while True:
         status = cluster.status()
