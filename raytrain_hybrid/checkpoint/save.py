@@ -133,9 +133,9 @@ class CheckpointWriter:
         final = self.root.child(f"step_{step}")
         staging = _staging_dir(self.root, self.launch_id, step, rank)
         if self.root.local:  # one staging directory beside the final one, made by rank 0
-            if rank == 0:
+            if rank == 0:  # (through the store: a link planted at checkpoints/ is refused, not followed)
                 self.root.child(f"step_{step}.partial").delete()  # an attempt that died
-                os.makedirs(staging)
+                self.root.child(f"step_{step}.partial").makedirs()
             dist.barrier()
         else:  # this rank's own directory on its node; an earlier attempt's objects go in the background
             shutil.rmtree(staging, ignore_errors=True)

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import os
 import posixpath
+import shutil
 import stat
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -67,11 +68,18 @@ def is_uri(location: str) -> bool:
 
 @dataclass(frozen=True)
 class Store:
-    """A directory on some filesystem: ``fs`` and ``path`` for pyarrow, ``uri`` to show and pass on."""
+    """A directory on some filesystem: ``fs`` and ``path`` for pyarrow, ``uri`` to show and pass on.
+
+    ``root``: the directory the user named (``open_store``'s path; its children keep it), and
+    ``key`` the setting that named it. On a local disk, what is written, made or deleted below
+    ``root`` never passes through a link at a directory between them (storage.nofollow.open_below):
+    a link planted at ``profile/`` or ``checkpoints/`` is refused, naming it, not followed."""
 
     fs: pafs.FileSystem
     path: str
     uri: str
+    root: str = field(default="", compare=False)
+    key: str = field(default="run.output_dir", compare=False)
 
     def __str__(self) -> str:
         return self.uri
@@ -86,11 +94,23 @@ class Store:
         return posixpath.basename(self.path.rstrip("/"))
 
     def child(self, *parts: str) -> Store:
-        return Store(self.fs, posixpath.join(self.path, *parts), "/".join([self.uri.rstrip("/"), *parts]))
+        path = posixpath.join(self.path, *parts)
+        return Store(self.fs, path, "/".join([self.uri.rstrip("/"), *parts]), self.root or self.path, self.key)
 
     @property
     def parent(self) -> Store:
-        return Store(self.fs, posixpath.dirname(self.path.rstrip("/")), self.uri.rstrip("/").rsplit("/", 1)[0])
+        path = posixpath.dirname(self.path.rstrip("/"))
+        root = self.root if _below(path, self.root) else path  # (above the root: the parent is one)
+        return Store(self.fs, path, self.uri.rstrip("/").rsplit("/", 1)[0], root, self.key)
+
+    def _dir_fd(self, path: str, create: bool) -> int:
+        """Local directory ``path`` (this store's or its parent) opened from the root without
+        following a link below it; a store opened at a file (``as_store(run/"x.json")``) has
+        its own directory as the root."""
+        from raytrain_hybrid.storage.nofollow import open_below
+
+        root = self.root if _below(path, self.root) else path
+        return open_below(root, path, create, self.key)
 
     def _info(self) -> pafs.FileInfo:
         return self.fs.get_file_info(self.path)
@@ -116,6 +136,9 @@ class Store:
         return sorted(posixpath.basename(i.path.rstrip("/")) for i in infos)
 
     def makedirs(self) -> None:
+        if self.local:
+            os.close(self._dir_fd(self.path, create=True))
+            return
         self.fs.create_dir(self.path, recursive=True)
 
     def open_input(self):
@@ -135,8 +158,11 @@ class Store:
         if self.local:  # (through a new temporary file: a link planted at the name is replaced, not followed)
             from raytrain_hybrid.storage.nofollow import write_new
 
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            write_new(self.path, data)
+            fd = self._dir_fd(os.path.dirname(self.path), create=True)
+            try:
+                write_new(os.path.basename(self.path), data, dir_fd=fd)
+            finally:
+                os.close(fd)
             return
         with self.fs.open_output_stream(self.path) as f:
             f.write(data)
@@ -145,22 +171,56 @@ class Store:
         self.write_bytes(text.encode())
 
     def delete(self) -> None:
-        """This file or directory and everything under it; nothing if it is gone already."""
+        """This file or directory and everything under it; nothing if it is gone already.
+        On a local disk a link at it, or at a directory above it below the root, is refused."""
+        if self.local and self.path != self.root:
+            self._delete_local()
+            return
         info = self._info()
         if info.type == pafs.FileType.Directory:
             self.fs.delete_dir(self.path)
         elif info.type == pafs.FileType.File:
             self.fs.delete_file(self.path)
 
+    def _delete_local(self) -> None:
+        from raytrain_hybrid.storage.nofollow import link_refused
+
+        try:
+            fd = self._dir_fd(os.path.dirname(self.path), create=False)
+        except FileNotFoundError:
+            return
+        name = os.path.basename(self.path)
+        try:  # relative to the directory opened: nothing is looked up through a link again
+            mode = os.lstat(name, dir_fd=fd).st_mode
+            if stat.S_ISLNK(mode):  # (a planted step_<N>: pruning it must not reach its target)
+                raise link_refused(self.path, self.root or self.path, self.key)
+            if stat.S_ISDIR(mode):
+                shutil.rmtree(name, dir_fd=fd)  # fd-based: a link inside is removed, not followed
+            else:
+                os.unlink(name, dir_fd=fd)
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(fd)
+
     def upload(self, local_dir: str) -> None:
         """Copy a local directory's files under this one (files of the same name are replaced)."""
         self.makedirs()
+        if self.local:  # each directory it goes into first made or looked at without following a link
+            for below, _, _ in os.walk(local_dir):
+                rel = os.path.relpath(below, local_dir)
+                os.close(self._dir_fd(os.path.normpath(os.path.join(self.path, rel)), create=True))
         pafs.copy_files(local_dir, self.path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=self.fs)
 
     def download(self, local_dir: str) -> None:
         """Copy everything under this directory into a local one."""
         os.makedirs(local_dir, exist_ok=True)
         pafs.copy_files(self.path, local_dir, source_filesystem=self.fs, destination_filesystem=pafs.LocalFileSystem())
+
+
+def _below(path: str, root: str) -> bool:
+    """``path`` is ``root`` or under it (both absolute, normalized)."""
+    return bool(root) and (path == root or path.startswith(root.rstrip("/") + "/"))
 
 
 def as_store(location, key: str = "run.output_dir") -> Store:
@@ -176,7 +236,7 @@ def open_store(location: str, key: str = "run.output_dir") -> Store:
     refuse_credentials(key, location)  # shown without them; nothing below sees them
     if not is_uri(location):
         path = os.path.abspath(os.path.expanduser(location))
-        return Store(pafs.LocalFileSystem(), path, path)
+        return Store(pafs.LocalFileSystem(), path, path, path, key)
     try:
         fs, path = pafs.FileSystem.from_uri(location)
     except (ValueError, OSError) as exc:  # pyarrow.ArrowInvalid is a ValueError
@@ -185,5 +245,5 @@ def open_store(location: str, key: str = "run.output_dir") -> Store:
         ) from exc
     uri = location.rstrip("/")
     if isinstance(fs, pafs.LocalFileSystem):  # file:///abs/path
-        return Store(fs, path, path)
-    return Store(fs, path.rstrip("/"), uri)
+        return Store(fs, path, path, path, key)
+    return Store(fs, path.rstrip("/"), uri, path.rstrip("/"), key)

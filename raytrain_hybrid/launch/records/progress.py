@@ -24,7 +24,7 @@ from raytrain_hybrid.launch.records.events import (
     StartEvent,
     StepEvent,
 )
-from raytrain_hybrid.storage.nofollow import copy_new, create_new
+from raytrain_hybrid.storage.nofollow import copy_new, create_new, open_below
 
 # metrics.jsonl key -> TensorBoard tag
 _SCALARS = {
@@ -158,8 +158,8 @@ class RunLog:
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            if (out_dir / "tensorboard").is_symlink():  # its event files go into the run, not a link's target
-                (out_dir / "tensorboard").unlink()
+            # Its event files go into the run, not a link's target: one planted there is refused.
+            os.close(open_below(str(out_dir), str(out_dir / "tensorboard"), create=True))
             self.tb = SummaryWriter(str(out_dir / "tensorboard"), flush_secs=10)
 
     def _say(self, text: str) -> None:
