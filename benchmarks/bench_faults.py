@@ -494,6 +494,30 @@ def main() -> None:
     shutil.rmtree(base, ignore_errors=True) if not any(
         r.get("kept_at") for v in result.get("kinds", {}).values() for r in v["trials"]
     ) else None
+    if failed := failures(result):  # a campaign that found something fails, as bench_fuzz past its bound
+        print("FAILED: " + "; ".join(failed), file=sys.stderr)
+        sys.exit(1)
+
+
+def failures(result: dict) -> list[str]:
+    """What the campaign's summaries say went wrong: a complete checkpoint lost, a save the killed run
+    completed after the resume picked its checkpoint, a resumed run's losses off the uninterrupted
+    run's, a step missing from metrics.jsonl."""
+    out = []
+    for kind, section in result.get("kinds", {}).items():
+        if lost := section["summary"].get("checkpoints_lost"):
+            out.append(f"{kind}: {lost} complete checkpoints lost")
+    if "ray_cli" in result and (lost := result["ray_cli"]["summary"]["newest_complete_checkpoint_lost"]):
+        out.append(f"ray_cli: {lost} complete checkpoints lost")
+    if "ray_driver_kills" in result and "from_an_earlier_run" not in result["ray_driver_kills"]:
+        summary = result["ray_driver_kills"]["summary"]
+        for key in ("complete_checkpoints_lost", "killed_run_completed_a_save_after_the_resume_picked",
+                    "steps_missing_from_metrics_jsonl"):  # fmt: skip
+            if summary[key]:
+                out.append(f"ray_driver_kills: {key} = {summary[key]}")
+        if summary["runs_whose_every_loss_equals_the_uninterrupted_run"] < summary["drivers_killed"]:
+            out.append("ray_driver_kills: a resumed run's losses differ from the uninterrupted run's")
+    return out
 
 
 if __name__ == "__main__":

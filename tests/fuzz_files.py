@@ -114,24 +114,39 @@ TINY = [
 ]
 
 
-def make_checkpoint(step: Path) -> dict:
-    """A checkpoint as export reads it (DCP shards of the model, manifest.json listing their sizes
-    and digests), written in this process; returns its manifest."""
+def training_state(cfg, optimizer: bool = True) -> dict:
+    """What a checkpoint of ``cfg``'s model holds, as a run saves it (checkpoint.state): every
+    parameter under its global name, random, and with ``optimizer`` its AdamW state."""
     import torch
-    import torch.distributed.checkpoint as dcp
 
-    from raytrain_hybrid.checkpoint.manifest import FORMAT, MANIFEST, file_digest
-    from raytrain_hybrid.config import load_config
     from raytrain_hybrid.models import get_arch
     from raytrain_hybrid.models.common import build_stage
 
-    cfg = load_config(None, TINY)
     spec = get_arch(cfg.model.arch)
     meta = build_stage(spec, spec.hf_config(cfg), list(range(spec.num_blocks(cfg.model))), first=True, last=True)
     torch.manual_seed(0)
     state = {"model": {n: torch.randn(p.shape) * 0.02 for n, p in meta.named_parameters()}}
+    if optimizer:  # (checkpoint.state.optimizer_state's names)
+        state["optimizer"] = {
+            f"{n}.{k}": torch.tensor(2.0) if k == "step" else torch.zeros(p.shape)
+            for n, p in meta.named_parameters()
+            for k in ("step", "exp_avg", "exp_avg_sq")
+        }
+    return state
+
+
+def make_checkpoint(step: Path, optimizer: bool = True) -> dict:
+    """A checkpoint as a run writes it (DCP shards of the model and, with ``optimizer``, its AdamW
+    state; manifest.json listing their sizes and digests), written in this process; returns its
+    manifest."""
+    import torch.distributed.checkpoint as dcp
+
+    from raytrain_hybrid.checkpoint.manifest import FORMAT, MANIFEST, file_digest
+    from raytrain_hybrid.config import load_config
+
+    cfg = load_config(None, TINY)
     with contextlib.redirect_stderr(io.StringIO()):
-        dcp.save(state, checkpoint_id=str(step), no_dist=True)
+        dcp.save(training_state(cfg, optimizer), checkpoint_id=str(step), no_dist=True)
     files = {p.name: file_digest(p) for p in sorted(step.iterdir())}
     manifest = {"format": FORMAT, "step": 2, "world_size": 1, "config": cfg.to_dict(), "files": files}
     (step / MANIFEST).write_text(json.dumps(manifest, indent=1))

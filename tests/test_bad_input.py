@@ -731,6 +731,55 @@ SHARD_MISFITS = {
 }
 
 
+def test_a_manifest_that_describes_another_model_than_its_shards_is_refused_before_any_worker(
+    tiny_checkpoint, tmp_path, capsys, monkeypatch
+):
+    """A manifest whose config was edited (model.hidden_size 32 -> 64) and a resume that asks for
+    that model: the shards hold the 32-wide one, which `export`, `train --resume` and `check
+    --resume` all say (exit 2) before Ray starts; a worker would fail loading it with a traceback."""
+    import ray
+
+    started: list = []
+    monkeypatch.setattr(ray, "init", lambda *a, **k: started.append("ray.init"))
+
+    _, manifest = tiny_checkpoint
+    wider = json.loads(json.dumps(manifest))
+    wider["config"]["model"]["hidden_size"] = 64
+    step = _planted(tiny_checkpoint, tmp_path, json.dumps(wider)) / "checkpoints" / "step_2"
+    said = "its manifest.json describes model.embed_tokens.weight as [4096, 64], and the checkpoint holds [4096, 32]"
+    assert cli.main(["export", str(step), str(tmp_path / "hf")]) == 2
+    assert said in capsys.readouterr().err
+    tiny = [s if s != "model.hidden_size=32" else "model.hidden_size=64" for s in FUZZ_TINY]
+    tiny.append(f"model.ffn_hidden_size={manifest['config']['model']['ffn_hidden_size']}")  # (as the manifest)
+    sets = [a for s in [*tiny, f"run.output_dir={tmp_path / 'out'}"] for a in ("--set", s)]
+    for command in ("train", "check"):
+        assert cli.main([command, "--resume", str(step), *sets]) == 2
+        err = capsys.readouterr().err
+        assert f"--resume='{step}': {said}" in err and "Traceback" not in err, err
+    assert started == [] and not (tmp_path / "hf").exists()
+
+
+def test_a_checkpoint_without_optimizer_state_is_refused_by_a_resume_and_exported(tmp_path, capsys, monkeypatch):
+    """Shards of the model alone (no AdamW state): a resume, which loads that state, refuses it before
+    Ray starts, naming what is missing and what works instead; `export` of it works."""
+    import ray
+    from fuzz_files import make_checkpoint
+
+    started: list = []
+    monkeypatch.setattr(ray, "init", lambda *a, **k: started.append("ray.init"))
+    step = tmp_path / "run" / "checkpoints" / "step_2"
+    step.mkdir(parents=True)
+    make_checkpoint(step, optimizer=False)
+    sets = [a for s in [*FUZZ_TINY, f"run.output_dir={tmp_path / 'out'}"] for a in ("--set", s)]
+    for command in ("train", "check"):
+        assert cli.main([command, "--resume", str(step), *sets]) == 2
+        err = capsys.readouterr().err
+        assert "holds no optimizer state (step, exp_avg, exp_avg_sq) for model.embed_tokens.weight" in err, err
+        assert "export its weights instead" in err
+    assert started == []
+    assert cli.main(["export", str(step), str(tmp_path / "hf")]) == 0
+
+
 @pytest.mark.parametrize("case", list(SHARD_MISFITS))
 def test_shards_that_cannot_hold_what_the_metadata_says_are_refused_before_any_worker(
     tiny_checkpoint, tmp_path, capsys, monkeypatch, case

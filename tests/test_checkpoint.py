@@ -400,6 +400,8 @@ CHANGES = {
     "train.weight_decay=0.01": ("train.weight_decay", "train.weight_decay=0.1"),
     "train.grad_clip=0.5": ("train.grad_clip", "train.grad_clip=1.0"),
     "train.dtype=bfloat16": ("train.dtype", "train.dtype='float32'"),
+    "train.fp8=rowwise": ("train.fp8", "train.fp8='off'"),  # (emulated on a CPU: the casts' rounding)
+    "data.text_column=body": ("data.text_column", "data.text_column=''"),  # another column: other data
     # the learning-rate schedule's horizon: the cosine decay would be stretched (given last: wins)
     "train.steps=6": ("train.steps", "train.steps=4"),
 }
@@ -411,11 +413,13 @@ def test_a_resume_that_changes_the_trajectory_is_refused_naming_the_key(saved_ru
     key, was = CHANGES[change]
     target = tmp_path / "r"
     sets = [*COMMON[1:], change, "train.steps=6", f"run.output_dir={target}"]
+    sets += ["train.fp8_emulate=true"] if key == "train.fp8" else []
     code = cli(["train", "--resume", str(out), *[a for s in sets for a in ("--set", s)]])
     err = capsys.readouterr().err
     assert code == 2, err
     # The value whole (the refusal goes on after ";"): "train.lr=0.0" must not pass for 0.0003.
-    shown = change if change != "train.dtype=bfloat16" else "train.dtype='bfloat16'"
+    shown = {"train.dtype=bfloat16": "train.dtype='bfloat16'", "train.fp8=rowwise": "train.fp8='rowwise'",
+             "data.text_column=body": "data.text_column='body'"}.get(change, change)  # fmt: skip
     assert f"{shown}: " in err and f"was trained with {was}; " in err, err
     assert f"--allow-change {key}" in err and not target.exists()
 
@@ -450,7 +454,8 @@ def test_allowed_changes_and_new_data_are_said_and_checked(saved_run, tmp_path):
 
 def test_data_replaced_by_files_of_the_same_size_is_refused_and_unreadable_data_is_said(tmp_path):
     """The data check looks at the files' content (sampled: their heads and Parquet footers), not
-    only their names and sizes; data it cannot read now is said as not verified."""
+    only their names and sizes; data it cannot read now, or that the checkpoint's run could not
+    read, is said as not verified."""
     import dataclasses
 
     import pyarrow as pa
@@ -476,6 +481,10 @@ def test_data_replaced_by_files_of_the_same_size_is_refused_and_unreadable_data_
     gone = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(tmp_path / "moved")))
     unverified: list[str] = []
     assert check_trajectory(gone, manifest, "ckpt", [], unverified) == [] and unverified == ["data.path"]
+    # Data the saving run could not read (recorded as None): nothing to compare, said as such.
+    unread = {"trajectory": {**manifest["trajectory"], "data.path": None, "data.content": None}}
+    unrecorded: list[str] = []
+    assert check_trajectory(cfg, unread, "ckpt", [], [], unrecorded) == [] and unrecorded == ["data.path"]
 
 
 def test_the_skipped_stream_stands_where_the_checkpoint_recorded(tmp_path):

@@ -58,3 +58,26 @@ def test_s3_driver_killed_before_the_first_manifest_starts_again(uninterrupted, 
         row = ft.trial(ctx, "s3", tmp_path / "t0", fault, calib, env, steps=STEPS)
     assert row["restart"] == "fresh" and "manifest.json is missing" in row["resume_refused"], row
     assert_nothing_lost(row)
+
+
+def test_the_campaign_fails_when_it_finds_a_checkpoint_lost():
+    """benchmarks/bench_faults.py exits 1 (failures) when a summary counts a complete checkpoint
+    lost, a save completed by a killed run after the resume's pick, a missing step or other
+    losses; the committed campaigns' results count none."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("bench_faults", root / "benchmarks" / "bench_faults.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    ray = json.loads((root / "benchmarks/results/faults_ray.json").read_text())
+    local = json.loads((root / "benchmarks/results/faults.json").read_text())
+    assert bench.failures(ray) == [] and bench.failures(local) == []
+    ray["ray_driver_kills"].pop("from_an_earlier_run", None)
+    for key, value in (("complete_checkpoints_lost", 1), ("steps_missing_from_metrics_jsonl", 2),
+                       ("runs_whose_every_loss_equals_the_uninterrupted_run", 19)):  # fmt: skip
+        doctored = json.loads(json.dumps(ray))
+        doctored["ray_driver_kills"]["summary"][key] = value
+        assert bench.failures(doctored), key

@@ -193,17 +193,17 @@ def test_check_refuses_a_directory_another_run_holds_leaving_its_lease(where, re
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A run directory holding one checkpoint (step 2) as the driver's checks read it: a real DCP
-    directory of one tensor and its manifest, recording the trajectory of train.lr=0.0003."""
-    import torch
+    directory of the model's state and its manifest, recording the trajectory of train.lr=0.0003."""
     import torch.distributed.checkpoint as dcp
+    from fuzz_files import training_state
 
     from raytrain_hybrid.checkpoint.manifest import FORMAT, MANIFEST, file_digest, layout_of
     from raytrain_hybrid.checkpoint.trajectory import describe
 
     run = tmp_path_factory.mktemp("saved") / "run"
     step = run / "checkpoints" / "step_2"
-    dcp.save({"x": torch.zeros(4)}, checkpoint_id=str(step), no_dist=True)
     cfg = load_config(None, [*FIXED, "train.lr=0.0003", f"run.output_dir={run}"])
+    dcp.save(training_state(cfg), checkpoint_id=str(step), no_dist=True)
     files = {p.name: file_digest(p) for p in step.iterdir()}
     manifest = {"format": FORMAT, "step": 2, "launch_id": "a", "world_size": 8, "layout": layout_of(cfg),
                 "config": cfg.to_dict(), "data_position": {}, "files": files, "trajectory": describe(cfg)}  # fmt: skip

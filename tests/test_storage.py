@@ -102,7 +102,9 @@ def test_a_save_cut_short_on_s3_is_passed_over_and_does_not_block_the_resume(s3,
     run = f"s3://bucket/{tmp_path.name}/cut"
     cfg = load_config(None, ["train.steps=6", f"run.output_dir={run}"])
     root = open_store(run)
-    files = _dcp_files(tmp_path / "dcp", {"x": torch.zeros(4)})
+    from fuzz_files import training_state
+
+    files = _dcp_files(tmp_path / "dcp", training_state(cfg))
     manifest = {"format": FORMAT, "step": 2, "launch_id": "a", "world_size": 1, "layout": layout_of(cfg),
                 "config": cfg.to_dict(), "data_position": {}, "files": files}  # fmt: skip
     root.child("checkpoints", "step_2").upload(str(tmp_path / "dcp"))

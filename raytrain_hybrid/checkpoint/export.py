@@ -14,7 +14,6 @@ back to the unmodified transformers model (GPT-2: q/k/v re-fused into Conv1D ``c
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import time
@@ -25,6 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from raytrain_hybrid.checkpoint.manifest import resolve
 from raytrain_hybrid.checkpoint.reader import safe_load
+from raytrain_hybrid.checkpoint.shapes import check_shapes
 from raytrain_hybrid.config import Config, validate
 from raytrain_hybrid.errors import ConfigError
 from raytrain_hybrid.models import get_arch, hf_checkpoint, hub
@@ -89,36 +89,6 @@ def _target(out_dir: str | Path) -> Store:
     return out
 
 
-def _check_size(path: Store, cfg: Config) -> None:
-    """The manifest's config describes the model its shards hold, before anything is allocated:
-    first roughly, in parameters (a config edited to a huge model would otherwise be built), then
-    every parameter's shape against the DCP metadata."""
-    from raytrain_hybrid.checkpoint.reader import METADATA, parse_metadata
-    from raytrain_hybrid.models.params import param_count
-
-    md = parse_metadata(path.child(METADATA).read_bytes())  # checked by resolve already
-    held = {
-        k.removeprefix("model."): tuple(m.size) for k, m in md.state_dict_metadata.items() if k.startswith("model.")
-    }
-    described = param_count(cfg.model)  # (a pretrained gpt2's positions are its own: not exact)
-    if described > 2 * sum(math.prod(s) for s in held.values()) + 2**20:
-        raise ConfigError(
-            "CHECKPOINT",
-            str(path),
-            f"its manifest.json describes a model of {described:,} parameters, far more than its shards hold",
-        )
-    spec = get_arch(cfg.model.arch)
-    meta = build_stage(spec, spec.hf_config(cfg), list(range(spec.num_blocks(cfg.model))), first=True, last=True)
-    for name, p in meta.named_parameters():
-        if held.get(name) != tuple(p.shape):
-            have = f"holds {list(held[name])}" if name in held else "does not hold it"
-            raise ConfigError(
-                "CHECKPOINT",
-                str(path),
-                f"its manifest.json describes {name} as {list(p.shape)}, and the checkpoint {have}",
-            )
-
-
 def export_hf(source: str | Path, out_dir: str | Path, merge: bool = False) -> str:
     """Write the model of a checkpoint (or a run directory's newest one) as a HF directory:
     a local path, or a storage URI (s3://bucket/model: written here, then uploaded, config.json
@@ -148,7 +118,7 @@ def export_hf(source: str | Path, out_dir: str | Path, merge: bool = False) -> s
             f"holds a {cfg.model.arch} model, which has no single transformers class to export to; "
             "load its weights with raytrain_hybrid.checkpoint.export.load_full_state_dict",
         )
-    _check_size(path, cfg)
+    check_shapes(path, cfg, "CHECKPOINT", optimizer=False)
     model = spec.hf_class(spec.hf_config(cfg))
     try:
         weights = load_full_state_dict(path, cfg)

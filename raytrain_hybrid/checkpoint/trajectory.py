@@ -25,6 +25,19 @@ import pyarrow.fs as pafs
 from raytrain_hybrid.errors import ConfigError
 from raytrain_hybrid.storage import as_store
 
+# Which columns of the data a run reads, and which of its examples: another column of the same files
+# is other data.
+COLUMN_KEYS = (
+    "data.text_column",
+    "data.token_column",
+    "data.messages_column",
+    "data.prompt_column",
+    "data.completion_column",
+    "data.drop_long_prompts",
+    "data.text_columns",
+    "data.tabular_columns",
+    "data.label_column",
+)
 # Config keys whose value shapes the batches, their order, the learning rate at each step or the
 # update itself (weight decay, the clipping bound, the precision of the step's arithmetic).
 CONFIG_KEYS = (
@@ -41,7 +54,10 @@ CONFIG_KEYS = (
     "train.weight_decay",
     "train.grad_clip",
     "train.dtype",
+    "train.fp8",
+    "train.fp8_emulate",
     "train.steps",
+    *COLUMN_KEYS,
 )
 # Recorded digests: the data files under data.path, and the tokenizer (None: could not be read).
 DATA_KEY, TOKENIZER_KEY = "data.path", "data.tokenizer"
@@ -57,6 +73,7 @@ DATA_KEYS = (
     "data.format",
     "data.epochs",
     "data.packing",
+    *COLUMN_KEYS,
 )
 ALLOWABLE = (*CONFIG_KEYS, DATA_KEY, TOKENIZER_KEY)
 # Allowed changes after which the data starts from its beginning: skipping the steps done means
@@ -160,10 +177,18 @@ def check_allowed(allowed: list[str]) -> list[str]:
     return keys
 
 
-def check_trajectory(cfg, manifest: dict, path, allowed: list[str], unverified: list[str] | None = None) -> list[str]:
+def check_trajectory(
+    cfg,
+    manifest: dict,
+    path,
+    allowed: list[str],
+    unverified: list[str] | None = None,
+    unrecorded: list[str] | None = None,
+) -> list[str]:
     """Refuse a resume that would change the run's trajectory unless the key is allowed;
     returns the changes that were allowed (said to the user, and the data ones restart the data).
-    ``unverified``: where what the checkpoint recorded cannot be read now (its keys are noted)."""
+    ``unverified``: where what the checkpoint recorded cannot be read now (its keys are noted);
+    ``unrecorded``: where it could not be read when the checkpoint was saved (nothing to compare)."""
     saved, now = recorded(manifest), describe(cfg)
     changed = []
     # train.steps last: a resume that changes another key as well is told about that one first
@@ -172,6 +197,9 @@ def check_trajectory(cfg, manifest: dict, path, allowed: list[str], unverified: 
         key = DATA_KEY if recorded_key == CONTENT_KEY else recorded_key  # the content is data.path's
         if before is not None and after is None and unverified is not None and key not in unverified:
             unverified.append(key)  # recorded then, cannot be read now: said, not claimed
+        unread = before is None and after is not None and recorded_key in (DATA_KEY, CONTENT_KEY, TOKENIZER_KEY)
+        if unread and unrecorded is not None and key not in unrecorded:
+            unrecorded.append(key)  # unreadable when saved: said, not claimed
         if before is None or after is None or before == after:  # a digest that could not be read: no claim
             continue
         if key in allowed:

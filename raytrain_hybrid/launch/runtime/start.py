@@ -25,6 +25,7 @@ from raytrain_hybrid.checkpoint.manifest import (
     step_number,
     verify,
 )
+from raytrain_hybrid.checkpoint.shapes import check_shapes
 from raytrain_hybrid.checkpoint.trajectory import check_allowed, check_trajectory, data_restarts, describe
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.config.elastic import is_elastic
@@ -85,10 +86,16 @@ def check_resume(
     # workers finished): nothing to train; the resume completes metrics.jsonl and summary.json.
     finishing = in_place and not cfg.fault_tolerance.enabled and manifest["step"] == cfg.train.steps
     check_compatible(cfg, manifest, path, done_ok=finishing)
+    # The shards hold the model this config builds (the manifest's, as check_compatible holds), and its
+    # optimizer state: refused here, not as a traceback in every worker once Ray has started.
+    check_shapes(path, cfg, "--resume", optimizer=not finishing)
     unverified: list[str] = []
-    changed = check_trajectory(cfg, manifest, path, allowed, unverified)
+    unrecorded: list[str] = []
+    changed = check_trajectory(cfg, manifest, path, allowed, unverified, unrecorded)
     for key in unverified:  # (data.path on a bucket this node cannot list, a tokenizer unreadable here)
         say(f"resume: {key} not verified: what the checkpoint recorded of it cannot be read here")
+    for key in unrecorded:  # (the run that saved it could not read its data or tokenizer)
+        say(f"resume: {key} not verified: it could not be read when {path.name} was saved, so nothing was recorded")
     if finishing and "train.steps" in changed:
         raise done_already(cfg.train.steps, manifest, path)
     origin = manifest.get("data_origin", 0)
