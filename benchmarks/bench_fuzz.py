@@ -9,7 +9,8 @@ as data, checkpoint manifests read by ``export``, a pretrained directory's confi
 way a user does (tests/fuzz_files.py's ``run_case``). A case ends accepted, refused clearly (exit
 2 or a ConfigError naming a key or the file, the user's files unchanged), or it crashed
 (anything else: a traceback, an unclear message, a changed file, more than ``--timeout`` s).
-Writes benchmarks/results/fuzz.json: per target the cases tried, accepted, refused clearly and
+Writes benchmarks/results/fuzz.json (with ``--target``, into it: the other targets' rows stay, and
+the redone ones carry their own command and date): per target the cases tried, accepted, refused clearly and
 crashed (goal 0), with the first crashes' input and error, the slowest case and its time (wall
 clock, and this process's CPU time, which a shared machine's load does not inflate), the mean and
 99th percentile of the time per case and the cases over 1 s, the command, date and machine.
@@ -172,6 +173,12 @@ def main() -> None:
             f"clearly, {row['crashed']} crashed ({row['seconds']} s, slowest case {row['slowest_case_s']} s)",
             flush=True,
         )
+    command = "cd <repo> && .venv/bin/python benchmarks/bench_fuzz.py " + " ".join(sys.argv[1:])
+    earlier = json.loads(Path(args.out).read_text()) if args.target and Path(args.out).is_file() else {}
+    if earlier:  # the targets this run did not redo stay, and those it did say how they were made
+        for name in targets:
+            targets[name] |= {"command": command.strip(), "date": datetime.date.today().isoformat()}
+        targets = {**{k: v for k, v in earlier["targets"].items() if k not in targets}, **targets}
     totals = {k: sum(t[k] for t in targets.values()) for k in ("tried", "accepted", "refused_clearly", "crashed")}
     totals["slowest_case_s"] = max(t["slowest_case_s"] for t in targets.values())
     totals["slowest_case_cpu_s"] = max(t["slowest_case_cpu_s"] for t in targets.values())
@@ -179,10 +186,9 @@ def main() -> None:
     totals["bound_cpu_s"] = args.bound
     totals["slowest_input_cpu_s"] = max(t["slowest_input_cpu_s"] for t in targets.values())
     totals["inputs_over_bound"] = sum(t["inputs_over_bound"] for t in targets.values())
-    command = "cd <repo> && .venv/bin/python benchmarks/bench_fuzz.py " + " ".join(sys.argv[1:])
     result = {
-        "command": command.strip(),
-        "date": datetime.date.today().isoformat(),
+        "command": earlier.get("command") or command.strip(),
+        "date": earlier.get("date") or datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, "
         f"Python {platform.python_version()}",
         "seed": args.seed,

@@ -12,6 +12,7 @@ import json
 import tempfile
 from pathlib import Path
 
+from fuzz_resume import RESUME_FILES, run_resume_files
 from fuzz_shapes import DEEP_FILES, LONG_VALUES, run_deep_files, run_long_values
 from fuzz_targets import (
     CHAT_ROWS,
@@ -229,6 +230,7 @@ TARGETS = {
     "hf_config": (HF_EDITS, run_hf_config),
     "long_values": (LONG_VALUES, run_long_values),
     "deep_files": (DEEP_FILES, run_deep_files),
+    "resume_files": (RESUME_FILES, run_resume_files),
 }
 
 

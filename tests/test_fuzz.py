@@ -40,6 +40,7 @@ EXAMPLES = {
     "hf_config": 30,
     "long_values": 10,
     "deep_files": 10,
+    "resume_files": 15,
 }
 
 
