@@ -21,6 +21,7 @@ receives the gradients (after clipping); after the last step, every parameter
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import math
@@ -212,14 +213,17 @@ def _set_lr(opt, t, step: int) -> float:
     return t.lr * factor
 
 
-def _train(cfg, model: nn.Module, to_engine, loss_of, steps: int | None = None) -> list[dict]:
+def _train(cfg, model: nn.Module, to_engine, loss_of, steps: int | None = None, stretched=None) -> list[dict]:
     """``loss_of(model, step)`` -> the step's loss; ``to_engine`` maps the model's names to the engine's.
-    ``steps``: fewer than train.steps when the data ends first (the LR schedule stays train.steps')."""
+    ``steps``: fewer than train.steps when the data ends first (the LR schedule stays train.steps').
+    ``stretched`` = (k, n): a run of n steps resumed at step k with train.steps raised (--allow-change
+    train.steps): its steps before k ran on the n-step schedule."""
     t = cfg.train
+    earlier = dataclasses.replace(t, steps=stretched[1]) if stretched else t
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=t.weight_decay)
     out = []
     for step in range(t.steps if steps is None else steps):
-        lr = _set_lr(opt, t, step)
+        lr = _set_lr(opt, earlier if stretched and step < stretched[0] else t, step)
         loss = loss_of(model, step)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip if t.grad_clip > 0 else math.inf)
@@ -241,10 +245,13 @@ def _engine_initial(cfg, initial: dict | None) -> dict:
     return {n: torch.as_tensor(v) for n, v in initial.items()}
 
 
-def reference_run(cfg, windows: list | None = None, keep_model: list | None = None, initial=None) -> list[dict]:
+def reference_run(
+    cfg, windows: list | None = None, keep_model: list | None = None, initial=None, stretched=None
+) -> list[dict]:
     """A language model from ``initial`` (engine names -> arrays; default: the engine's, built
     for ``cfg``). ``windows``: per step, the global batch as [B, seq_len+1] token ids (default:
-    the in-memory corpus windows). ``keep_model`` receives the trained transformers model."""
+    the in-memory corpus windows). ``keep_model`` receives the trained transformers model.
+    ``stretched``: see _train."""
     torch.manual_seed(0)
     model = lm_model(cfg)
     gpt2 = cfg.model.arch == "gpt2"
@@ -265,7 +272,7 @@ def reference_run(cfg, windows: list | None = None, keep_model: list | None = No
         def to_engine(named: dict) -> dict:
             return {**named, "lm_head.weight": named[embed]}
 
-    out = _train(cfg, model, to_engine, loss_of, steps=min(cfg.train.steps, len(windows)))
+    out = _train(cfg, model, to_engine, loss_of, steps=min(cfg.train.steps, len(windows)), stretched=stretched)
     # What the oracle compares is the parameters ("initial" may also hold a checkpoint's buffers).
     names = set(to_engine(dict(model.named_parameters())))
     out[0]["initial"] = {n: v for n, v in start.items() if n in names}

@@ -94,6 +94,28 @@ def test_resume_under_another_layout_matches_the_uninterrupted_run(saved_run, tm
     assert_oracle(result, reference_history(COMMON), first=2)
 
 
+def test_a_resume_that_raises_train_steps_stretches_the_schedule_as_documented(saved_run, tmp_path):
+    """--allow-change train.steps (docs/checkpoints.md): the 4-step run resumed from step 2 with
+    train.steps=5 goes on with the cosine decay stretched to 5 steps from step 3 on; its steps
+    (learning rate, loss, every gradient norm) and final weights are a one-process run's whose
+    first two steps followed the 4-step schedule and the rest the 5-step one. (With 6 steps the
+    larger learning rates move the gradient norms past the oracle's 1e-4 at the fifth step, as
+    longer runs do at any layout.)"""
+    from reference import reference_run
+
+    from raytrain_hybrid.config import load_config
+
+    out, _ = saved_run
+    longer = [*COMMON[1:], "train.steps=5"]
+    result = run_gloo(
+        [*longer, *RESUME_AT["1x1x1"], f"run.output_dir={tmp_path / 'run'}"], resume=str(out / "checkpoints" / "step_2")
+    )
+    torch.manual_seed(0)
+    want = reference_run(load_config(None, longer), stretched=(2, STEPS))
+    assert_oracle(result, want, first=2)
+    assert want[3]["lr"] > reference_history(COMMON)[3]["lr"]  # the stretch the docs describe: a higher lr
+
+
 def test_export_round_trip_logits(saved_run, tmp_path):
     """The exported directory loads offline with AutoModelForCausalLM; its logits equal both the
     checkpoint's own model and the reference loop's model after the same 4 steps."""
