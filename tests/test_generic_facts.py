@@ -42,7 +42,7 @@ try:
 except SystemExit as end:
     rc = end.code
 assert not rc, rc
-cfg = load_config(None, [a for a in args if a != "--set"])
+cfg = load_config(None, [a for a in args if a != "--set" and "=" in a])
 print(cfg.model.arch, cfg.model.num_layers, cfg.model.num_kv_heads, cfg.model.head_dim)
 print(sorted(m for m in ("torch", "transformers") if m in sys.modules))
 """
@@ -50,24 +50,26 @@ print(sorted(m for m in ("torch", "transformers") if m in sys.modules))
 
 @pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text", "olmo2", "phi3"])
 def test_a_checkpoint_of_a_generic_family_resolves_without_torch_or_transformers(model_type, tmp_path):
-    """`check` of a checkpoint saved by transformers (its config.json; an empty weights file, as
-    `check` reads only headers) passes, resolving its family and sizes in a process that never
-    imports torch or transformers: the sizes its config class gives."""
-    from transformers import AutoConfig
+    """`check --hardware h100` of a checkpoint saved by transformers passes, resolving its family
+    and sizes and planning it in a process that never imports torch or transformers (the planner
+    counts its weights off their safetensors headers): the sizes its config class gives."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(
         model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=512,
+        num_key_value_heads=2, head_dim=16, vocab_size=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )  # fmt: skip
-    config.save_pretrained(tmp_path)
-    (tmp_path / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     sets = [f"model.pretrained={tmp_path}", "data.path=memory", "model.seq_len=32"]
     args = [a for kv in sets for a in ("--set", kv)]
-    done = subprocess.run([sys.executable, "-c", CHECK, *args], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", CHECK, "--hardware", "h100", *args], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     resolved, imported = done.stdout.splitlines()[-2:]
     assert resolved == f"{model_type} 3 2 16", done.stdout
-    assert "layout ok" in done.stdout and imported == "[]", done.stdout
+    assert "layout ok" in done.stdout and "planner: H100-80GB SXM, 8 ranks" in done.stdout, done.stdout
+    assert imported == "[]", done.stdout  # (the planner counted the weights off their headers)
     want = generic.sizes_from_class(model_type, json.loads((tmp_path / "config.json").read_text()))
     assert (want["num_layers"], want["num_kv_heads"], want["head_dim"]) == (3, 2, 16)
 

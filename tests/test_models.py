@@ -388,6 +388,21 @@ def test_the_planner_counts_what_transformers_builds(checkpoints):
         assert abs(got - want) <= 0.05 * want, (mt, got, want)
 
 
+def test_a_checkpoints_counts_read_off_its_headers_are_those_of_the_model_built(checkpoints):
+    """The planner's counts of a checkpoint of a generic family come from its safetensors headers
+    (no torch, no modeling code: models.generic_counts.from_headers): per block, embedding, the
+    last stage's and the head's, and the tying, equal to those of the model transformers builds
+    from its config on the meta device, for every family here (a tied one stores no head)."""
+    from raytrain_hybrid.models import generic_counts
+
+    for mt, path in checkpoints.items():
+        if mt == "custom":  # (registered in this process: its classes answer, no recorded facts)
+            continue
+        m = {"pretrained": str(path), "pretrained_revision": ""}
+        got = generic_counts.from_headers(mt, m)
+        assert got is not None and got == generic_counts.built_counts(mt, m), (mt, got)
+
+
 @pytest.mark.parametrize("model_type", LORA_FAMILIES)
 def test_lora_on_a_generic_family_matches_peft(model_type, checkpoints, three_d_runs):
     """peft's single-process LoRA training of transformers' own model (tests/reference_lora.py) is

@@ -10,8 +10,6 @@ from __future__ import annotations
 import math
 
 from raytrain_hybrid.errors import ConfigError
-from raytrain_hybrid.models import get_arch
-from raytrain_hybrid.models.common import build_stage
 from raytrain_hybrid.storage import Store
 
 # What AdamW keeps per trainable parameter (checkpoint.state.optimizer_state), which a resume loads.
@@ -25,6 +23,8 @@ def check_shapes(path: Store, cfg, key: str, *, optimizer: bool) -> None:
     resume), also every trainable parameter's AdamW state. A LoRA run's checkpoint holds its adapters
     only: their shapes are checked where the model has them."""
     from raytrain_hybrid.checkpoint.reader import METADATA, parse_metadata
+    from raytrain_hybrid.models import get_arch
+    from raytrain_hybrid.models.common import build_stage  # (torch: imported when a resume is checked)
     from raytrain_hybrid.models.params import param_count
 
     md = parse_metadata(path.child(METADATA).read_bytes())  # checked by manifest.verify already

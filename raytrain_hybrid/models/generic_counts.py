@@ -12,9 +12,16 @@ from raytrain_hybrid.models import generic  # (generic imports this module: name
 @functools.lru_cache(maxsize=64)
 def _counts(model_type: str, sizes: tuple) -> tuple[int, int, int, int, int]:
     """(per block, embedding, final norm + head, head, tied) parameters of a model built on meta."""
+    m = dict(sizes)
+    if m.get("pretrained") and (counted := from_headers(model_type, m)):
+        return counted
+    return built_counts(model_type, m)
+
+
+def built_counts(model_type: str, m: dict) -> tuple[int, int, int, int, int]:
+    """_counts of the model transformers builds (on the meta device) from the config."""
     import torch
 
-    m = dict(sizes)
     config_cls, lm_cls = generic.classes(model_type)
     if m.get("pretrained"):
         from raytrain_hybrid.models.hf_checkpoint import read_config_json
@@ -44,6 +51,48 @@ def _counts(model_type: str, sizes: tuple) -> tuple[int, int, int, int, int]:
     head = count(getattr(model, generic.head_name(model_type)))
     rest = count(model) - count(layers) - embed - head  # the final norm and anything else
     return per_block, embed, rest + head, head, int(tied)
+
+
+def from_headers(model_type: str, m: dict) -> tuple[int, int, int, int, int] | None:
+    """The counts of _counts read off the checkpoint's safetensors headers (no torch, no modeling
+    code: what resolving and planning a checkpoint of a generic family need; models.generic_facts
+    for the names): its blocks' tensors (those past the blocks the model builds, a next-token
+    prediction layer, left out), its embedding, its head (a tied family's is the embedding's
+    shape), and the rest under the base model (the final norm). None where the files do not name
+    them so (another layout of names, a Hub id): the model is built on the meta device instead."""
+    from raytrain_hybrid.models import generic_facts
+    from raytrain_hybrid.models.hf_checkpoint import read_config_json, tensor_sizes
+
+    facts = generic_facts.recorded(model_type)
+    sizes = tensor_sizes(m["pretrained"]) if facts and facts["pp_names"] else None
+    if not sizes:
+        return None
+    conf = read_config_json(m["pretrained"], m.get("pretrained_revision", ""))
+    shape = generic_facts.sizes(model_type, conf)
+    if shape is None:
+        return None
+    prefix, (embed_name, layers_name, _), head_name = facts["prefix"], facts["pp_names"], facts["head"]
+    blocks = [0] * shape["num_layers"]
+    embed = head = rest = 0
+    for name, n in sizes.items():
+        if name.startswith(f"{prefix}.{layers_name}."):
+            index = name.split(".")[len(prefix.split(".")) + len(layers_name.split("."))]
+            if index.isdigit() and int(index) < len(blocks):
+                blocks[int(index)] += n
+        elif name.startswith(f"{prefix}.{embed_name}."):
+            embed += n
+        elif name.startswith(f"{head_name}."):
+            head += n
+        elif name.startswith(f"{prefix}."):
+            rest += n
+    if "tie_word_embeddings" not in conf:  # (the class's default decides: read it there)
+        return None
+    tied = bool(conf["tie_word_embeddings"])
+    if tied and not head:
+        head = shape["vocab_size"] * shape["hidden_size"]
+    if not embed or not head or not all(blocks):
+        return None
+    return sum(blocks) // len(blocks), embed, rest + head, head, int(tied)
 
 
 class _Sizes:

@@ -150,6 +150,40 @@ def check_weights(location: str, revision: str = "") -> None:
         raise ConfigError(KEY, location, f"has no *.safetensors weights next to config.json{hint}")
 
 
+def tensor_sizes(location: str) -> dict[str, int] | None:
+    """{tensor name: elements} of a checkpoint's safetensors files, from their headers alone (a few
+    KB each, by byte range on object storage; no torch); None where they cannot be read so (a Hub
+    id, a header that is not one): the caller counts another way."""
+    import math
+
+    if is_hub_id(location):
+        return None
+    try:
+        if _is_uri(location):
+            fs, root = _filesystem(location)
+            names, _ = _listing(location)
+            opened = [fs.open_input_file(f"{root}/{n}") for n in sorted(names) if n.endswith(SAFETENSORS)]
+        else:
+            import pyarrow as pa
+
+            names, _ = _listing(location)
+            folder = Path(location).expanduser()
+            opened = [pa.OSFile(str(folder / n)) for n in sorted(names) if n.endswith(SAFETENSORS)]
+        sizes: dict[str, int] = {}
+        for f in opened:
+            with f:
+                length = int.from_bytes(f.read_at(8, 0), "little")
+                if not 2 <= length <= min(f.size() - 8, 100 << 20):
+                    return None
+                header = json.loads(f.read_at(length, 8))
+            for name, info in header.items():
+                if name != "__metadata__":
+                    sizes[name] = math.prod(int(d) for d in info["shape"])
+        return sizes or None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, Unreadable):
+        return None  # (the workers' reader says what is wrong with a file, naming it)
+
+
 def local_dir(location: str) -> Path:
     """A local checkpoint's directory, made absolute (a URI is read by range where it is)."""
     return Path(location).expanduser().resolve()
