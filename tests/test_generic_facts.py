@@ -108,3 +108,63 @@ def test_the_hand_written_model_types_are_the_specs_own():
     from raytrain_hybrid.models import HAND_MODEL_TYPES, arch_names, get_arch
 
     assert HAND_MODEL_TYPES == {mt: name for name in arch_names("lm") for mt in get_arch(name).hf_model_types}
+
+
+def _qwen3(path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        '{"model.layers.0.mlp.down_proj.weight": {"dtype": "F32", "shape": [Infinity, 1], "data_offsets": [0, 4]}}',
+        '{"model.layers.0.mlp.down_proj.weight": {"dtype": "F32", "shape": [-10000000, 1], "data_offsets": [0, 4]}}',
+        "[" * 100_000 + "]" * 100_000,
+    ],
+    ids=["infinite shape", "negative shape", "nested 100,000 deep"],
+)
+def test_a_header_that_is_not_one_is_not_counted_and_check_still_answers(header, tmp_path):
+    """A safetensors header no writer makes (an infinite or negative dimension, arrays nested deep)
+    is not believed by the planner's header count (models.hf_checkpoint.tensor_sizes): it counts the
+    model built from the config instead, and `check --hardware` answers as for the sound checkpoint."""
+    from raytrain_hybrid.models import generic_counts
+    from raytrain_hybrid.models.hf_checkpoint import tensor_sizes
+
+    path = _qwen3(tmp_path / "q")
+    m = {"pretrained": str(path), "pretrained_revision": ""}
+    sound = generic_counts.from_headers("qwen3", m)
+    weights = path / "model.safetensors"
+    data = weights.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    weights.write_bytes(len(header).to_bytes(8, "little") + header.encode() + data[8 + n :])
+    assert tensor_sizes(str(path)) is None and generic_counts.from_headers("qwen3", m) is None
+    assert generic_counts.built_counts("qwen3", m) == sound
+    sets = [a for kv in (f"model.pretrained={path}", "data.path=memory", "model.seq_len=32") for a in ("--set", kv)]
+    done = subprocess.run(
+        [sys.executable, "-m", "raytrain_hybrid.cli", "check", "--hardware", "h100", *sets],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0 and "planner: H100-80GB SXM" in done.stdout, done.stderr[-2000:]
+
+
+def test_a_config_json_its_class_refuses_is_refused_naming_it(tmp_path):
+    """A size set to null (which the sizes as data would fill in) is left to transformers' config
+    class, which refuses it: `check` says so, exit 2, naming model.pretrained."""
+    path = _qwen3(tmp_path / "q")
+    conf = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**conf, "intermediate_size": None}))
+    assert generic_facts.sizes("qwen3", {**conf, "intermediate_size": None}) is None
+    sets = [a for kv in (f"model.pretrained={path}", "data.path=memory", "model.seq_len=32") for a in ("--set", kv)]
+    done = subprocess.run(
+        [sys.executable, "-m", "raytrain_hybrid.cli", "check", *sets], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.startswith(f"error: model.pretrained='{path}': has a config.json that does not describe")
+    assert "intermediate_size" in done.stderr and "Traceback" not in done.stderr

@@ -21,7 +21,8 @@ def check_shapes(path: Store, cfg, key: str, *, optimizer: bool) -> None:
     model its manifest's config ``cfg`` describes: first roughly, in parameters (a config edited to
     a huge model would otherwise be built), then every parameter's shape; with ``optimizer`` (a
     resume), also every trainable parameter's AdamW state. A LoRA run's checkpoint holds its adapters
-    only: their shapes are checked where the model has them."""
+    only, which the model built here has not: they are not checked here (a worker's load names a
+    misfit)."""
     from raytrain_hybrid.checkpoint.reader import METADATA, parse_metadata
     from raytrain_hybrid.models import get_arch
     from raytrain_hybrid.models.common import build_stage  # (torch: imported when a resume is checked)

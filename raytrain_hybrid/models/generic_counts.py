@@ -68,8 +68,9 @@ def from_headers(model_type: str, m: dict) -> tuple[int, int, int, int, int] | N
     if not sizes:
         return None
     conf = read_config_json(m["pretrained"], m.get("pretrained_revision", ""))
-    shape = generic_facts.sizes(model_type, conf)
-    if shape is None:
+    try:  # (as data where the facts allow, else through the config class)
+        shape = generic_facts.sizes(model_type, conf) or generic.sizes_from_class(model_type, conf)
+    except Exception:  # noqa: BLE001 - a config the class refuses: the build below says so
         return None
     prefix, (embed_name, layers_name, _), head_name = facts["prefix"], facts["pp_names"], facts["head"]
     blocks = [0] * shape["num_layers"]

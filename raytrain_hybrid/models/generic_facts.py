@@ -91,12 +91,15 @@ def derive(model_type: str) -> dict:
         facts["sizes_from_class"] = True
         return facts
     facts["absent"] = [k for k in SIZE_KEYS if _missing(default, k, facts["attribute_map"])]
-    # The sizes as data must be the class's: else this family's are read through its class.
-    for conf in (default.to_dict(), _tiny(model_type, config_cls)):
+    # The sizes as data must be the class's, also with each size set apart from the others (a class
+    # that derives one, latent attention's head_dim, from other keys): else read through its class.
+    tiny = _tiny(model_type, config_cls)
+    probes = [(default.to_dict(), True), (tiny, True), *((c, False) for c in _apart(tiny, facts["attribute_map"]))]
+    for conf, must_build in probes:
         try:
             same = conf is not None and sizes(model_type, conf, facts) == generic.sizes_from_class(model_type, conf)
-        except Exception:  # noqa: BLE001 - the class itself refuses these sizes (Gemma 3n's per-layer widths)
-            same = False
+        except Exception:  # noqa: BLE001 - the class refuses these sizes (Gemma 3n's per-layer widths)
+            same = not must_build  # (a size changed alone that the class refuses tells nothing)
         if not same:
             facts["sizes_from_class"] = True
             break
@@ -111,6 +114,19 @@ def _missing(config, key: str, attribute_map: dict) -> bool:
         return getattr(config, key, None) is None
     except Exception:  # noqa: BLE001 - transformers' per-layer attribute error
         return True
+
+
+def _apart(conf: dict | None, names: dict) -> list[dict]:
+    """``conf`` with each size present changed alone (a class deriving it from other keys then
+    disagrees with the data)."""
+    if conf is None:
+        return []
+    out = []
+    for key, new in (("head_dim", 8), ("num_key_value_heads", 1), ("intermediate_size", 96), ("num_hidden_layers", 3)):
+        name = names.get(key, key)
+        if isinstance(conf.get(name), int) and conf[name] != new:
+            out.append({**conf, name: new})
+    return out
 
 
 def _tiny(model_type: str, config_cls) -> dict | None:
@@ -147,6 +163,8 @@ def sizes(model_type: str, conf: dict, facts: dict | None = None) -> dict | None
     if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (heads, hidden, layers)):
         return None  # (the class says what is wrong)
     fewer = got["num_layers"]
+    if any(got[key] is None and key not in absent and key != "num_layers" for key in got):
+        return None  # (null where the class has the key: the class decides, or refuses it)
     if not all(v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in got.values()):
         return None  # (a width per layer, a string: the class reads it)
     return {

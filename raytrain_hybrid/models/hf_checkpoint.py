@@ -177,10 +177,14 @@ def tensor_sizes(location: str) -> dict[str, int] | None:
                     return None
                 header = json.loads(f.read_at(length, 8))
             for name, info in header.items():
-                if name != "__metadata__":
-                    sizes[name] = math.prod(int(d) for d in info["shape"])
+                if name == "__metadata__":
+                    continue
+                shape = info["shape"]
+                if not all(type(d) is int and d >= 0 for d in shape):
+                    return None
+                sizes[name] = math.prod(shape)
         return sizes or None
-    except (OSError, ValueError, TypeError, KeyError, AttributeError, Unreadable):
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, ArithmeticError, RecursionError, Unreadable):
         return None  # (the workers' reader says what is wrong with a file, naming it)
 
 
@@ -262,8 +266,11 @@ def resolve(model, given: set[str] | None = None, unverified: list[str] | None =
         for key, value in want.items():  # a size of another type (a string, a float) fails as one
             if type(value) is not type(getattr(defaults, key)) or (isinstance(value, int) and value < 0):
                 raise TypeError(f"{key} is {value!r}")
-    except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError) as exc:
-        # A config.json missing a key the architecture reads, or holding a value of another type.
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - transformers' strict config classes raise their own errors
+        # A config.json missing a key the architecture reads, holding a value of another type, or one
+        # the family's config class refuses.
         raise ConfigError(
             KEY,
             model.pretrained,
