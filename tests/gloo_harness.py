@@ -190,9 +190,15 @@ class Probe:
 def _rank(rank: int, world: int, port: int, body, args: tuple, env: dict, queue) -> None:
     """A forked gloo rank: join the group, run ``body(rank, world, *args)``, and hand rank 0's
     result (or this rank's error) to the test."""
+    import faulthandler
+
     import torch
     import torch.distributed as dist
 
+    # A rank that dies of a signal (a native crash: seen twice in CI as a peer's "connection
+    # closed" in a pipeline send, its exit code -11) prints where each thread was to its stderr,
+    # which pytest shows with the failure.
+    faulthandler.enable(all_threads=True)
     os.environ.update(env)
     torch.set_num_threads(1)
     join_group(rank, world, port)
