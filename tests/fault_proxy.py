@@ -12,6 +12,8 @@ import sys
 import threading
 import time
 
+from job_server import free_port
+
 
 class Proxy:
     """A TCP proxy in front of the S3 server, the endpoint the runs use: killed with SIGKILL (open
@@ -21,9 +23,7 @@ class Proxy:
 
     def __init__(self, target_port: int, down_s: float = 1.0) -> None:
         self.target, self.down_s = target_port, down_s
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()  # (below the ephemeral range: the proxy's restarts rebind it)
         self.proc: subprocess.Popen | None = None
         self.restarts, self.died_at = 0, None
         self.start()

@@ -7,15 +7,38 @@ what they are about."""
 from __future__ import annotations
 
 import json
+import random
 import socket
+import threading
 import urllib.error
 import urllib.request
 
+# Ports handed out by free_port, and from where. Not the kernel's ephemeral range (32768-60999 here):
+# a port picked there by binding port 0 was free only at the pick, and Ray's processes bind their
+# gRPC servers to port 0 while a head starts, so one of them could take a port picked for the head's
+# dashboard before the dashboard bound it (CI: a dashboard that answered HTTP with gRPC's bytes,
+# `http.client.BadStatusLine`). Nor Ray's worker ports (10002-19999, `--min/max-worker-port`).
+_PORTS = range(20000, 32768)
+_GIVEN: set[int] = set()
+_LOCK = threading.Lock()
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now, below the ephemeral range (nothing takes it by binding port 0)
+    and not handed out before in this process (the suite's threads pick at once)."""
+    with _LOCK:
+        for _ in range(1000):
+            port = random.choice(_PORTS)
+            if port in _GIVEN:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _GIVEN.add(port)
+            return port
+    raise RuntimeError(f"no free loopback port in {_PORTS}")
 
 
 def answers(url: str) -> bool:

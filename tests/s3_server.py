@@ -11,21 +11,16 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
 
+from job_server import free_port
+
 # Dummy credentials: moto accepts any; they must never show up in what a run writes.
 KEY_ID, SECRET = "AKIATESTRAYTRAINHYB", "test-secret-do-not-leak-0123456789"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 _SESSION: dict = {}  # the one server of this test session: {"proc": Popen, "env": {...}}
@@ -42,7 +37,7 @@ def session_env() -> dict[str, str]:
 
 
 def _start() -> None:
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
