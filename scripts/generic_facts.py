@@ -9,10 +9,88 @@ file equal to what the installed transformers says.
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
+import random
 import sys
+from fractions import Fraction
 
-from raytrain_hybrid.models import generic_facts
+from raytrain_hybrid.models import generic_counts, generic_facts
+
+# The monomials a count polynomial may have (generic_counts.variables): every product of up to three
+# of the model's widths, plus the layer count and the position table's length alone or times one
+# width (a count per layer or per position outside the blocks).
+WIDTHS = "VHFNKD"
+MONOMIALS = sorted(
+    {"".join(c) for n in range(4) for c in itertools.combinations_with_replacement(WIDTHS, n)}
+    | {"L", "P", "LL", "LV", "LH", "PH", "PV"},
+    key=lambda mono: (len(mono), mono),
+)
+FIT_PROBES, CHECK_PROBES = 150, 30
+
+
+def probe(rng: random.Random, layers: int | None = None) -> dict:
+    """model.* sizes a family's class builds (heads divide the width, kv heads the heads, a rotary
+    quarter of an even width), drawn apart from each other so that no monomial moves with others."""
+    heads = rng.randrange(1, 13)
+    return {
+        "vocab_size": rng.randrange(40, 400),
+        "hidden_size": heads * 2 * rng.randrange(1, 13),
+        "ffn_hidden_size": 2 * rng.randrange(4, 120),
+        "num_heads": heads,
+        "num_kv_heads": rng.choice([k for k in range(1, heads + 1) if heads % k == 0]),
+        "head_dim": 8 * rng.randrange(1, 6),
+        "num_layers": layers or rng.randrange(1, 7),
+        "seq_len": rng.choice((32, 100, 200, 300)),
+        "pretrained": "",
+        "pretrained_revision": "",
+    }
+
+
+def fit_counts(model_type: str, seed: int = 0) -> dict | str:
+    """The family's parameter counts from model.* sizes as polynomials (what the planner reads
+    instead of building the model): fitted on built models at random sizes, then held to more built
+    at other sizes (some with many layers) exactly; a string says why there is none."""
+    import numpy as np
+
+    rng = random.Random(f"{model_type}:{seed}")
+    rows, tied = [], set()
+    for index in range(FIT_PROBES + CHECK_PROBES):
+        m = probe(rng, layers=(24, 61)[index % 2] if index >= FIT_PROBES + CHECK_PROBES - 4 else None)
+        try:
+            blocks, embed, rest, head, tie = generic_counts.built_parts(model_type, m)
+        except Exception as exc:  # noqa: BLE001 - sizes the class refuses
+            if index == 0:
+                return f"builds no model from model.* sizes ({type(exc).__name__})"
+            continue
+        if len(set(blocks)) != 1:
+            return "its blocks differ from each other"
+        x = generic_counts.variables(m)
+        rows.append((x, [blocks[0], embed, rest, head]))
+        tied.add(tie)
+    if len(tied) != 1:
+        return "tied embeddings depend on the sizes"
+    fit_rows = rows[: len(rows) - CHECK_PROBES]
+    if len(fit_rows) < len(MONOMIALS) + 10:
+        return "too few sizes build"
+    a = np.array([[math.prod(x[v] for v in mono) for mono in MONOMIALS] for x, _ in fit_rows], dtype=np.float64)
+    scale = np.abs(a).max(axis=0)
+    if np.linalg.matrix_rank(a / scale) < len(MONOMIALS):
+        return "the sizes its class builds do not tell its monomials apart"
+    out: dict = {"tied": tied.pop()}
+    for col, part in enumerate(("block", "embed", "rest", "head")):
+        b = np.array([y[col] for _, y in fit_rows], dtype=np.float64)
+        coef, *_ = np.linalg.lstsq(a / scale, b, rcond=None)
+        terms = []
+        for mono, c in zip(MONOMIALS, coef / scale, strict=True):
+            q = Fraction(float(c)).limit_denominator(64)
+            if q:
+                terms.append([q.numerator if q.denominator == 1 else str(q), mono])
+        if any(generic_counts.evaluate(terms, x) != y[col] for x, y in rows):
+            return f"its {part} count is no polynomial of the sizes"
+        out[part] = terms
+    return out
 
 
 def families() -> list[str]:
@@ -35,6 +113,15 @@ def main() -> None:
             record["families"][mt] = generic_facts.derive(mt)
         except Exception as exc:  # noqa: BLE001 - read from its classes at run time, as before
             print(f"{mt}: not recorded ({type(exc).__name__}: {exc})", file=sys.stderr)
+            continue
+        try:
+            counts = fit_counts(mt)
+        except Exception as exc:  # noqa: BLE001 - read from its classes at run time, as before
+            counts = f"fitting failed ({type(exc).__name__})"
+        if isinstance(counts, str):  # (its model is built on the meta device to count it)
+            print(f"{mt}: no count polynomials: {counts}", file=sys.stderr)
+        else:
+            record["families"][mt]["counts"] = counts
     generic_facts.FACTS.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     print(f"{len(record['families'])} families -> {generic_facts.FACTS}")
 

@@ -1,10 +1,13 @@
-"""Parameter and FLOP counts of a generic family (models.generic), for the planner and MFU: the
-model built on the meta device from its config (the checkpoint's config.json, or model.* sizes)
-and counted as transformers builds it."""
+"""Parameter and FLOP counts of a generic family (models.generic), for the planner and MFU, as
+transformers builds the model: read off a checkpoint's safetensors headers, or for model.* sizes
+from the family's recorded count polynomials, else counted on the model built on the meta device
+from its config (seconds: torch and the family's modeling code are imported)."""
 
 from __future__ import annotations
 
 import functools
+import math
+from fractions import Fraction
 
 from raytrain_hybrid.models import generic  # (generic imports this module: names read at call time)
 
@@ -13,13 +16,22 @@ from raytrain_hybrid.models import generic  # (generic imports this module: name
 def _counts(model_type: str, sizes: tuple) -> tuple[int, int, int, int, int]:
     """(per block, embedding, final norm + head, head, tied) parameters of a model built on meta."""
     m = dict(sizes)
-    if m.get("pretrained") and (counted := from_headers(model_type, m)):
-        return counted
-    return built_counts(model_type, m)
+    if m.get("pretrained"):
+        counted = from_headers(model_type, m)
+    else:
+        counted = from_polynomials(model_type, m)
+    return counted or built_counts(model_type, m)
 
 
 def built_counts(model_type: str, m: dict) -> tuple[int, int, int, int, int]:
     """_counts of the model transformers builds (on the meta device) from the config."""
+    blocks, embed, rest, head, tied = built_parts(model_type, m)
+    return sum(blocks) // max(1, len(blocks)), embed, rest + head, head, tied
+
+
+def built_parts(model_type: str, m: dict) -> tuple[list[int], int, int, int, int]:
+    """(each block, embedding, the rest: final norm and anything else, head, tied) parameters of the
+    model transformers builds on the meta device from the checkpoint's config or model.* sizes."""
     import torch
 
     config_cls, lm_cls = generic.classes(model_type)
@@ -46,11 +58,52 @@ def built_counts(model_type: str, m: dict) -> tuple[int, int, int, int, int]:
 
     embed_name, layers_name, _ = generic.pp_names(model_type)
     layers = getattr(inner, layers_name)
-    per_block = sum(count(b) for b in layers) // max(1, len(layers))
     embed = count(getattr(inner, embed_name))
     head = count(getattr(model, generic.head_name(model_type)))
     rest = count(model) - count(layers) - embed - head  # the final norm and anything else
-    return per_block, embed, rest + head, head, int(tied)
+    return [count(b) for b in layers], embed, rest, head, int(tied)
+
+
+# The model.* sizes a recorded count polynomial is written in (scripts/generic_facts.py fits them):
+# V vocab, H hidden, F ffn, N heads, K kv heads, D head_dim, L layers, P max_position_embeddings, as
+# generic.tiny_kwargs passes them to the config class.
+def variables(m: dict) -> dict[str, int]:
+    heads = m["num_heads"]
+    return {
+        "V": m["vocab_size"],
+        "H": m["hidden_size"],
+        "F": m["ffn_hidden_size"],
+        "N": heads,
+        "K": m["num_kv_heads"] or heads,
+        "D": m["head_dim"] or m["hidden_size"] // heads,
+        "L": m["num_layers"],
+        "P": max(m["seq_len"], 128),
+    }
+
+
+def evaluate(terms: list, x: dict[str, int]) -> Fraction:
+    """A polynomial recorded as [[coefficient, "monomial"], ...] ("HND": H*N*D; a coefficient an int
+    or "p/q") at the sizes ``x``."""
+    return sum((Fraction(c) * math.prod(x[v] for v in mono) for c, mono in terms), Fraction(0))
+
+
+def from_polynomials(model_type: str, m: dict) -> tuple[int, int, int, int, int] | None:
+    """_counts of model.* sizes from the family's recorded polynomials (no torch, no modeling code:
+    what `check --hardware` of a random-weight run needs); None where none is recorded (blocks that
+    differ from each other, a count no polynomial gives) or the sizes lie outside what was fitted."""
+    from raytrain_hybrid.models import generic_facts
+
+    poly = (generic_facts.recorded(model_type) or {}).get("counts")
+    if not poly:
+        return None
+    x = variables(m)
+    if any(not isinstance(v, int) or v <= 0 for v in x.values()) or x["N"] % x["K"]:
+        return None
+    got = [evaluate(poly[part], x) for part in ("block", "embed", "rest", "head")]
+    if any(v.denominator != 1 or v < 0 for v in got):
+        return None
+    block, embed, rest, head = (int(v) for v in got)
+    return block, embed, rest + head, head, int(poly["tied"])
 
 
 def from_headers(model_type: str, m: dict) -> tuple[int, int, int, int, int] | None:
