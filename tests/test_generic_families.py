@@ -328,9 +328,9 @@ def test_the_matrix_can_put_a_hand_written_family_on_the_generic_path(monkeypatc
     from raytrain_hybrid.models import llama as hand_written
 
     assert get_arch("llama") is hand_written.SPEC
-    monkeypatch.setenv(GENERIC_PATH_ENV, "llama,qwen2")
+    monkeypatch.setenv(GENERIC_PATH_ENV, "llama")
     assert get_arch("llama") is not hand_written.SPEC and get_arch("llama").hf_config.func is generic.hf_config
-    assert get_arch("mistral").hf_config.func is not generic.hf_config  # not named: its own spec
+    assert get_arch("mixtral").hf_config.func is not generic.hf_config  # not named: its own spec
     monkeypatch.delenv(GENERIC_PATH_ENV)
     assert get_arch("llama") is hand_written.SPEC
 

@@ -348,7 +348,10 @@ def test_bad_directories_are_refused(checkpoints, tmp_path):
     assert info.value.key == "model.pretrained"
 
 
-def test_mistral_resolves_and_its_sliding_window_bounds_seq_len(tmp_path):
+def test_mistral_resolves_and_its_positions_bound_seq_len(tmp_path):
+    """A Mistral checkpoint trains on the generic path, which masks each layer's sliding window
+    (held shorter than the rows for the families of tests/test_models.py): a seq_len past the window
+    is taken, one past max_position_embeddings refused naming it."""
     from transformers import MistralConfig
 
     path = tmp_path / "mistral"
@@ -357,8 +360,8 @@ def test_mistral_resolves_and_its_sliding_window_bounds_seq_len(tmp_path):
         num_key_value_heads=2, sliding_window=48, max_position_embeddings=256,
     )  # fmt: skip
     conf.save_pretrained(path)
-    cfg = load_config(None, [f"model.pretrained={path}", "model.seq_len=48"])
-    assert (cfg.model.arch, cfg.model.num_kv_heads) == ("mistral", 2)
-    with pytest.raises(ConfigError, match=r"\(48\)") as info:
-        load_config(None, [f"model.pretrained={path}", "model.seq_len=64"])
+    cfg = load_config(None, [f"model.pretrained={path}", "model.seq_len=64"])
+    assert (cfg.model.arch, cfg.model.num_kv_heads, cfg.model.seq_len) == ("mistral", 2, 64)
+    with pytest.raises(ConfigError, match=r"\(256\)") as info:
+        load_config(None, [f"model.pretrained={path}", "model.seq_len=512"])
     assert info.value.key == "model.seq_len"

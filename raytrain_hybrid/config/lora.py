@@ -58,7 +58,7 @@ def check_lora(cfg, spec) -> None:
             "lora.rank",
             lora.rank,
             f"LoRA on a mixture of experts (model.arch={cfg.model.arch}) is not supported yet; use lora.rank=0 "
-            "for a full fine-tune of it, or LoRA on a dense model (llama, mistral, qwen2)",
+            "for a full fine-tune of it, or LoRA on a dense model (llama, qwen3, mistral, ...: docs/models.md)",
         )
     names = target_names(spec)
     if not names:

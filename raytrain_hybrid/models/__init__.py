@@ -17,8 +17,6 @@ from raytrain_hybrid.models.spec import ArchSpec
 # Llama family's name its transformers classes, see spec.TransformersClass), so the names cost nothing.
 _MODULES = {
     "llama": "llama",
-    "mistral": "mistral",
-    "qwen2": "qwen2",
     "qwen3-moe": "qwen3_moe",
     "mixtral": "mixtral",
     "gpt2": "gpt2",
@@ -32,8 +30,6 @@ ARCH_NAMES = tuple(_MODULES)
 # imports torch and transformers, seconds of a `check`).
 HAND_MODEL_TYPES = {
     "llama": "llama",
-    "mistral": "mistral",
-    "qwen2": "qwen2",
     "qwen3_moe": "qwen3-moe",
     "mixtral": "mixtral",
     "gpt2": "gpt2",

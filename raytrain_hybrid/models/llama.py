@@ -1,9 +1,9 @@
 """Llama: the unmodified transformers LlamaForCausalLM, driven stage by stage.
 
-The Llama family (Mistral, Qwen2) shares its module tree, names and forward; a variant is the
-same spec with its own transformers classes (``family_spec``): Qwen2's q/k/v biases come with
-its attention module, a sliding window with its config (refused past model.seq_len, as the
-engine attends over the whole causal window).
+The hand-written mixtures of experts (models.qwen3_moe: Qwen3-MoE, Mixtral) share its module tree,
+names and forward through ``family_spec``, with their own transformers classes; a sliding window in
+their config is refused past model.seq_len, as this forward attends over the whole causal window.
+Every other Llama-like family (Mistral, Qwen2, Qwen3, ...) is trained by models.generic.
 """
 
 from __future__ import annotations
@@ -97,8 +97,8 @@ def sizes_from_hf(conf: dict) -> dict:
 
 def max_seq_len(conf: dict) -> int:
     limit = conf.get("max_position_embeddings") or 0
-    # Mistral slides whenever sliding_window is set; Qwen2 only with use_sliding_window.
-    window = conf.get("sliding_window") if conf.get("use_sliding_window", conf.get("model_type") == "mistral") else None
+    # Mixtral slides whenever sliding_window is set; Qwen3-MoE only with use_sliding_window.
+    window = conf.get("sliding_window") if conf.get("use_sliding_window", True) else None
     return min(limit, window) if window and limit else (window or limit)
 
 
@@ -114,11 +114,9 @@ def default_ffn(hidden: int) -> int:
     return 32 * ((8 * hidden // 3 + 31) // 32)
 
 
-def _param_parts(qkv_bias: bool, m) -> tuple[int, int, int]:
+def param_parts(m) -> tuple[int, int, int]:
     h, f, v = m.hidden_size, m.ffn_hidden_size, m.vocab_size
-    q, kv = m.num_heads * head_dim(m), m.num_kv_heads * head_dim(m)
     per_layer = attention_params(m) + 3 * h * f + 2 * h  # attention, gated MLP, 2 RMSNorms
-    per_layer += (q + 2 * kv) * qkv_bias
     return per_layer, v * h, h + v * h
 
 
@@ -135,7 +133,7 @@ def matmul_params(m) -> int:
     return m.num_layers * per_layer + m.vocab_size * h  # the LM head is a matmul; the embedding lookup is not
 
 
-def family_spec(name: str, config_class: str, model_class: str, *, qkv_bias: bool = False) -> ArchSpec:
+def family_spec(name: str, config_class: str, model_class: str) -> ArchSpec:
     """The spec of a Llama-family architecture: Llama's, with its own transformers classes
     (named: imported when a model is built)."""
     config_cls, model_cls = TransformersClass(config_class), TransformersClass(model_class)
@@ -149,7 +147,7 @@ def family_spec(name: str, config_class: str, model_class: str, *, qkv_bias: boo
         max_seq_len=max_seq_len,
         from_hf=from_hf,
         default_ffn=default_ffn,
-        param_parts=functools.partial(_param_parts, qkv_bias),
+        param_parts=param_parts,
         matmul_params=matmul_params,
         layers="model.layers",
         first_stage=("model.embed_tokens",),
