@@ -4,7 +4,8 @@ which models.generic_facts reads instead of importing the family's modeling code
 changing the transformers version pinned in pyproject.toml; tests/test_generic_facts.py holds the
 file equal to what the installed transformers says.
 
-    .venv/bin/python scripts/generic_facts.py
+    .venv/bin/python scripts/generic_facts.py                       # every family, ~10 min
+    .venv/bin/python scripts/generic_facts.py --only llama4_text    # these again, the rest kept
 """
 
 from __future__ import annotations
@@ -105,10 +106,21 @@ def families() -> list[str]:
 
 
 def main() -> None:
+    import argparse
+
     import transformers
 
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", default="", help="comma-separated model_types: record these again, keep the rest")
+    args = ap.parse_args()
     record: dict = {"transformers": transformers.__version__, "command": "scripts/generic_facts.py", "families": {}}
-    for mt in families():
+    only = [mt for mt in args.only.split(",") if mt]
+    if only:  # (the other families' facts as recorded, for this same transformers)
+        kept = json.loads(generic_facts.FACTS.read_text())
+        if kept["transformers"] != transformers.__version__:
+            sys.exit(f"--only: the file is for transformers {kept['transformers']}; record every family")
+        record["families"] = {mt: f for mt, f in kept["families"].items() if mt not in only}
+    for mt in only or families():
         try:
             record["families"][mt] = generic_facts.derive(mt)
         except Exception as exc:  # noqa: BLE001 - read from its classes at run time, as before

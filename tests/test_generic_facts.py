@@ -225,3 +225,16 @@ def test_a_random_weight_generic_model_is_planned_without_torch_or_transformers(
     assert done.returncode == 0, done.stderr[-3000:]
     assert "planner: H100-80GB SXM, 8 ranks" in done.stdout, done.stdout
     assert done.stdout.splitlines()[-1] == "[]", done.stdout
+
+
+def test_the_base_model_is_the_attribute_the_causal_lm_sets():
+    """Llama 4's text LM names "language_model" as its base_model_prefix (the multimodal model's
+    attribute) and holds its decoder as ``self.model``: the generic path reads the attribute its
+    __init__ sets; a prefix the class does set (GPT-2's "transformer") stays."""
+    from transformers import GPT2LMHeadModel, Llama4ForCausalLM, Qwen3ForCausalLM
+
+    assert Llama4ForCausalLM.base_model_prefix == "language_model"
+    assert generic_facts.prefix_of(Llama4ForCausalLM) == "model"
+    assert generic_facts.prefix_of(Qwen3ForCausalLM) == "model"
+    assert generic_facts.prefix_of(GPT2LMHeadModel) == "transformer"
+    assert generic_facts.recorded("llama4_text")["prefix"] == "model"

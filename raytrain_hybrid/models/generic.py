@@ -136,7 +136,7 @@ def _tp_plan_raw(model_type: str) -> dict[str, str]:
 
 
 def _prefix(model_type: str) -> str:
-    return _fact(model_type, "prefix", lambda: classes(model_type)[1].base_model_prefix or "model")
+    return _fact(model_type, "prefix", lambda: generic_facts.prefix_of(classes(model_type)[1]))
 
 
 def supports_sdpa(model_type: str) -> bool:

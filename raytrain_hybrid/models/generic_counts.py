@@ -9,7 +9,7 @@ import functools
 import math
 from fractions import Fraction
 
-from raytrain_hybrid.models import generic  # (generic imports this module: names read at call time)
+from raytrain_hybrid.models import generic, generic_facts  # (generic imports this module: names read at call time)
 
 
 @functools.lru_cache(maxsize=64)
@@ -50,7 +50,7 @@ def built_parts(model_type: str, m: dict) -> tuple[list[int], int, int, int, int
     config.tie_word_embeddings = False
     with torch.device("meta"):
         model = lm_cls(config)
-    prefix = lm_cls.base_model_prefix or "model"
+    prefix = generic_facts.prefix_of(lm_cls)
     inner = getattr(model, prefix)
 
     def count(mod) -> int:

@@ -79,7 +79,7 @@ def derive(model_type: str) -> dict:
         facts["pp_names"] = None
         facts["pp_error"] = str(exc)
     facts["head"] = generic.head_name_of(lm_cls)
-    facts["prefix"] = lm_cls.base_model_prefix or "model"
+    facts["prefix"] = prefix_of(lm_cls)
     facts["sdpa"] = bool(getattr(lm_cls, "_supports_sdpa", False))
     source = inspect.getsource(inspect.getmodule(lm_cls))
     facts["sinks"] = "s_aux" in source or "sinks=" in source
@@ -104,6 +104,18 @@ def derive(model_type: str) -> dict:
             facts["sizes_from_class"] = True
             break
     return facts
+
+
+def prefix_of(lm_cls) -> str:
+    """The causal LM's attribute holding its base model: its base_model_prefix, unless its own
+    __init__ sets ``self.model`` and not that (Llama 4's text LM names "language_model", the
+    multimodal model's attribute, and holds ``self.model``)."""
+    prefix = lm_cls.base_model_prefix or "model"
+    try:
+        init = inspect.getsource(lm_cls.__init__)
+    except (OSError, TypeError):  # (no source: a class made at run time)
+        return prefix
+    return "model" if f"self.{prefix} =" not in init and "self.model =" in init else prefix
 
 
 def _missing(config, key: str, attribute_map: dict) -> bool:
