@@ -122,6 +122,25 @@ def has_credentials(text: str) -> bool:
     return bool(maybe) and redact(text) != text
 
 
+def storage_reason(exc: BaseException) -> str:
+    """An object store's error in a line a user reads: the AWS SDK's without its details (its curl
+    code, the host again, the request id); Google Cloud's status (``google::cloud::Status(UNAVAILABLE:
+    Retry policy exhausted, with a last message of ... error_info={...})``, 600 characters) as its
+    code and the underlying message; at most 200 characters."""
+    text = " ".join(str(exc).split())
+    gcs = re.search(r"google::cloud::Status\((\w+): (.*?)(?: error_info=\{|\)$|$)", text)
+    if gcs:
+        code, message = gcs.groups()
+        message = message.split("with a last message of ", 1)[-1]
+        cause = message.split("The underlying error message was: ", 1)
+        first = cause[0].split(". ")[0]
+        under = cause[1].split(" - ")[-1] if len(cause) > 1 else ""
+        under = re.sub(r"^CURL error \[\d+\]=", "", under).strip()
+        text = f"Google Cloud Storage: {code}: {first}" + (f" ({under})" if under else "")
+    text = text.split("; Details:")[0].split(" (Request ID:")[0]
+    return text if len(text) <= 200 else text[:197].rsplit(" ", 1)[0] + " ..."
+
+
 class ConfigError(ValueError):
     """A configuration value that cannot work, with the key, the value and what would.
 

@@ -799,3 +799,40 @@ def test_shards_that_cannot_hold_what_the_metadata_says_are_refused_before_any_w
     assert cli.main(["check", "--resume", str(step), *sets]) == 2
     assert said in capsys.readouterr().err and started == []
     assert not (tmp_path / "marker").exists() and not (tmp_path / "hf").exists()
+
+
+# What pyarrow's Google Cloud Storage filesystem raised here for gs://your-bucket (no network, no
+# credentials), word for word: `check` printed all of it, twice.
+GCS_OFFLINE = (
+    "google::cloud::Status(UNAVAILABLE: Retry policy exhausted, with a last message of Could not create a OAuth2 "
+    "access token to authenticate the request. The request was not sent, as such an access token is required to "
+    "complete the request successfully. Learn more about Google Cloud authentication at "
+    "https://cloud.google.com/docs/authentication. The underlying error message was: PerformWork() - CURL error "
+    "[6]=Could not resolve hostname error_info={reason=, domain=, metadata={gcloud-cpp.retry.on-entry=false, "
+    "gcloud-cpp.retry.function=GetObjectMetadata, gcloud-cpp.retry.reason=retry-policy-exhausted}})"
+)
+S3_OFFLINE = (
+    "When resolving region for bucket 'nobucket': AWS Error NETWORK_CONNECTION during HeadBucket operation: "
+    "curlCode: 6, Could not resolve hostname; Details: Could not resolve host: nobucket.s3.us-east-1.amazonaws.com"
+)
+
+
+def test_an_object_stores_error_is_said_in_one_line():
+    """`check`'s "not verified" notes and data.path's refusal quote an object store's error as a
+    line a user reads: Google Cloud's status as its code, its first sentence and the underlying
+    cause; the AWS SDK's without its details; never past 200 characters."""
+    from raytrain_hybrid.errors import storage_reason
+
+    assert storage_reason(OSError(GCS_OFFLINE)) == (
+        "Google Cloud Storage: UNAVAILABLE: Could not create a OAuth2 access token to authenticate the request "
+        "(Could not resolve hostname)"
+    )
+    assert storage_reason(OSError(S3_OFFLINE)) == (
+        "When resolving region for bucket 'nobucket': AWS Error NETWORK_CONNECTION during HeadBucket operation: "
+        "curlCode: 6, Could not resolve hostname"
+    )
+    assert storage_reason(OSError("google::cloud::Status(NOT_FOUND: bucket b does not exist)")) == (
+        "Google Cloud Storage: NOT_FOUND: bucket b does not exist"
+    )
+    long = storage_reason(OSError("x " * 300))
+    assert len(long) <= 200 and long.endswith(" ...")

@@ -14,7 +14,7 @@ def open_parquet(key: str, path: str):
 
     import pyarrow.dataset as pads
 
-    from raytrain_hybrid.errors import ConfigError
+    from raytrain_hybrid.errors import ConfigError, storage_reason
     from raytrain_hybrid.storage import is_uri
 
     local = path[len("file://") :] if path.startswith("file://") else None if is_uri(path) else path
@@ -40,7 +40,8 @@ def open_parquet(key: str, path: str):
             dataset = pads.dataset(path, format="parquet")
         files = dataset.files
     except (OSError, pa.ArrowInvalid) as exc:
-        raise ConfigError(key, path, f"cannot be read as Parquet: {exc}") from exc
+        reason = storage_reason(exc) if local is None else exc  # (a cloud SDK's error in a line)
+        raise ConfigError(key, path, f"cannot be read as Parquet: {reason}") from exc
     if not files:
         raise ConfigError(key, path, "holds no Parquet files")
     return dataset

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from raytrain_hybrid.errors import ConfigError
+from raytrain_hybrid.errors import ConfigError, storage_reason
 from raytrain_hybrid.models import hub
 from raytrain_hybrid.models.hub import Unreadable, is_hub_id
 
@@ -57,10 +57,12 @@ def _filesystem(location: str):
     try:
         fs, path = pafs.FileSystem.from_uri(location)
     except OSError as exc:  # e.g. the bucket's region look-up: no network
-        raise Unreadable(KEY, location, f"could not be read here: {_short(exc)}") from None
+        raise Unreadable(KEY, location, f"could not be read here: {storage_reason(exc)}") from None
     except ValueError as exc:  # pyarrow.ArrowInvalid: a scheme it does not know
         raise ConfigError(
-            KEY, location, f"is not a location pyarrow can open ({_short(exc)}); use a local path, s3:// or gs://"
+            KEY,
+            location,
+            f"is not a location pyarrow can open ({storage_reason(exc)}); use a local path, s3:// or gs://",
         ) from None
     return bounded_waits(fs), path.rstrip("/")
 
@@ -81,12 +83,6 @@ def bounded_waits(fs, request_s: float = 30):
     return rebuild(options)
 
 
-def _short(exc: Exception) -> str:
-    """pyarrow's error without the SDK's details (its curl code, the host again)."""
-    text = " ".join(str(exc).split("; Details:")[0].split(" (Request ID:")[0].split())
-    return text if len(text) <= 200 else text[:197].rsplit(" ", 1)[0] + " ..."
-
-
 def _listing(location: str) -> tuple[list[str], Callable[[str], bytes]]:
     """The file names in ``location`` and a reader of one of them (name -> bytes); a location
     that cannot be read here (no network, no credentials) raises ``Unreadable``."""
@@ -99,7 +95,7 @@ def _listing(location: str) -> tuple[list[str], Callable[[str], bytes]]:
         except FileNotFoundError:
             infos = []
         except OSError as exc:  # no credentials, access denied, no network
-            raise Unreadable(KEY, location, f"could not be read here: {_short(exc)}") from None
+            raise Unreadable(KEY, location, f"could not be read here: {storage_reason(exc)}") from None
         names = [i.base_name for i in infos if i.type == pafs.FileType.File]
 
         def read(name: str) -> bytes:

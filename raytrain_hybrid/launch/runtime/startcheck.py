@@ -20,7 +20,7 @@ import pyarrow.fs as pafs
 
 from raytrain_hybrid.config import Config
 from raytrain_hybrid.config.elastic import is_elastic
-from raytrain_hybrid.errors import ConfigError
+from raytrain_hybrid.errors import ConfigError, storage_reason
 from raytrain_hybrid.launch.plan.address import ray_address
 from raytrain_hybrid.launch.plan.autolayout import pick_for_check
 from raytrain_hybrid.launch.plan.preflight import _check_output_dir
@@ -93,7 +93,7 @@ def check_plan(
         # without credentials that fails as an OSError, which check says instead of refusing.
         if isinstance(exc, ConfigError) and not isinstance(exc.__cause__, OSError):
             raise
-        reason = exc.__cause__ if isinstance(exc, ConfigError) else exc
+        reason = storage_reason(exc.__cause__ if isinstance(exc, ConfigError) else exc)
         uri = store.uri if store is not None else cfg.run.output_dir.rstrip("/")
         what = "its lease, its checkpoints and --resume are" if resume else "its lease and its checkpoints are"
         unverified.append(f"run.output_dir={uri!r} could not be read here ({reason}); {what} not checked")
