@@ -44,9 +44,10 @@ FAMILIES = (
     "cohere2",
     "ministral",
     "nemotron",  # no pipeline plan (pp=1), a non-gated squared-ReLU MLP, LayerNorm with a +1 scale
+    "lfm2",  # no pipeline plan, short-convolution layers beside attention, its final norm named otherwise
 )
 # Families without a pipeline plan in transformers, trained at pp=1: their 3-D job is dp=4 x tp=2.
-NO_PIPELINE_PLAN = ("nemotron",)
+NO_PIPELINE_PLAN = ("nemotron", "lfm2")
 COMMON = ("data.path=memory", f"model.seq_len={SEQ}", "train.steps=3", "train.global_batch_size=8", "train.lr=1e-3")
 SINGLE = ("parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=1", "parallelism.microbatches=1")
 THREE_D = ("parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=2", "parallelism.microbatches=2")
@@ -77,6 +78,11 @@ TINY_EXTRAS = {
 }
 
 
+# Families whose tiny model would hold one kind of layer only (LFM2 makes every layer attention unless
+# told which are convolutions, as its checkpoints do): each kind, alternating.
+TINY_LAYER_TYPES = {"lfm2": ["conv", "full_attention", "conv", "full_attention"]}
+
+
 def tiny_sizes(model_type: str, vocab: int = VOCAB) -> dict:
     """The config keywords of a tiny ``model_type`` (a few layers, grouped-query attention)."""
     from transformers import AutoConfig
@@ -95,6 +101,8 @@ def tiny_sizes(model_type: str, vocab: int = VOCAB) -> dict:
         "eos_token_id": 2,
         "initializer_range": 0.1,
     }
+    if model_type in TINY_LAYER_TYPES:
+        sizes["layer_types"] = TINY_LAYER_TYPES[model_type]
     defaults = AutoConfig.for_model(model_type)
     for key, tiny in TINY_EXTRAS.items():
         value = getattr(defaults, key, None)

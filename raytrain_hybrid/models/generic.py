@@ -164,7 +164,7 @@ def pp_names_of(model_type: str) -> tuple[str, str, str]:
     embedding dropout, at 0 here) are not run."""
     plan = dict(getattr(classes(model_type)[0], "base_model_pp_plan", None) or {})
     if not plan:  # (pp=1 only: models.generic_check)
-        return "embed_tokens", "layers", "norm"
+        return "embed_tokens", "layers", generic_facts.final_norm_of(model_type)
     embed = next(k for k, (inputs, _) in plan.items() if "input_ids" in inputs)
     layers = "layers" if "layers" in plan else next(k for k, (inputs, _) in plan.items() if "attention_mask" in inputs)
     norm = list(plan)[-1]

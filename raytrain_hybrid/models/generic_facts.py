@@ -118,6 +118,25 @@ def prefix_of(lm_cls) -> str:
     return "model" if f"self.{prefix} =" not in init and "self.model =" in init else prefix
 
 
+def final_norm_of(model_type: str) -> str:
+    """A base model without a pipeline plan: its final norm, the last norm its __init__ sets
+    (``norm``; LFM2's ``embedding_norm``, which it applies last)."""
+    import re
+
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    from raytrain_hybrid.models import generic
+
+    name = MODEL_MAPPING_NAMES.get(model_type)
+    module = inspect.getmodule(generic.classes(model_type)[1])
+    base = getattr(module, name, None) if isinstance(name, str) else None
+    try:
+        norms = re.findall(r"self\.(\w+) = \w*Norm\w*\(", inspect.getsource(base.__init__)) if base else []
+    except (OSError, TypeError):
+        norms = []
+    return norms[-1] if norms else "norm"
+
+
 def _missing(config, key: str, attribute_map: dict) -> bool:
     """Whether the config class has no such attribute at all (GPT-2 has no head_dim): read as None."""
     if attribute_map.get(key, key) in config.to_dict():

@@ -47,6 +47,8 @@ def _mask(kind: str, config, positions: torch.Tensor, packed: bool, dtype):
 
     from raytrain_hybrid.models.packed import document_mask
 
+    if kind == "conv":  # (LFM2's short convolutions take a padding mask only: there is no padding)
+        return None
     window = getattr(config, "sliding_window", None) if kind == "sliding_attention" else None
     eager = config._attn_implementation == "eager"
     # Another attention type (DeepSeek's sparse "indexed_attention") reads the mask beside its
@@ -70,9 +72,14 @@ def _mask(kind: str, config, positions: torch.Tensor, packed: bool, dtype):
 
 
 def _nope(config, kind: str) -> bool:
-    """A layer type without rotary embeddings: its entry of per-type ``rope_parameters`` is None."""
+    """A layer type without rotary embeddings: its entry of per-type ``rope_parameters`` is None, or
+    (a convolution layer) per-type parameters do not name it."""
     params = getattr(config, "rope_parameters", None)
-    return isinstance(params, dict) and kind in params and params[kind] is None
+    if not isinstance(params, dict):
+        return False
+    if kind in params:
+        return params[kind] is None
+    return kind == "conv" and all(v is None or isinstance(v, dict) for v in params.values())
 
 
 def _rotary(inner, h, positions, kinds: set[str]):
