@@ -64,21 +64,24 @@ def built_parts(model_type: str, m: dict) -> tuple[list[int], int, int, int, int
     return [count(b) for b in layers], embed, rest, head, int(tied)
 
 
-# The model.* sizes a recorded count polynomial is written in (scripts/generic_facts.py fits them):
-# V vocab, H hidden, F ffn, N heads, K kv heads, D head_dim, L layers, P max_position_embeddings, as
-# generic.tiny_kwargs passes them to the config class.
+# The sizes a recorded count polynomial is written in (scripts/generic_facts.py fits them): V vocab,
+# H hidden, F ffn, N heads, K kv heads, D head_dim, L layers, P max_position_embeddings, read off the
+# keywords generic.tiny_kwargs gives the config class (its defaults for head_dim and kv heads).
+_VARIABLES = {
+    "V": "vocab_size",
+    "H": "hidden_size",
+    "F": "intermediate_size",
+    "N": "num_attention_heads",
+    "K": "num_key_value_heads",
+    "D": "head_dim",
+    "L": "num_hidden_layers",
+    "P": "max_position_embeddings",
+}
+
+
 def variables(m: dict) -> dict[str, int]:
-    heads = m["num_heads"]
-    return {
-        "V": m["vocab_size"],
-        "H": m["hidden_size"],
-        "F": m["ffn_hidden_size"],
-        "N": heads,
-        "K": m["num_kv_heads"] or heads,
-        "D": m["head_dim"] or m["hidden_size"] // heads,
-        "L": m["num_layers"],
-        "P": max(m["seq_len"], 128),
-    }
+    kwargs = generic.tiny_kwargs(_Sizes(**m))
+    return {v: kwargs[key] for v, key in _VARIABLES.items()}
 
 
 def evaluate(terms: list, x: dict[str, int]) -> Fraction:
@@ -91,8 +94,6 @@ def from_polynomials(model_type: str, m: dict) -> tuple[int, int, int, int, int]
     """_counts of model.* sizes from the family's recorded polynomials (no torch, no modeling code:
     what `check --hardware` of a random-weight run needs); None where none is recorded (blocks that
     differ from each other, a count no polynomial gives) or the sizes lie outside what was fitted."""
-    from raytrain_hybrid.models import generic_facts
-
     poly = (generic_facts.recorded(model_type) or {}).get("counts")
     if not poly:
         return None
