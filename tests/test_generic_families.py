@@ -352,3 +352,32 @@ def test_a_family_without_a_pipeline_plan_trains_at_pp_1_once_the_matrix_held_it
     monkeypatch.setattr(generic, "verified", lambda: {})
     with pytest.raises(ConfigError, match="no pipeline plan in transformers"):
         load_config(None, sizes)
+
+
+def test_state_space_hybrids_are_refused_by_their_config_not_their_name(monkeypatch):
+    """Bamba, Jamba, Falcon-H1 and Nemotron-H hold Mamba layers under names that do not say so: their
+    configs' mamba_* settings refuse them as non-decoders, recorded or not (a newer transformers' family
+    is read off its classes), while a plain decoder's config passes."""
+    from raytrain_hybrid.errors import ConfigError
+    from raytrain_hybrid.models import generic_facts
+
+    for mt in ("bamba", "jamba", "falcon_h1", "nemotron_h"):
+        assert generic_facts.state_space(generic.classes(mt)[0]), mt
+        assert "is not a transformer decoder" in generic.refusal(mt, recorded=False), mt
+        with pytest.raises(ConfigError, match="is not a transformer decoder") as err:
+            load_config(None, [f"model.arch={mt}", "data.path=memory"])
+        assert err.value.key == "model.arch"
+    assert not any(generic_facts.state_space(generic.classes(mt)[0]) for mt in ("qwen3", "lfm2", "olmo2"))
+    monkeypatch.setattr(generic_facts, "recorded", lambda model_type: None)  # unrecorded: from the classes
+    assert "is not a transformer decoder" in generic.refusal("bamba")
+
+
+def test_a_random_weight_model_of_a_family_whose_config_names_no_layer_kinds_builds():
+    """LFM2's MoE config leaves layer_types unset though its layers read it (transformers' own default
+    config cannot build its model): model.* sizes alone give every layer attention, as LFM2's does."""
+    sizes = ["model.arch=lfm2_moe", "model.num_layers=3", "model.hidden_size=64", "model.num_heads=4"]
+    cfg = load_config(None, [*sizes, "parallelism.tp=1", "parallelism.pp=1", "parallelism.dp=1", "data.path=memory"])
+    config = generic.hf_config("lfm2_moe", cfg)
+    assert config.layer_types == ["full_attention"] * 3
+    model = generic.build("lfm2_moe", config)
+    assert len(model.model.layers) == 3

@@ -80,7 +80,7 @@ TINY_EXTRAS = {
 
 # Families whose tiny model would hold one kind of layer only (LFM2 makes every layer attention unless
 # told which are convolutions, as its checkpoints do): each kind, alternating.
-TINY_LAYER_TYPES = {"lfm2": ["conv", "full_attention", "conv", "full_attention"]}
+TINY_LAYER_TYPES = {mt: ["conv", "full_attention", "conv", "full_attention"] for mt in ("lfm2", "lfm2_moe")}
 
 
 def tiny_sizes(model_type: str, vocab: int = VOCAB) -> dict:

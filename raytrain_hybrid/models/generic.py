@@ -15,8 +15,8 @@ What differs between families is read from the config and the modules: tied embe
 (``tie_word_embeddings``: the engine keeps a head that starts equal to the embedding and whose
 gradient is summed with it, engine.tied), an embedding multiplier the base model applies, per-head
 query/key norms (their gradient summed over tp), sliding windows, biases. A family is refused
-before workers start where a plan style has no translation (then tp must be 1), where it has no
-pipeline plan, or where the model is not a transformer decoder (``refusal``); families checked
+before workers start where a plan style has no translation (then tp must be 1), at pp > 1 where it
+has no pipeline plan, or where the model is not a transformer decoder (``refusal``); families checked
 against transformers' own are listed in assets/generic_families.json (scripts/model_matrix.py).
 """
 
@@ -29,14 +29,7 @@ import os
 from pathlib import Path
 
 from raytrain_hybrid.errors import ConfigError
-from raytrain_hybrid.models import (
-    generic_check,
-    generic_counts,
-    generic_cp,
-    generic_facts,
-    generic_sp,
-    generic_weights,
-)
+from raytrain_hybrid.models import generic_check, generic_counts, generic_cp, generic_facts, generic_sp, generic_weights
 from raytrain_hybrid.models.generic_forward import (
     experts_always_used,
     learnt_activations,
@@ -95,20 +88,21 @@ def refusal(model_type: str, *, tp: int = 1, recorded: bool = True) -> str | Non
             classes(model_type)
         except (KeyError, ValueError):
             return f"is not a causal language model of transformers {generic_facts.version()} nor one registered"
-    if any(word in model_type for word in _NOT_DECODERS):
+    unknown = not recorded or generic_facts.recorded(model_type) is None  # (else its verdict says so)
+    if any(w in model_type for w in _NOT_DECODERS) or unknown and generic_facts.state_space(classes(model_type)[0]):
         return "is not a transformer decoder (state-space, linear-attention or encoder-decoder layers)"
     if not _tp_plan_raw(model_type):
         return "has no tensor-parallel plan in transformers (base_model_tp_plan)"
     known = verified().get(model_type) if recorded else None
     held = (known or {}).get("status") == "passed" or os.environ.get("RAYTRAIN_MODEL_MATRIX")
+    if known and known.get("status") == "refused":  # (the matrix's reason: more than a missing plan)
+        return known["reason"]
     if not has_pp_plan(model_type) and not held:  # (held: at pp=1 with the usual names, pp_names)
         return NO_PP_PLAN
     try:
         pp_names(model_type)
     except (KeyError, StopIteration):
         return "has a pipeline plan that names no embedding, block list and final norm"
-    if known and known.get("status") == "refused":
-        return known["reason"]
     if tp > 1 and known and known.get("tp_reason"):
         return f"{known['tp_reason']}; use parallelism.tp=1"
     if tp > 1:
@@ -189,10 +183,16 @@ def head_name_of(lm_cls) -> str:
 # ----------------------------------------------------------------- config
 
 
-def tiny_kwargs(m) -> dict:
+# Families whose config leaves layer_types unset though their model reads it per layer: each layer this
+# kind in a random-weight model (as LFM2's own config makes every layer attention; its MoE's sets none).
+EVERY_LAYER = {"lfm2_moe": "full_attention"}
+
+
+def tiny_kwargs(m, model_type: str = "") -> dict:
     """The transformers config keywords of a model built from model.* sizes (no checkpoint)."""
     head_dim = m.head_dim or m.hidden_size // m.num_heads
-    return {
+    every = {"layer_types": [EVERY_LAYER[model_type]] * m.num_layers} if model_type in EVERY_LAYER else {}
+    return every | {
         "vocab_size": m.vocab_size,
         "hidden_size": m.hidden_size,
         "intermediate_size": m.ffn_hidden_size,
@@ -227,7 +227,7 @@ def hf_config(model_type: str, cfg):
         dropped = ("architectures", "transformers_version", "torch_dtype", "dtype", "auto_map")
         conf = {k: v for k, v in read_config_json(m.pretrained, m.pretrained_revision).items() if k not in dropped}
     else:
-        conf = tiny_kwargs(m)
+        conf = tiny_kwargs(m, model_type)
     config = config_cls(**conf)
     dropout_off(config)
     config.use_cache = False

@@ -44,7 +44,7 @@ def built_parts(model_type: str, m: dict) -> tuple[list[int], int, int, int, int
             if k not in ("architectures", "auto_map", "torch_dtype", "dtype")
         }
     else:
-        conf = generic.tiny_kwargs(_Sizes(**m))
+        conf = generic.tiny_kwargs(_Sizes(**m), model_type)
     config = config_cls(**conf)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     config.tie_word_embeddings = False

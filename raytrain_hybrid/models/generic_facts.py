@@ -118,6 +118,13 @@ def prefix_of(lm_cls) -> str:
     return "model" if f"self.{prefix} =" not in init and "self.model =" in init else prefix
 
 
+def state_space(config_cls) -> bool:
+    """Whether the family has state-space (Mamba) layers, as its config's settings say (Bamba, Jamba,
+    Falcon-H1, Nemotron-H: names that do not say so)."""
+    fields = {k for c in config_cls.__mro__ for k in getattr(c, "__annotations__", {})}
+    return any(k.startswith(("mamba_", "ssm_")) for k in fields)
+
+
 def final_norm_of(model_type: str) -> str:
     """A base model without a pipeline plan: its final norm, the last norm its __init__ sets
     (``norm``; LFM2's ``embedding_norm``, which it applies last)."""
@@ -169,7 +176,7 @@ def _tiny(model_type: str, config_cls) -> dict | None:
     m = SimpleNamespace(vocab_size=512, hidden_size=64, ffn_hidden_size=128, num_layers=2, num_heads=4,
                         num_kv_heads=2, head_dim=16, seq_len=32)  # fmt: skip
     try:
-        return config_cls(**generic.tiny_kwargs(m)).to_dict()
+        return config_cls(**generic.tiny_kwargs(m, model_type)).to_dict()
     except Exception:  # noqa: BLE001 - a family with other required keys: its default config decides
         return None
 

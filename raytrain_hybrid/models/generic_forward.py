@@ -85,7 +85,10 @@ def _nope(config, kind: str) -> bool:
 def _rotary(inner, h, positions, kinds: set[str]):
     """{layer type: (cos, sin)} (one table for every type, or the family's per-type tables; None
     for a type without rotary embeddings)."""
-    rotary = getattr(inner, "rotary_emb", None)
+    # (LFM2's MoE names it pos_emb: else the base model's module of a rotary class)
+    rotary = getattr(inner, "rotary_emb", None) or next(
+        (m for m in inner.children() if type(m).__name__.endswith("RotaryEmbedding")), None
+    )
     if rotary is None:
         return dict.fromkeys(kinds)
     if "layer_type" in inspect.signature(rotary.forward).parameters:
