@@ -54,6 +54,9 @@ KNOWN = {
 UNBUILT = {
     "llama4": "its tiny model keeps a full-size vision tower: building it took the checking process past "
     "24 GB of memory (killed by the kernel), so it was not compared; train `llama4_text` for its decoder",
+    # (Read in modeling_gemma3n: Gemma3nTextModel.forward's altup_projections and altup_unembed_projections.)
+    "gemma3n_text": "its base model's own forward turns the embedding into four AltUp streams before its "
+    "layers and back into one after them: code outside the layers, which the pipeline's stages do not run",
     # The matrix's run of it missed the bound from the first loss: the routing is drawn, not computed.
     "phimoe": "its router samples the experts at random while training (transformers' sparsemixer draws "
     "from torch.rand), so no run can be held to a reference's draws",

@@ -381,3 +381,13 @@ def test_a_random_weight_model_of_a_family_whose_config_names_no_layer_kinds_bui
     assert config.layer_types == ["full_attention"] * 3
     model = generic.build("lfm2_moe", config)
     assert len(model.model.layers) == 3
+
+
+def test_a_config_with_a_width_per_layer_gives_the_widest_as_its_ffn_size():
+    """Gemma 3n's intermediate_size is a list, one width a layer: the model.* size the planner reads
+    is the widest (a config.json of it was refused as 'not a gemma3n_text model')."""
+    conf = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "vocab_size": 512, "intermediate_size": [128, 256, 128, 128], "num_kv_shared_layers": 2,
+            "layer_types": ["sliding_attention", "full_attention"] * 2}  # fmt: skip
+    sizes = generic.sizes_from_class("gemma3n_text", conf)
+    assert sizes["ffn_hidden_size"] == 256 and sizes["num_layers"] == 4 and sizes["num_kv_heads"] == 2

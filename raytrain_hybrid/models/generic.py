@@ -256,14 +256,14 @@ def sizes_from_hf(model_type: str, conf: dict) -> dict:
 def sizes_from_class(model_type: str, conf: dict) -> dict:
     config_cls, _ = classes(model_type)
     c = config_cls(**_conf_keys(conf))
-    heads = c.num_attention_heads
+    heads, ffn = c.num_attention_heads, getattr(c, "intermediate_size", None) or 4 * c.hidden_size
     return {
         "num_layers": blocks(c),
         "hidden_size": int(c.hidden_size),
         "num_heads": int(heads),
         "num_kv_heads": int(getattr(c, "num_key_value_heads", None) or heads),
         "head_dim": int(_attr(c, "head_dim") or c.hidden_size // heads),
-        "ffn_hidden_size": int(getattr(c, "intermediate_size", None) or 4 * c.hidden_size),
+        "ffn_hidden_size": int(max(ffn) if isinstance(ffn, list) else ffn),  # (Gemma 3n's per layer: the widest)
         "vocab_size": int(c.vocab_size),
     }
 
