@@ -138,7 +138,7 @@ def storage_reason(exc: BaseException) -> str:
         under = re.sub(r"^CURL error \[\d+\]=", "", under).strip()
         text = f"Google Cloud Storage: {code}: {first}" + (f" ({under})" if under else "")
     text = text.split("; Details:")[0].split(" (Request ID:")[0]
-    return text if len(text) <= 200 else text[:197].rsplit(" ", 1)[0] + " ..."
+    return text if len(text) <= 200 else text[:196].rsplit(" ", 1)[0] + " ..."  # (no space: 196 + 4)
 
 
 class ConfigError(ValueError):

@@ -188,14 +188,40 @@ def test_the_recorded_count_polynomials_are_what_transformers_builds(model_type)
     from raytrain_hybrid.models import generic_counts
 
     sys.path.insert(0, str(generic_facts.FACTS.parents[2] / "scripts"))
-    from generic_facts import probe  # scripts/generic_facts.py
+    from generic_facts import REALISTIC, probe  # scripts/generic_facts.py
 
     assert generic_facts.recorded(model_type).get("counts"), f"{model_type}: no count polynomials recorded"
     rng = random.Random(f"held apart {model_type}")
-    for layers in (None, None, 40):
-        m = probe(rng, layers)
+    for m in [probe(rng, layers) for layers in (None, None, 40)] + list(REALISTIC[:1]):
         assert generic_counts.from_polynomials(model_type, m) == generic_counts.built_counts(model_type, m), m
     assert generic_counts.from_polynomials(model_type, {**m, "num_heads": 3, "num_kv_heads": 2}) is None
+
+
+def test_random_weights_named_none_are_counted_as_random_weights():
+    """model.pretrained=none (random weights, as the error messages offer) is counted off the
+    polynomials as an empty one is, not read as a checkpoint named "none"."""
+    from raytrain_hybrid.models import generic_counts
+
+    m = {"vocab_size": 512, "hidden_size": 64, "ffn_hidden_size": 128, "num_heads": 4, "num_kv_heads": 2,
+         "head_dim": 16, "num_layers": 2, "seq_len": 32, "pretrained_revision": ""}  # fmt: skip
+    counted = [generic_counts._counts("qwen3", tuple({**m, "pretrained": p}.items())) for p in ("", "none", "None")]
+    assert counted[0] == counted[1] == counted[2] == generic_counts.from_polynomials("qwen3", {**m, "pretrained": ""})
+
+
+def test_a_family_that_rounds_a_width_has_no_count_polynomials():
+    """LFM2 rounds its FFN width up to a multiple of 256: at the small sizes the fit probes, every width
+    rounds to 256 and its counts looked like polynomials without an FFN term (5x too few parameters a
+    block at 1.2B sizes). Held to released models' widths too, it has none, and is counted as built."""
+    from raytrain_hybrid.models import generic_counts
+
+    sys.path.insert(0, str(generic_facts.FACTS.parents[2] / "scripts"))
+    from generic_facts import REALISTIC  # scripts/generic_facts.py
+
+    assert not generic_facts.recorded("lfm2").get("counts")
+    m = REALISTIC[1]
+    assert generic_counts.from_polynomials("lfm2", m) is None
+    blocks, *_ = generic_counts.built_parts("lfm2", m)
+    assert blocks[0] > 2 * m["hidden_size"] * m["ffn_hidden_size"]  # (the polynomials' block: 14.2M of 38M)
 
 
 def test_a_family_without_count_polynomials_is_counted_on_the_model_built():

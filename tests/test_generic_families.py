@@ -49,6 +49,14 @@ def test_masks_and_rotary_tables_follow_the_layer_types():
         assert generic_forward._mask(kind, config, positions, False, torch.float32) is None
     beam = AutoConfig.for_model("beam")
     assert generic_forward._nope(beam, "full_attention") and not generic_forward._nope(beam, "sliding_attention")
+    # A sliding window the row fits in masks nothing: no mask tensor (SDPA's causal kernel, as for full
+    # attention: Mistral's 4096 over shorter rows); a shorter window is masked.
+    mistral = AutoConfig.for_model("mistral", sliding_window=6)
+    mistral._attn_implementation = "sdpa"
+    assert generic_forward._mask("sliding_attention", mistral, positions, False, torch.float32) is None
+    mistral.sliding_window = 4
+    window = generic_forward._mask("sliding_attention", mistral, positions, False, torch.float32)[0, 0]
+    assert window[5].tolist() == [False, False, True, True, True, True]
 
 
 def test_blocks_holding_two_attention_sublayers_are_counted_once():
@@ -182,7 +190,7 @@ def test_the_sequence_parallel_plan_is_read_off_each_block():
         "input_layernorm": "seqnorm",
         "post_attention_layernorm": "seqnorm",
     }
-    plan = generic.spec("gpt_oss").sp_block(_block("gpt_oss"))
+    plan = generic_sp.block_plan(frozenset(), _block("gpt_oss"))  # (its plan reduces no child's output)
     assert (plan["self_attn"], plan["mlp"], plan["input_layernorm"]) == ("whole", "whole", "seqnorm")
     block = _block("qwen3")
     block.register_parameter("scale", torch.nn.Parameter(torch.ones(4, device="meta")))
@@ -345,9 +353,9 @@ def test_a_family_without_a_pipeline_plan_trains_at_pp_1_once_the_matrix_held_it
     monkeypatch.setattr(generic, "verified", lambda: {"hunyuan_v1_dense": {"status": "passed", "tp": True}})
     assert not generic.has_pp_plan("hunyuan_v1_dense") and generic.refusal("hunyuan_v1_dense") is None
     assert generic.pp_names("hunyuan_v1_dense") == ("embed_tokens", "layers", "norm")
-    load_config(None, [*sizes, "parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=1"])
+    load_config(None, [*sizes, "parallelism.dp=2", "parallelism.tp=1", "parallelism.pp=1"])
     with pytest.raises(ConfigError) as err:
-        load_config(None, [*sizes, "parallelism.pp=2"])
+        load_config(None, [*sizes, "parallelism.tp=1", "parallelism.pp=2"])
     assert err.value.key == "parallelism.pp" and "no pipeline plan" in str(err.value) and "pp=1" in str(err.value)
     monkeypatch.setattr(generic, "verified", lambda: {})
     with pytest.raises(ConfigError, match="no pipeline plan in transformers"):
@@ -391,3 +399,17 @@ def test_a_config_with_a_width_per_layer_gives_the_widest_as_its_ffn_size():
             "layer_types": ["sliding_attention", "full_attention"] * 2}  # fmt: skip
     sizes = generic.sizes_from_class("gemma3n_text", conf)
     assert sizes["ffn_hidden_size"] == 256 and sizes["num_layers"] == 4 and sizes["num_kv_heads"] == 2
+
+
+@pytest.mark.parametrize("model_type", ["lfm2", "gpt_oss", "hunyuan_v1_dense"])
+def test_tp_is_refused_where_the_plan_shards_no_layer(model_type):
+    """transformers' plan for these shards the embedding only: at tp > 1 every rank would run every
+    block whole (the planner dividing them by tp), so tp > 1 is refused naming the key; tp=1 is not."""
+    from raytrain_hybrid.errors import ConfigError
+
+    assert not any("*" in pattern for pattern in generic._tp_plan_raw(model_type))
+    base = [f"model.arch={model_type}", "data.path=memory", "parallelism.pp=1", "model.seq_len=32"]
+    with pytest.raises(ConfigError, match=r"no entry for its layers.*use parallelism\.tp=1") as err:
+        load_config(None, [*base, "parallelism.dp=1", "parallelism.tp=2"])
+    assert err.value.key == "parallelism.tp"
+    load_config(None, [*base, "parallelism.dp=2", "parallelism.tp=1"])

@@ -8,7 +8,7 @@ plain loop over transformers' own model loaded from the same directory (eager at
 
 - (1,1,1): every family's run in one single-rank launch;
 - dp=2 x tp=2 x pp=2 (1F1B, ZeRO-0): every family's run in one 8-rank launch (dp=4 x tp=2 x pp=1
-  for a family transformers gives no pipeline plan);
+  for a family transformers gives no pipeline plan; dp=8 for LFM2, whose plan shards no layer);
 
 each with the losses, the global and every parameter's gradient norm, and the final weights.
 Export writes the source's key names and config.json, and transformers loads it as the same class.
@@ -29,8 +29,9 @@ from raytrain_hybrid.config import load_config
 from raytrain_hybrid.errors import ConfigError
 
 VOCAB, SEQ = 4096, 32  # the shipped tokenizer's 4096 ids
-# The families of the matrix that the generic path trains (Llama, Mistral, Qwen2, GPT-2 and the
-# MoE specs keep their hand-written specs and their own oracle tests).
+# Families of the matrix that the generic path trains (Llama, GPT-2 and the MoE specs keep their
+# hand-written specs and their own oracle tests; Mistral and Qwen2, generic too, are held by the model
+# matrix and by test_pretrained.py's checkpoints).
 FAMILIES = (
     "qwen3",
     "gemma2",
@@ -46,12 +47,15 @@ FAMILIES = (
     "nemotron",  # no pipeline plan (pp=1), a non-gated squared-ReLU MLP, LayerNorm with a +1 scale
     "lfm2",  # no pipeline plan, short-convolution layers beside attention, its final norm named otherwise
 )
-# Families without a pipeline plan in transformers, trained at pp=1: their 3-D job is dp=4 x tp=2.
+# Families without a pipeline plan in transformers, trained at pp=1: their 3-D job is dp=4 x tp=2, or
+# dp=8 where the tensor-parallel plan has no entry for the layers (tp > 1 is refused).
 NO_PIPELINE_PLAN = ("nemotron", "lfm2")
+NO_LAYER_TP = ("lfm2",)
 COMMON = ("data.path=memory", f"model.seq_len={SEQ}", "train.steps=3", "train.global_batch_size=8", "train.lr=1e-3")
 SINGLE = ("parallelism.dp=1", "parallelism.tp=1", "parallelism.pp=1", "parallelism.microbatches=1")
 THREE_D = ("parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=2", "parallelism.microbatches=2")
 DP_TP = ("parallelism.dp=4", "parallelism.tp=2", "parallelism.pp=1", "parallelism.microbatches=1")
+DP_ONLY = ("parallelism.dp=8", "parallelism.tp=1", "parallelism.pp=1", "parallelism.microbatches=1")
 
 
 # Latent attention's widths, a mixture of experts' sizes and a partial rotary slice, where the
@@ -169,11 +173,14 @@ def _jobs(checkpoints: dict, layout) -> dict:
     from raytrain_hybrid.models.custom import registered
 
     jobs: dict = {
-        mt: _overrides(path, DP_TP if layout == THREE_D and mt in NO_PIPELINE_PLAN else layout)
-        for mt, path in checkpoints.items()
+        mt: _overrides(path, _three_d(mt) if layout == THREE_D else layout) for mt, path in checkpoints.items()
     }
     jobs["custom"] = {"overrides": jobs["custom"], "register": registered()}
     return jobs
+
+
+def _three_d(mt: str) -> tuple[str, ...]:
+    return DP_ONLY if mt in NO_LAYER_TP else DP_TP if mt in NO_PIPELINE_PLAN else THREE_D
 
 
 def _overrides(path: Path, layout) -> list[str]:
@@ -228,6 +235,7 @@ def three_d_runs(checkpoints):
 def test_the_architecture_comes_from_the_checkpoint(checkpoints):
     for mt, path in checkpoints.items():
         layout = ["parallelism.pp=1"] if mt in NO_PIPELINE_PLAN else []  # (the default layout's pp=2 is refused)
+        layout += ["parallelism.tp=1"] if mt in NO_LAYER_TP else []  # (and its tp=2)
         cfg = load_config(None, [f"model.pretrained={path}", *layout])
         assert cfg.model.arch == (mt if mt != "custom" else "rh_tiny_decoder")
 

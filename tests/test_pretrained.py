@@ -365,3 +365,14 @@ def test_mistral_resolves_and_its_positions_bound_seq_len(tmp_path):
     with pytest.raises(ConfigError, match=r"\(256\)") as info:
         load_config(None, [f"model.pretrained={path}", "model.seq_len=512"])
     assert info.value.key == "model.seq_len"
+
+
+def test_a_mixture_of_experts_window_bounds_seq_len_only_where_its_family_slides():
+    """The MoE specs' context length: Mixtral slides whenever sliding_window is set; Qwen3-MoE only
+    with use_sliding_window, whose absence is off (transformers' default), as a config.json may leave it."""
+    from raytrain_hybrid.models.llama import max_seq_len
+
+    qwen3_moe = {"model_type": "qwen3_moe", "sliding_window": 4096, "max_position_embeddings": 40960}
+    assert max_seq_len(qwen3_moe) == 40960
+    assert max_seq_len({**qwen3_moe, "use_sliding_window": True}) == 4096
+    assert max_seq_len({"model_type": "mixtral", "sliding_window": 4096, "max_position_embeddings": 32768}) == 4096

@@ -15,8 +15,9 @@ What differs between families is read from the config and the modules: tied embe
 (``tie_word_embeddings``: the engine keeps a head that starts equal to the embedding and whose
 gradient is summed with it, engine.tied), an embedding multiplier the base model applies, per-head
 query/key norms (their gradient summed over tp), sliding windows, biases. A family is refused
-before workers start where a plan style has no translation (then tp must be 1), at pp > 1 where it
-has no pipeline plan, or where the model is not a transformer decoder (``refusal``); families checked
+before workers start where a plan style has no translation or shards no layer (then tp must be 1),
+where it has no pipeline plan (at pp > 1, or at all unless the matrix held it at pp=1), or where
+the model is not a transformer decoder (``refusal``); families checked
 against transformers' own are listed in assets/generic_families.json (scripts/model_matrix.py).
 """
 
@@ -103,6 +104,9 @@ def refusal(model_type: str, *, tp: int = 1, recorded: bool = True) -> str | Non
         pp_names(model_type)
     except (KeyError, StopIteration):
         return "has a pipeline plan that names no embedding, block list and final norm"
+    if tp > 1 and not any("*" in pattern for pattern in _tp_plan_raw(model_type)):  # (LFM2, gpt-oss: the embedding)
+        why = "has a tensor-parallel plan with no entry for its layers (each rank would run every block whole)"
+        return f"{why}; use parallelism.tp=1"
     if tp > 1 and known and known.get("tp_reason"):
         return f"{known['tp_reason']}; use parallelism.tp=1"
     if tp > 1:

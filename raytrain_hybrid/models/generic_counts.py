@@ -14,13 +14,21 @@ from raytrain_hybrid.models import generic, generic_facts  # (generic imports th
 
 @functools.lru_cache(maxsize=64)
 def _counts(model_type: str, sizes: tuple) -> tuple[int, int, int, int, int]:
-    """(per block, embedding, final norm + head, head, tied) parameters of a model built on meta."""
+    """(per block, embedding, final norm + head, head, tied) parameters: off a checkpoint's headers,
+    the family's count polynomials, else the model built on the meta device."""
     m = dict(sizes)
-    if m.get("pretrained"):
+    if _checkpoint(m):
         counted = from_headers(model_type, m)
     else:
         counted = from_polynomials(model_type, m)
     return counted or built_counts(model_type, m)
+
+
+def _checkpoint(m: dict) -> bool:
+    """model.pretrained names a checkpoint ("none", as "", is random weights)."""
+    from raytrain_hybrid.models.hf_checkpoint import is_set
+
+    return is_set(m.get("pretrained") or "")
 
 
 def built_counts(model_type: str, m: dict) -> tuple[int, int, int, int, int]:
@@ -35,7 +43,7 @@ def built_parts(model_type: str, m: dict) -> tuple[list[int], int, int, int, int
     import torch
 
     config_cls, lm_cls = generic.classes(model_type)
-    if m.get("pretrained"):
+    if _checkpoint(m):
         from raytrain_hybrid.models.hf_checkpoint import read_config_json
 
         conf = {
@@ -93,7 +101,7 @@ def evaluate(terms: list, x: dict[str, int]) -> Fraction:
 def from_polynomials(model_type: str, m: dict) -> tuple[int, int, int, int, int] | None:
     """_counts of model.* sizes from the family's recorded polynomials (no torch, no modeling code:
     what `check --hardware` of a random-weight run needs); None where none is recorded (blocks that
-    differ from each other, a count no polynomial gives) or the sizes lie outside what was fitted."""
+    differ from each other, a count no polynomial gives) or where the class would refuse the sizes."""
     poly = (generic_facts.recorded(model_type) or {}).get("counts")
     if not poly:
         return None
@@ -114,7 +122,6 @@ def from_headers(model_type: str, m: dict) -> tuple[int, int, int, int, int] | N
     prediction layer, left out), its embedding, its head (a tied family's is the embedding's
     shape), and the rest under the base model (the final norm). None where the files do not name
     them so (another layout of names, a Hub id): the model is built on the meta device instead."""
-    from raytrain_hybrid.models import generic_facts
     from raytrain_hybrid.models.hf_checkpoint import read_config_json, tensor_sizes
 
     facts = generic_facts.recorded(model_type)

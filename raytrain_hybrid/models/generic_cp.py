@@ -55,7 +55,8 @@ def cp_refusal(model_type: str, hf_config) -> str | None:
 
     if adds_sinks(model_type):
         return "adds attention sinks to its scores, which the context-parallel attention does not"
-    if attention_path(model_type) is None:
+    other = sorted(set(getattr(hf_config, "layer_types", None) or ()) - set(_LAYER_TYPES))
+    if attention_path(model_type) is None and not other:
         return "has no query/key/value projections in its tensor-parallel plan (latent or other attention)"
     if getattr(hf_config, "kv_lora_rank", None) or getattr(hf_config, "q_lora_rank", None):
         return (
@@ -65,7 +66,6 @@ def cp_refusal(model_type: str, hf_config) -> str | None:
         return "runs only transformers' eager attention, which the context-parallel attention (SDPA) would replace"
     if getattr(hf_config, "attn_logit_softcapping", None):
         return "soft-caps its attention scores (attn_logit_softcapping), which the context-parallel attention does not"
-    other = sorted(set(getattr(hf_config, "layer_types", None) or ()) - set(_LAYER_TYPES))
-    if other:
+    if other:  # (LFM2's short convolutions: a plan without q/k/v projections is not the reason)
         return f"has {', '.join(other)} layers, which attend other than through the attention the cp ranks exchange"
     return None

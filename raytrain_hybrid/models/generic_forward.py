@@ -50,6 +50,8 @@ def _mask(kind: str, config, positions: torch.Tensor, packed: bool, dtype):
     if kind == "conv":  # (LFM2's short convolutions take a padding mask only: there is no padding)
         return None
     window = getattr(config, "sliding_window", None) if kind == "sliding_attention" else None
+    if window and window >= positions.shape[-1]:  # (Mistral's 4096 over shorter rows: SDPA's causal path)
+        window = None
     eager = config._attn_implementation == "eager"
     # Another attention type (DeepSeek's sparse "indexed_attention") reads the mask beside its
     # attention, as transformers' base models give it: always a tensor. (Linear attention, which

@@ -98,7 +98,9 @@ def sizes_from_hf(conf: dict) -> dict:
 def max_seq_len(conf: dict) -> int:
     limit = conf.get("max_position_embeddings") or 0
     # Mixtral slides whenever sliding_window is set; Qwen3-MoE only with use_sliding_window.
-    window = conf.get("sliding_window") if conf.get("use_sliding_window", True) else None
+    window = (
+        conf.get("sliding_window") if conf.get("use_sliding_window", conf.get("model_type") != "qwen3_moe") else None
+    )
     return min(limit, window) if window and limit else (window or limit)
 
 
