@@ -18,7 +18,21 @@ import urllib.request
 # gRPC servers to port 0 while a head starts, so one of them could take a port picked for the head's
 # dashboard before the dashboard bound it (CI: a dashboard that answered HTTP with gRPC's bytes,
 # `http.client.BadStatusLine`). Nor Ray's worker ports (10002-19999, `--min/max-worker-port`).
-_PORTS = range(20000, 32768)
+# The range is the kernel's own where it says (another machine's may start lower than 32768).
+
+
+def _below_ephemeral() -> range:
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return range(20000, max(low, 20000 + 1000))
+
+
+_PORTS = _below_ephemeral()
+# Not the random module's shared generator: a test that seeds it would make every process of the
+# suite (and a second suite on the machine) pick the same ports in the same order.
+_RANDOM = random.SystemRandom()
 _GIVEN: set[int] = set()
 _LOCK = threading.Lock()
 
@@ -28,7 +42,7 @@ def free_port() -> int:
     and not handed out before in this process (the suite's threads pick at once)."""
     with _LOCK:
         for _ in range(1000):
-            port = random.choice(_PORTS)
+            port = _RANDOM.choice(_PORTS)
             if port in _GIVEN:
                 continue
             with socket.socket() as s:
