@@ -72,6 +72,27 @@ def _no_weights(d):
     return model
 
 
+def _quantized(d):
+    """A checkpoint as Hugging Face's FP8 releases ship it: config.json's quantization_config, and
+    weights in float8 beside their inverse scales (the scales are what the name-by-name load would lose)."""
+    import torch
+    from safetensors.torch import save_file
+
+    model = _no_weights(d)
+    (model / "pytorch_model.bin").unlink()
+    config = json.loads((model / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    }
+    (model / "config.json").write_text(json.dumps(config))
+    weight = torch.ones(32, 32).to(torch.float8_e4m3fn)
+    scales = {"model.layers.0.self_attn.q_proj.weight_scale_inv": torch.ones(1, 1)}
+    save_file({"model.layers.0.self_attn.q_proj.weight": weight, **scales}, str(model / "model.safetensors"))
+    return model
+
+
 # id: (--set values, each with {d} for the case's directory and the files it makes, extra argv, what stderr holds)
 CASES = {
     "data missing (relative)": (["data.path=data/nope.parquet"], [], "data.path='data/nope.parquet': does not exist"),
@@ -125,6 +146,11 @@ CASES = {
         [],
         "has no *.safetensors weights next to config.json (it has pytorch_model.bin",
     ),
+    "pretrained quantized": (
+        ["model.pretrained={quantized}", "data.path=memory"],
+        [],
+        "is a quantized checkpoint (config.json's quantization_config: quant_method='fp8')",
+    ),
     "tracker not installed": (["data.path=memory", "run.tracking=wandb"], [], "needs the wandb package"),
     "Ray Train V1": (["data.path=memory"], ["v1"], "RAY_TRAIN_V2_ENABLED='0': selects Ray Train V1"),
     "dashboard address": (["data.path=memory", "cluster.address=http://head:8265"], [], "job-server address"),
@@ -159,6 +185,7 @@ def test_check_refuses_what_train_refuses_before_ray(case, tmp_path, capsys, mon
         "rows": _rows(d) if "{rows}" in str(sets) else None,
         "ckpts": _manifest_run(d) if "{ckpts}" in str(sets) else None,
         "model": _no_weights(d) if "{model}" in str(sets) else None,
+        "quantized": _quantized(d) if "{quantized}" in str(sets) else None,
     }
     if "{empty}" in str(sets):
         pq.write_table(TOKENS.slice(0, 0), d / "empty.parquet")

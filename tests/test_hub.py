@@ -116,6 +116,21 @@ def test_a_hub_id_resolves_from_the_cache_offline(offline):
     assert f"disagrees with the checkpoint {REPO}, whose value is 4" in done.stderr, done.stderr
 
 
+def test_a_quantized_hub_release_is_refused_naming_its_method(offline):
+    """The same checkpoint published as an FP8 release (config.json's quantization_config): refused
+    as quantized, through the Hub id as through a directory (tests/test_check_refusals.py)."""
+    home, src = offline
+    commit = hashlib.sha1(b"tiny-llama-fp8").hexdigest()
+    repo = home / "hub" / "models--tiny-org--tiny-llama-FP8"
+    shutil.copytree(src, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    config = repo / "snapshots" / commit / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(ConfigError, match=r"tiny-org/tiny-llama-FP8'?: is a quantized checkpoint .*quant_method='fp8'"):
+        load_config(None, ["model.pretrained=tiny-org/tiny-llama-FP8", *TINY])
+
+
 def test_ids_and_revisions_not_in_the_cache_are_refused(offline, tmp_path):
     home, src = offline
     with pytest.raises(ConfigError) as info:
