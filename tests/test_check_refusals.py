@@ -93,6 +93,16 @@ def _quantized(d):
     return model
 
 
+def _adapter(d):
+    """What `save_pretrained` of a peft model writes: an adapter that names its base model."""
+    adapter = d / "adapter"
+    adapter.mkdir()
+    config = {"peft_type": "LORA", "base_model_name_or_path": "Qwen/Qwen3-0.6B", "r": 8, "target_modules": ["q_proj"]}
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    return adapter
+
+
 # id: (--set values, each with {d} for the case's directory and the files it makes, extra argv, what stderr holds)
 CASES = {
     "data missing (relative)": (["data.path=data/nope.parquet"], [], "data.path='data/nope.parquet': does not exist"),
@@ -151,6 +161,12 @@ CASES = {
         [],
         "is a quantized checkpoint (config.json's quantization_config: quant_method='fp8')",
     ),
+    "pretrained is an adapter": (
+        ["model.pretrained={adapter}", "data.path=memory"],
+        [],
+        "is a PEFT adapter (adapter_config.json, no config.json), not a model; give "
+        "model.pretrained='Qwen/Qwen3-0.6B' as the checkpoint",
+    ),
     "tracker not installed": (["data.path=memory", "run.tracking=wandb"], [], "needs the wandb package"),
     "Ray Train V1": (["data.path=memory"], ["v1"], "RAY_TRAIN_V2_ENABLED='0': selects Ray Train V1"),
     "dashboard address": (["data.path=memory", "cluster.address=http://head:8265"], [], "job-server address"),
@@ -186,6 +202,7 @@ def test_check_refuses_what_train_refuses_before_ray(case, tmp_path, capsys, mon
         "ckpts": _manifest_run(d) if "{ckpts}" in str(sets) else None,
         "model": _no_weights(d) if "{model}" in str(sets) else None,
         "quantized": _quantized(d) if "{quantized}" in str(sets) else None,
+        "adapter": _adapter(d) if "{adapter}" in str(sets) else None,
     }
     if "{empty}" in str(sets):
         pq.write_table(TOKENS.slice(0, 0), d / "empty.parquet")

@@ -115,6 +115,8 @@ def read_config_json(location: str, revision: str = "") -> dict:
     if is_hub_id(location):
         return refuse_quantized(hub.config_json(location, revision)[0], location)
     names, read = _listing(location)
+    if "config.json" not in names and "adapter_config.json" in names:
+        raise ConfigError(KEY, location, _adapter_fix(read))
     if "config.json" not in names:
         raise ConfigError(
             KEY,
@@ -129,6 +131,20 @@ def read_config_json(location: str, revision: str = "") -> dict:
     if not isinstance(conf, dict):
         raise ConfigError(KEY, location, f"has a config.json that is not a JSON object (a {type(conf).__name__})")
     return refuse_quantized(conf, location)
+
+
+def _adapter_fix(read: Callable[[str], bytes]) -> str:
+    """What to say of a PEFT adapter directory given as the model: its base model is the checkpoint
+    (an adapter is trained anew with lora.*, or merged into its base first with peft)."""
+    try:
+        base = json.loads(read("adapter_config.json")).get("base_model_name_or_path")
+    except (ValueError, UnicodeDecodeError, AttributeError, OSError):
+        base = None
+    said = f"model.pretrained={base!r}" if isinstance(base, str) and base else "its base model"
+    return (
+        f"is a PEFT adapter (adapter_config.json, no config.json), not a model; give {said} as the "
+        "checkpoint and lora.* to train an adapter, or merge it into its base first (peft's merge_and_unload)"
+    )
 
 
 def refuse_quantized(conf: dict, location: str) -> dict:
