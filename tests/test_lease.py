@@ -230,7 +230,15 @@ def test_a_killed_drivers_processes_end_with_it(tmp_path):
     try:
         pids = [int(p) for p in fake.stdout.readline().split()]
         assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
-        time.sleep(0.6)  # the watcher's first looks
+        # The watcher's looks, which a loaded machine delays (a fixed 0.6 s once passed before the
+        # watcher had started): up, psutil imported, waiting on the pipe (a look before each wait),
+        # then a second wait's length (0.25 s) more, so that one look followed the child's start.
+        watcher = next(p for p in psutil.Process(fake.pid).children() if "reaper.py" in " ".join(p.cmdline()))
+        deadline = time.time() + 60
+        while not (_mapped(watcher, "_psutil_linux") and watcher.status() == psutil.STATUS_SLEEPING):
+            assert time.time() < deadline, "the watcher did not start within 60 s"
+            time.sleep(0.05)
+        time.sleep(1.0)
         fake.send_signal(signal.SIGKILL)
         fake.wait()
         deadline = time.time() + 10
@@ -243,6 +251,11 @@ def test_a_killed_drivers_processes_end_with_it(tmp_path):
         for pid in pids if "pids" in locals() else []:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def _mapped(proc, name: str) -> bool:
+    """Whether ``proc`` has a library with ``name`` in its path loaded (an import done)."""
+    return any(name in m.path for m in proc.memory_maps(grouped=True))
 
 
 def _running(pid: int) -> bool:

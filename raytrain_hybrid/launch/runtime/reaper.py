@@ -67,12 +67,12 @@ def watch(driver_pid: int) -> None:
     known: dict = {}
     wait = 0.25
     while True:
+        known.update(_descendants([driver]))  # before each wait: the first as soon as this process is up
         ready, _, _ = select.select([sys.stdin.fileno()], [], [], wait)
         if ready and not os.read(sys.stdin.fileno(), 4096):
             break  # the pipe ended: the driver is gone
         if not driver.is_running():
             break
-        known.update(_descendants([driver]))
         wait = min(wait * 2, 5.0)  # Ray's processes start with it; later workers die with the raylet
     known.pop(driver_pid, None)
     known = _descendants(known.values())  # and what they started since the last look
