@@ -61,7 +61,7 @@ def background(workdir: Path, env: dict, wanted: set[str] | None = None) -> dict
     proc = subprocess.Popen(argv, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     on_stop(proc.kill)
     try:
-        stdout, stderr = proc.communicate(timeout=900)
+        stdout, stderr = proc.communicate(timeout=1500)
     finally:
         proc.kill()
     lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
