@@ -93,10 +93,14 @@ def _quantized(d):
     return model
 
 
-def _adapter(d):
-    """What `save_pretrained` of a peft model writes: an adapter that names its base model."""
-    adapter = d / "adapter"
-    adapter.mkdir()
+def _adapter(d, with_config: bool = False):
+    """What `save_pretrained` of a peft model writes: an adapter that names its base model;
+    ``with_config``: and the base model's config.json beside it, as some trainers write."""
+    adapter = _no_weights(d) if with_config else d / "adapter"
+    if with_config:
+        (adapter / "pytorch_model.bin").unlink()
+    else:
+        adapter.mkdir()
     config = {"peft_type": "LORA", "base_model_name_or_path": "Qwen/Qwen3-0.6B", "r": 8, "target_modules": ["q_proj"]}
     (adapter / "adapter_config.json").write_text(json.dumps(config))
     (adapter / "adapter_model.safetensors").write_bytes(b"")
@@ -164,8 +168,13 @@ CASES = {
     "pretrained is an adapter": (
         ["model.pretrained={adapter}", "data.path=memory"],
         [],
-        "is a PEFT adapter (adapter_config.json, no config.json), not a model; give "
-        "model.pretrained='Qwen/Qwen3-0.6B' as the checkpoint",
+        "is a PEFT adapter (adapter_config.json), not a model; give model.pretrained='Qwen/Qwen3-0.6B' as "
+        "the checkpoint",
+    ),
+    "pretrained is an adapter beside its base's config.json": (
+        ["model.pretrained={adapter_with_config}", "data.path=memory"],
+        [],
+        "is a PEFT adapter (adapter_config.json), not a model; give model.pretrained='Qwen/Qwen3-0.6B'",
     ),
     "tracker not installed": (["data.path=memory", "run.tracking=wandb"], [], "needs the wandb package"),
     "Ray Train V1": (["data.path=memory"], ["v1"], "RAY_TRAIN_V2_ENABLED='0': selects Ray Train V1"),
@@ -203,6 +212,7 @@ def test_check_refuses_what_train_refuses_before_ray(case, tmp_path, capsys, mon
         "model": _no_weights(d) if "{model}" in str(sets) else None,
         "quantized": _quantized(d) if "{quantized}" in str(sets) else None,
         "adapter": _adapter(d) if "{adapter}" in str(sets) else None,
+        "adapter_with_config": _adapter(d, with_config=True) if "{adapter_with_config}" in str(sets) else None,
     }
     if "{empty}" in str(sets):
         pq.write_table(TOKENS.slice(0, 0), d / "empty.parquet")

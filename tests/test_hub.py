@@ -131,6 +131,49 @@ def test_a_quantized_hub_release_is_refused_naming_its_method(offline):
         load_config(None, ["model.pretrained=tiny-org/tiny-llama-FP8", *TINY])
 
 
+def test_a_lora_repository_is_refused_naming_its_base_model(offline):
+    """A PEFT adapter published on the Hub (adapter_config.json, no config.json), in the cache: refused
+    as an adapter, naming the base model to give, not as an id the cache does not hold."""
+    home, _ = offline
+    commit = hashlib.sha1(b"tiny-lora").hexdigest()
+    repo = home / "hub" / "models--tiny-org--tiny-lora"
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    adapter = {"peft_type": "LORA", "base_model_name_or_path": REPO, "r": 4}
+    (repo / "snapshots" / commit / "adapter_config.json").write_text(json.dumps(adapter))
+    with pytest.raises(ConfigError, match=rf"is a PEFT adapter .*give model.pretrained='{REPO}' as the checkpoint"):
+        load_config(None, ["model.pretrained=tiny-org/tiny-lora", *TINY])
+
+
+def test_a_lora_repository_the_hub_answers_for_is_refused_naming_its_base_model(monkeypatch, tmp_path):
+    """Online: the Hub says the repository has no config.json (404) and hands its adapter_config.json."""
+    from unittest import mock
+
+    import huggingface_hub
+    from huggingface_hub import errors
+
+    from raytrain_hybrid.models import hub
+
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "Qwen/Qwen3-0.6B"}))
+    asked = []
+
+    def download(repo_id, filename, revision=None, local_files_only=False, **kwargs):
+        asked.append((filename, local_files_only))
+        if filename == "adapter_config.json" and not local_files_only:
+            return str(tmp_path / "adapter_config.json")
+        if local_files_only:
+            raise errors.LocalEntryNotFoundError(f"{filename} not cached")
+        raise errors.RemoteEntryNotFoundError(f"404 {filename}", response=mock.MagicMock(status_code=404, headers={}))
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    with pytest.raises(
+        ConfigError, match=r"someone/qwen3-lora'?: is a PEFT adapter .*model.pretrained='Qwen/Qwen3-0.6B'"
+    ):
+        hub.config_json("someone/qwen3-lora")
+    assert asked == [("config.json", False), ("adapter_config.json", True), ("adapter_config.json", False)]
+
+
 def test_ids_and_revisions_not_in_the_cache_are_refused(offline, tmp_path):
     home, src = offline
     with pytest.raises(ConfigError) as info:

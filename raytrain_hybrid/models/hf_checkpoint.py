@@ -115,8 +115,12 @@ def read_config_json(location: str, revision: str = "") -> dict:
     if is_hub_id(location):
         return refuse_quantized(hub.config_json(location, revision)[0], location)
     names, read = _listing(location)
-    if "config.json" not in names and "adapter_config.json" in names:
-        raise ConfigError(KEY, location, _adapter_fix(read))
+    # An adapter directory, with or without the base model's config.json beside it (some trainers
+    # write one there): no weights of a model, only adapter_model.safetensors.
+    if "adapter_config.json" in names and not any(
+        n.endswith(SAFETENSORS) and not n.startswith("adapter_model") for n in names
+    ):
+        raise ConfigError(KEY, location, hub.adapter_fix(read("adapter_config.json")))
     if "config.json" not in names:
         raise ConfigError(
             KEY,
@@ -133,20 +137,6 @@ def read_config_json(location: str, revision: str = "") -> dict:
     return refuse_quantized(conf, location)
 
 
-def _adapter_fix(read: Callable[[str], bytes]) -> str:
-    """What to say of a PEFT adapter directory given as the model: its base model is the checkpoint
-    (an adapter is trained anew with lora.*, or merged into its base first with peft)."""
-    try:
-        base = json.loads(read("adapter_config.json")).get("base_model_name_or_path")
-    except (ValueError, UnicodeDecodeError, AttributeError, OSError):
-        base = None
-    said = f"model.pretrained={base!r}" if isinstance(base, str) and base else "its base model"
-    return (
-        f"is a PEFT adapter (adapter_config.json, no config.json), not a model; give {said} as the "
-        "checkpoint and lora.* to train an adapter, or merge it into its base first (peft's merge_and_unload)"
-    )
-
-
 def refuse_quantized(conf: dict, location: str) -> dict:
     """``conf``, unless its checkpoint is quantized (FP8 with scales, AWQ, GPTQ, bitsandbytes,
     compressed-tensors: a ``quantization_config``). Its tensors are not the model's weights (int4
@@ -156,12 +146,16 @@ def refuse_quantized(conf: dict, location: str) -> dict:
     if quant is None:
         return conf
     method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+    fix = "give the model's unquantized checkpoint (its bf16 or fp32 safetensors"
+    if method == "mxfp4":  # gpt-oss's releases: no unquantized one is published
+        fix += ": load it with transformers' Mxfp4Config(dequantize=True) and save_pretrained it)"
+    else:
+        fix += ", often the same name without -FP8, -AWQ or -GPTQ)"
     raise ConfigError(
         KEY,
         location,
         f"is a quantized checkpoint (config.json's quantization_config: quant_method={method!r}), whose "
-        "tensors are not the model's weights; give the model's unquantized checkpoint (its bf16 or fp32 "
-        "safetensors, often the same name without -FP8, -AWQ or -GPTQ)",
+        f"tensors are not the model's weights; {fix}",
     )
 
 

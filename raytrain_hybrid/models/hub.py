@@ -39,6 +39,24 @@ class Unreadable(ConfigError):
     and not cached): it may well exist. ``check`` says so and goes on; a run stops."""
 
 
+class NotAModel(ConfigError):
+    """The repository (or its snapshot in the cache) has no config.json."""
+
+
+def adapter_fix(adapter_config: bytes | None) -> str:
+    """What to say of a PEFT adapter (its adapter_config.json's bytes) given as the model: its base
+    model is the checkpoint (an adapter is trained anew with lora.*, or merged into its base first)."""
+    try:
+        base = json.loads(adapter_config or b"").get("base_model_name_or_path")
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        base = None
+    said = f"model.pretrained={base!r}" if isinstance(base, str) and base else "its base model"
+    return (
+        f"is a PEFT adapter (adapter_config.json), not a model; give {said} as the checkpoint and "
+        "lora.* to train an adapter, or merge it into its base first (peft's merge_and_unload)"
+    )
+
+
 def is_hub_id(location: str) -> bool:
     """``org/name`` with no scheme that is not a path on this machine (a local directory of
     that name wins: ``./org/name`` or an absolute path names a directory unambiguously). When the
@@ -63,9 +81,31 @@ def config_json(repo: str, revision: str = "", quick: bool = False) -> tuple[dic
         except errors.LocalEntryNotFoundError:
             url = hf_hub_url(repo, "config.json", revision=revision or None)
             _call(lambda repo_id, revision: get_hf_file_metadata(url, timeout=10), repo, revision)
-    if path is None:
-        path = _call(hf_hub_download, repo, revision, filename="config.json")
+    try:
+        if path is None:
+            path = _call(hf_hub_download, repo, revision, filename="config.json")
+    except (NotAModel, Unreadable) as exc:
+        # A LoRA repository: asked of the Hub only when it answered (an unreachable one would be
+        # waited for again), else of the cache.
+        adapter = _adapter_config(repo, revision, remote=isinstance(exc, NotAModel))
+        if adapter is not None:
+            raise ConfigError(KEY, repo, adapter_fix(adapter)) from None
+        raise
     return json.loads(Path(path).read_text()), Path(path).parent.name
+
+
+def _adapter_config(repo: str, revision: str, remote: bool) -> bytes | None:
+    """The repository's adapter_config.json (from the cache first; ``remote``: then the Hub), or
+    None: not there, or the Hub cannot be asked."""
+    from huggingface_hub import hf_hub_download
+
+    for local in (True, False) if remote else (True,):
+        try:
+            return Path(hf_hub_download(repo, "adapter_config.json", revision=revision or None,
+                                        local_files_only=local)).read_bytes()  # fmt: skip
+        except Exception:  # noqa: BLE001 - not there, offline, unreachable: the first error stands
+            continue
+    return None
 
 
 @functools.lru_cache(maxsize=16)
@@ -113,7 +153,7 @@ def _call(fn, repo: str, revision: str, **kwargs):
             "HF_TOKEN in the environment)",
         ) from None
     except errors.RemoteEntryNotFoundError:
-        raise ConfigError(KEY, repo, "has no config.json: not a transformers model repository") from None
+        raise NotAModel(KEY, repo, "has no config.json: not a transformers model repository") from None
     except errors.IncompleteSnapshotError:
         why = "has an incomplete snapshot in the Hugging Face cache (an interrupted download): download it again"
         raise ConfigError(KEY, repo, f"{why} with network (`hf download {repo}`)") from None
