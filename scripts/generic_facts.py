@@ -146,8 +146,9 @@ def main() -> None:
             record["families"][mt] = generic_facts.derive(mt)
         except Exception as exc:  # noqa: BLE001 - read from its classes at run time, as before
             print(f"{mt}: not recorded ({type(exc).__name__}: {exc})", file=sys.stderr)
-            if only and mt in kept["families"]:  # asked again by name: what was recorded stays
-                record["families"][mt] = kept["families"][mt]
+            if only:  # asked by name: what was recorded stays, and the script fails
+                if mt in kept["families"]:
+                    record["families"][mt] = kept["families"][mt]
                 failed.append(mt)
             continue
         try:
@@ -161,7 +162,7 @@ def main() -> None:
     generic_facts.FACTS.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     print(f"{len(record['families'])} families -> {generic_facts.FACTS}")
     if failed:
-        sys.exit(f"--only: {', '.join(failed)} could not be derived again; their recorded facts were kept")
+        sys.exit(f"--only: {', '.join(failed)} could not be derived; what was recorded of them was kept")
 
 
 if __name__ == "__main__":

@@ -23,10 +23,13 @@ import urllib.request
 
 def _below_ephemeral() -> range:
     try:
-        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    return range(20000, max(low, 20000 + 1000))
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split()[:2])
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    if low - 20000 >= 1000:
+        return range(20000, low)
+    return range(high + 1, 65536)  # a kernel whose range starts low: above it, then
 
 
 _PORTS = _below_ephemeral()
