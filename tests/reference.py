@@ -249,7 +249,7 @@ def _quiet(g: torch.Tensor) -> np.ndarray:
     which AdamW leaves in place)."""
     a = g.detach().abs().flatten()
     top = a.max().item() if a.numel() else 0.0
-    return np.flatnonzero((a < QUIET * top).numpy()) if top > 0 else np.empty(0, dtype=np.int64)
+    return np.flatnonzero((a < QUIET * top).cpu().numpy()) if top > 0 else np.empty(0, dtype=np.int64)
 
 
 def _engine_initial(cfg, initial: dict | None) -> dict:
