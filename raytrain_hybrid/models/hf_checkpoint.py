@@ -113,7 +113,7 @@ def read_config_json(location: str, revision: str = "") -> dict:
     and the planner work from it alone); refuses a directory without one. ``revision``: a Hub
     id's branch, tag or commit (model.pretrained_revision)."""
     if is_hub_id(location):
-        return refuse_quantized(hub.config_json(location, revision)[0], location)
+        return hub.config_json(location, revision)[0]
     names, read = _listing(location)
     # An adapter directory, with or without the base model's config.json beside it (some trainers
     # write one there): no weights of a model, only adapter_model.safetensors.
@@ -134,29 +134,7 @@ def read_config_json(location: str, revision: str = "") -> dict:
         raise ConfigError(KEY, location, f"has a config.json that is not JSON ({exc})") from None
     if not isinstance(conf, dict):
         raise ConfigError(KEY, location, f"has a config.json that is not a JSON object (a {type(conf).__name__})")
-    return refuse_quantized(conf, location)
-
-
-def refuse_quantized(conf: dict, location: str) -> dict:
-    """``conf``, unless its checkpoint is quantized (FP8 with scales, AWQ, GPTQ, bitsandbytes,
-    compressed-tensors: a ``quantization_config``). Its tensors are not the model's weights (int4
-    packed in int32, FP8 beside their inverse scales) and the loader reads a tensor by its name:
-    FP8 blocks would be cast without their scales into wrong weights, packed ones fail to fit."""
-    quant = conf.get("quantization_config")
-    if quant is None:
-        return conf
-    method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-    fix = "give the model's unquantized checkpoint (its bf16 or fp32 safetensors"
-    if method == "mxfp4":  # gpt-oss's releases: no unquantized one is published
-        fix += ": load it with transformers' Mxfp4Config(dequantize=True) and save_pretrained it)"
-    else:
-        fix += ", often the same name without -FP8, -AWQ or -GPTQ)"
-    raise ConfigError(
-        KEY,
-        location,
-        f"is a quantized checkpoint (config.json's quantization_config: quant_method={method!r}), whose "
-        f"tensors are not the model's weights; {fix}",
-    )
+    return hub.refuse_quantized(conf, location)
 
 
 def check_weights(location: str, revision: str = "") -> None:
@@ -267,7 +245,6 @@ def resolve(model, given: set[str] | None = None, unverified: list[str] | None =
     try:
         if on_hub:
             conf, commit = hub.config_json(model.pretrained, revision, quick=unverified is not None)
-            refuse_quantized(conf, model.pretrained)
         else:
             conf, commit = read_config_json(model.pretrained), ""
     except Unreadable as exc:

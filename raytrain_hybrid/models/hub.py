@@ -57,6 +57,28 @@ def adapter_fix(adapter_config: bytes | None) -> str:
     )
 
 
+def refuse_quantized(conf: dict, location: str) -> dict:
+    """``conf``, unless its checkpoint is quantized (FP8 with scales, AWQ, GPTQ, bitsandbytes,
+    compressed-tensors: a ``quantization_config``). Its tensors are not the model's weights (int4
+    packed in int32, FP8 beside their inverse scales) and the loader reads a tensor by its name:
+    FP8 blocks would be cast without their scales into wrong weights, packed ones fail to fit."""
+    quant = conf.get("quantization_config")
+    if quant is None:
+        return conf
+    method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+    fix = "give the model's unquantized checkpoint (its bf16 or fp32 safetensors"
+    if method == "mxfp4":  # gpt-oss's releases: no unquantized one is published
+        fix += ": load it with transformers' Mxfp4Config(dequantize=True) and save_pretrained it)"
+    else:
+        fix += ", often the same name without -FP8, -AWQ or -GPTQ)"
+    raise ConfigError(
+        KEY,
+        location,
+        f"is a quantized checkpoint (config.json's quantization_config: quant_method={method!r}), whose "
+        f"tensors are not the model's weights; {fix}",
+    )
+
+
 def is_hub_id(location: str) -> bool:
     """``org/name`` with no scheme that is not a path on this machine (a local directory of
     that name wins: ``./org/name`` or an absolute path names a directory unambiguously). When the
@@ -91,7 +113,7 @@ def config_json(repo: str, revision: str = "", quick: bool = False) -> tuple[dic
         if adapter is not None:
             raise ConfigError(KEY, repo, adapter_fix(adapter)) from None
         raise
-    return json.loads(Path(path).read_text()), Path(path).parent.name
+    return refuse_quantized(json.loads(Path(path).read_text()), repo), Path(path).parent.name
 
 
 def _adapter_config(repo: str, revision: str, remote: bool) -> bytes | None:

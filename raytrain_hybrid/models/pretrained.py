@@ -55,7 +55,7 @@ def read_config(pretrained: str) -> dict:
             "(config.json + model.safetensors), or none for random weights",
         )
     conf = json.loads(file.read_text())
-    from raytrain_hybrid.models.hf_checkpoint import refuse_quantized
+    from raytrain_hybrid.models.hub import refuse_quantized
 
     refuse_quantized(conf, pretrained or str(path))
     if conf.get("model_type") not in ("bert",):
