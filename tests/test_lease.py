@@ -184,14 +184,17 @@ def test_a_driver_whose_lease_is_taken_over_stops_at_once(tmp_path, monkeypatch,
     def take_over() -> None:
         time.sleep(0.3)
         monkeypatch.setattr(lease_module, "expired", lambda lease: True)  # as if not renewed in time
-        taken["second"] = acquire(str(out))  # replaces it in one step
+        # Noted before the takeover: the driver may see it and stop before acquire() returns here.
         taken["at"] = time.time()
+        taken["second"] = acquire(str(out))  # replaces it in one step
 
-    threading.Thread(target=take_over).start()
+    taker = threading.Thread(target=take_over)
+    taker.start()
     lost = lambda: None if first.held() else driver.lease_lost(cfg, first.held)  # noqa: E731 - as the driver's
     with pytest.raises(LeaseLost, match=rf"taken over by another run \(host .*, process {os.getpid()}.*stopped"):
         driver.watch(Trainer(), Sink(), run_log, watchdog, {"launched": time.time()}, lost=lost)
     assert time.time() - taken["at"] < 1.0  # not at the run's end: within a look or two
+    taker.join()
     second_lease = (out / LEASE).read_bytes()
 
     # The CLI: exit 1 with the error said, and neither summary.json nor driver.log written into the
