@@ -72,20 +72,22 @@ def _no_weights(d):
     return model
 
 
-def _quantized(d):
+def _quantized(d, said: str = "config"):
     """A checkpoint as Hugging Face's FP8 releases ship it: config.json's quantization_config, and
-    weights in float8 beside their inverse scales (the scales are what the name-by-name load would lose)."""
+    weights in float8 beside their inverse scales (the scales are what the name-by-name load would
+    lose). ``said``: where config.json says so ("config"; "text_config", as a multimodal release
+    nests it; "nowhere": a stripped config.json, the weights alone say it)."""
     import torch
     from safetensors.torch import save_file
 
     model = _no_weights(d)
     (model / "pytorch_model.bin").unlink()
     config = json.loads((model / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "fp8",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [128, 128],
-    }
+    quant = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    if said == "config":
+        config["quantization_config"] = quant
+    elif said == "text_config":
+        config["text_config"] = {"quantization_config": quant}
     (model / "config.json").write_text(json.dumps(config))
     weight = torch.ones(32, 32).to(torch.float8_e4m3fn)
     scales = {"model.layers.0.self_attn.q_proj.weight_scale_inv": torch.ones(1, 1)}
@@ -165,6 +167,17 @@ CASES = {
         [],
         "is a quantized checkpoint (config.json's quantization_config: quant_method='fp8')",
     ),
+    "pretrained quantized, said in its text_config": (
+        ["model.pretrained={quantized_text}", "data.path=memory"],
+        [],
+        "is a quantized checkpoint (config.json's quantization_config: quant_method='fp8')",
+    ),
+    "pretrained quantized, said by its weights alone": (
+        ["model.pretrained={quantized_silent}", "data.path=memory"],
+        [],
+        "stores model.layers.0.self_attn.q_proj.weight as F8_E4M3, a quantized type, although its config.json "
+        "has no quantization_config; give the model's unquantized checkpoint",
+    ),
     "pretrained is an adapter": (
         ["model.pretrained={adapter}", "data.path=memory"],
         [],
@@ -211,6 +224,8 @@ def test_check_refuses_what_train_refuses_before_ray(case, tmp_path, capsys, mon
         "ckpts": _manifest_run(d) if "{ckpts}" in str(sets) else None,
         "model": _no_weights(d) if "{model}" in str(sets) else None,
         "quantized": _quantized(d) if "{quantized}" in str(sets) else None,
+        "quantized_text": _quantized(d, "text_config") if "{quantized_text}" in str(sets) else None,
+        "quantized_silent": _quantized(d, "nowhere") if "{quantized_silent}" in str(sets) else None,
         "adapter": _adapter(d) if "{adapter}" in str(sets) else None,
         "adapter_with_config": _adapter(d, with_config=True) if "{adapter_with_config}" in str(sets) else None,
     }

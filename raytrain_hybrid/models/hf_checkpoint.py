@@ -20,6 +20,7 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -150,6 +151,30 @@ def check_weights(location: str, revision: str = "") -> None:
         other = [n for n in names if n.endswith((".bin", ".pt", ".pth", ".gguf"))]
         hint = f" (it has {other[0]}: save it with save_pretrained(dir, safe_serialization=True))" if other else ""
         raise ConfigError(KEY, location, f"has no *.safetensors weights next to config.json{hint}")
+    if not is_hub_id(location) and (found := quantized_tensor(location)):
+        raise ConfigError(
+            KEY,
+            location,
+            f"stores {found[0]} as {found[1]}, a quantized type, although its config.json has no "
+            "quantization_config; give the model's unquantized checkpoint (bf16, fp16 or fp32 safetensors)",
+        )
+
+
+# Tensor types of a safetensors header that no unquantized model's weights have: 8-, 6- and 4-bit
+# floats (FP8 blocks, MXFP4), and integers where a weight is stored (GPTQ/AWQ packing, bitsandbytes).
+_QUANTIZED_FLOAT = re.compile(r"F8_\w+|F6_\w+|F4")  # (F8_E4M3, F8_E5M2, F8_E8M0, F6_E2M3, F6_E3M2, F4)
+_INTEGER = ("I4", "U4", "I8", "U8", "I16", "U16", "I32", "U32")
+
+
+def quantized_tensor(location: str) -> tuple[str, str] | None:
+    """(name, type) of the first tensor its headers store as a quantized type: a float of 8 bits or
+    fewer, or a weight stored as integers; None where none is (or the headers cannot be read: the
+    workers' reader then says what is wrong with a file)."""
+    for name, info in (_headers(location) or {}).items():
+        dtype = str(info.get("dtype", "")) if isinstance(info, dict) else ""
+        if _QUANTIZED_FLOAT.fullmatch(dtype) or (dtype in _INTEGER and name.endswith(("weight", "qweight"))):
+            return name, dtype
+    return None
 
 
 def tensor_sizes(location: str) -> dict[str, int] | None:
@@ -158,6 +183,21 @@ def tensor_sizes(location: str) -> dict[str, int] | None:
     id, a header that is not one): the caller counts another way."""
     import math
 
+    headers = _headers(location)
+    if not headers:
+        return None
+    sizes: dict[str, int] = {}
+    for name, info in headers.items():
+        shape = info.get("shape") if isinstance(info, dict) else None
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            return None
+        sizes[name] = math.prod(shape)
+    return sizes
+
+
+def _headers(location: str) -> dict[str, dict] | None:
+    """{tensor name: its header entry (dtype, shape, offsets)} of a checkpoint's safetensors files
+    (a few KB each, by byte range on object storage; no torch); None where they cannot be read so."""
     if is_hub_id(location):
         return None
     try:
@@ -171,21 +211,17 @@ def tensor_sizes(location: str) -> dict[str, int] | None:
             names, _ = _listing(location)
             folder = Path(location).expanduser()
             opened = [pa.OSFile(str(folder / n)) for n in sorted(names) if n.endswith(SAFETENSORS)]
-        sizes: dict[str, int] = {}
+        found: dict[str, dict] = {}
         for f in opened:
             with f:
                 length = int.from_bytes(f.read_at(8, 0), "little")
                 if not 2 <= length <= min(f.size() - 8, 100 << 20):
                     return None
                 header = json.loads(f.read_at(length, 8))
-            for name, info in header.items():
-                if name == "__metadata__":
-                    continue
-                shape = info["shape"]
-                if not all(type(d) is int and d >= 0 for d in shape):
-                    return None
-                sizes[name] = math.prod(shape)
-        return sizes or None
+            if not isinstance(header, dict):
+                return None
+            found |= {name: info for name, info in header.items() if name != "__metadata__"}
+        return found or None
     except (OSError, ValueError, TypeError, KeyError, AttributeError, ArithmeticError, RecursionError, Unreadable):
         return None  # (the workers' reader says what is wrong with a file, naming it)
 

@@ -62,7 +62,9 @@ def refuse_quantized(conf: dict, location: str) -> dict:
     compressed-tensors: a ``quantization_config``). Its tensors are not the model's weights (int4
     packed in int32, FP8 beside their inverse scales) and the loader reads a tensor by its name:
     FP8 blocks would be cast without their scales into wrong weights, packed ones fail to fit."""
-    quant = conf.get("quantization_config")
+    # (a multimodal release may keep it in its language model's text_config)
+    nested = conf.get("text_config") if isinstance(conf.get("text_config"), dict) else {}
+    quant = conf.get("quantization_config", nested.get("quantization_config"))
     if quant is None:
         return conf
     method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
