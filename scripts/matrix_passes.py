@@ -1,8 +1,10 @@
-"""The model matrix's feature passes (scripts/model_matrix.py --cp, --sp, --packing, --lora): over the
+"""The model matrix's feature passes (scripts/model_matrix.py --tp, --ep, --cp, --sp, --packing, --lora): over the
 families the matrix recorded as passing, each feature held to a one-process reference that shares no
 code with the engine, its verdict (or the reason it cannot run) added to the family's row in
 raytrain_hybrid/assets/generic_families.json, which models.generic_check reads to refuse it.
 
+- tp: the matrix's dp=2 x tp=2 x pp=2 again, for a family held at tp=1 before its plan was translated;
+- ep: a mixture of experts at dp=2 x ep=2 (x tp=2) x pp=2, its experts sharded over the dp ranks;
 - cp: cp=2 x pp=2 (x tp=2 where the family takes tp) against tests/reference.py's loop;
 - sp: dp=1 x tp=2 x pp=2 with sequence parallelism against the same loop (families that take tp);
 - packing: data.packing=true on the corpus's documents, dp=1 x pp=2 (x tp=2 with sequence parallelism
@@ -34,8 +36,9 @@ def _stages(*middle: str) -> tuple[str, ...]:
 LORA = ("lora.rank=4", "lora.alpha=8", "train.lr=1e-2")
 # The row keys each pass writes: the verdict, its layout, its reason.
 KEYS = {
-    name: (name, f"{name}_layout", f"{name}_reason", f"{name}_tp_reason") for name in ("cp", "sp", "packing", "lora")
-}
+    name: (name, f"{name}_layout", f"{name}_reason", f"{name}_tp_reason")
+    for name in ("cp", "sp", "packing", "lora", "ep")
+} | {"tp": ("tp", "layout", "tp_reason", "tp_tp_reason")}  # (the matrix's own layout: model_matrix.parallel_layout)
 
 
 def _tp(row: dict) -> int:
@@ -191,7 +194,83 @@ def lora(row: dict, path: Path, model_type: str) -> None:
     _held(row, "lora", attempt)
 
 
-PASSES = {"cp": context_parallel, "sp": sequence_parallel, "packing": packing, "lora": lora}
+def tensor_parallel(row: dict, path: Path, model_type: str) -> None:
+    """The matrix's dp=2 x tp=2 x pp=2 again (model_matrix.parallel_layout), for families recorded at
+    tp=1 whose plan the engine now translates (a mixture of experts kept whole on each tp rank,
+    models.generic_split.moe_children): where tp=2 misses the reference, dp=2 x tp=1 x pp=2 again."""
+    from model_matrix import parallel_layout
+
+    from raytrain_hybrid.models import generic
+
+    row["tp"] = generic.refusal(model_type, tp=2, recorded=False) is None
+    parallel_layout(row, path, row["tp"], model_type)
+    if row.get("status") != "passed":  # (parallel_layout's verdict: no layout held at all)
+        raise AssertionError(row.pop("reason"))
+
+
+def _experts_refusal(path: Path, model_type: str) -> str | None:
+    """Why the tiny checkpoint's experts cannot be split over ep=2 (None: they can): the dispatch's
+    own rule (distributed.expert_parallel.refusal) on the model built on the meta device, or an
+    expert count ep=2 does not divide (then not checked)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from raytrain_hybrid.distributed import expert_parallel
+    from raytrain_hybrid.models import generic_split
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    found = [m for name, m in model.named_modules() if name.endswith("." + generic_split.expert_module(model_type))]
+    if not found:
+        return "was not checked with ep: the model matrix's tiny model of it has no experts (its config's default)"
+    why = next((w for m in found if (w := expert_parallel.refusal(m))), None)
+    if why is None and found[0].num_experts % 2:
+        count = found[0].num_experts
+        why = f"was not checked with ep: the model matrix's tiny model of it has {count} experts, which ep=2"
+        why += " does not divide"
+    return why
+
+
+def expert_parallel(row: dict, path: Path, model_type: str) -> None:
+    """dp=2 x ep=2 (x tp=2 with sequence parallelism where the family takes them) x pp=2 against the
+    same loop: the experts module sharded over the two dp ranks, tokens sent to their experts by
+    all-to-all (distributed.expert_parallel). A dense family is left without a verdict."""
+    from model_matrix import oracle
+
+    from raytrain_hybrid.models import generic_split
+
+    if not generic_split.moe_children(model_type):
+        return
+    if generic_split.expert_module(model_type) is None:
+        row.update(
+            ep=False, ep_reason="has more than one experts module in a block, which expert parallelism does not shard"
+        )
+        return
+    why = _experts_refusal(path, model_type)
+    if why:
+        row.update(ep=False, ep_reason=why)
+        return
+    pp = _STAGED["pp"]
+
+    def attempt(tp: int, keys: tuple[str, ...]) -> None:
+        oracle(
+            path,
+            ("parallelism.dp=2", "parallelism.ep=2", *keys, f"parallelism.pp={pp}", "parallelism.microbatches=2"),
+            2 * tp * pp,
+        )
+
+    _held(row, "ep", attempt)
+    row["ep_layout"] = row["ep_layout"].replace(f"dp{3 - pp}-", "dp2-ep2-")
+
+
+PASSES = {
+    "tp": tensor_parallel,
+    "ep": expert_parallel,
+    "cp": context_parallel,
+    "sp": sequence_parallel,
+    "packing": packing,
+    "lora": lora,
+}
 
 
 def _short(exc: BaseException) -> str:
@@ -237,7 +316,7 @@ def run_pass(name: str, only: list[str], out: Path) -> dict:
         os.environ.pop(GENERIC_PATH_ENV, None)
         shutil.rmtree(tmp / mt, ignore_errors=True)
         print(
-            f"{mt:24s} {name}={row[verdict]} {row.get(reason, row.get(layout, ''))[:100]} "
+            f"{mt:24s} {name}={row.get(verdict)} {row.get(reason, row.get(layout, ''))[:100]} "
             f"({time.perf_counter() - t0:.0f} s)",
             flush=True,
         )

@@ -52,6 +52,10 @@ def describe(text: str) -> str:
     if m:
         killed = " (most likely for memory)" if m[1] == "9" else ""
         return f"a training rank was killed by signal {m[1]}{killed}"
+    m = re.match(r"(?:AssertionError: |it raised AssertionError \()rank (\d+): (\w+)\((['\"])(.*?)\3\)", text)
+    if m:  # (the harness's report of a rank's error, with its traceback)
+        message = m[4] if len(m[4]) <= 160 else m[4][:157] + "..."
+        return f"rank {m[1]} raised {m[2]} ({message})"
     m = re.match(r"(\w+(?:Error|Exception)): (.*)", text)
     if m:
         message = m[2] if len(m[2]) <= 160 else m[2][:157] + "..."

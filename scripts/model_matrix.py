@@ -294,6 +294,8 @@ def _cell(row: dict, name: str) -> str:
         return row[f"{name}_layout"] + (" (tp=1 only: differs at tp=2)" if row.get(f"{name}_tp_reason") else "")
     if name == "sp" and not row.get("tp"):
         return "- (tp=1 only)"
+    if name == "ep" and "ep" not in row:
+        return "-"  # (a dense family; a mixture of experts the pass has not run gets "not checked")
     why = row.get(f"{name}_reason")
     if why is None:
         return "not checked"
@@ -324,9 +326,12 @@ def write_doc(record: dict) -> None:
         "  plans, no code of ours per family; dp, tp, pp (pp=1 only for a family transformers gives no",
         "  pipeline plan: its *3D checked* column says pp1) and the ZeRO stages, and, where the",
         "  columns below say so, sequence parallelism (on by default with tp > 1), context parallelism,",
-        "  packing (`data.packing`) and LoRA. Not for these: expert parallelism and a mixture of experts'",
-        "  auxiliary loss (the experts run in transformers' own code; `check` refuses `parallelism.ep` and",
-        "  the `model.*` expert keys).",
+        "  packing (`data.packing`), LoRA and, for a mixture of experts, expert parallelism",
+        "  (`parallelism.ep`). A mixture of experts (router, experts, shared experts) is kept whole on",
+        "  every tp rank while attention and dense MLPs are split, as the hand-written specs keep theirs",
+        "  (the planner counts it so). Not for these: the router's auxiliary loss (the loss is the",
+        "  family's cross-entropy; `check` refuses the `model.*` expert keys: the experts are the",
+        "  checkpoint's).",
         "",
         f"Checked with transformers {record['transformers']} ({record['date']}): each family below was built",
         "tiny (4 layers, grouped-query attention, 8 experts and narrow latent attention where it has them,",
@@ -344,12 +349,15 @@ def write_doc(record: dict) -> None:
         "- *packing*: several of the corpus's documents a row, dp=1 x pp=2 (x tp=2 with sequence",
         "  parallelism where the family takes it), against every document run alone through transformers'",
         "  model;",
-        "- *LoRA*: rank 4 on every linear, at the same layout, against peft's adapters on transformers' model.",
+        "- *LoRA*: rank 4 on every linear, at the same layout, against peft's adapters on transformers' model;",
+        "- *ep*: a mixture of experts at dp=2 x ep=2 (x tp=2 with sequence parallelism where the family takes",
+        "  them) x pp=2, its experts split over the two dp ranks, against the same loop (`-`: no experts).",
         "",
         "A family without a pipeline plan takes dp=2 where these say dp=1 x pp=2 (the same ranks).",
         "",
-        "`check` refuses `parallelism.cp`, `data.packing` and `lora.rank` for a family with a reason in its",
-        "column (and at tp > 1 where the column says *tp=1 only*), before any worker starts, and says whether",
+        "`check` refuses `parallelism.cp`, `data.packing`, `lora.rank` and `parallelism.ep` for a family",
+        "with a reason in its column (and at tp > 1 where the column says *tp=1 only*), before any worker",
+        "starts, and says whether",
         "sequence parallelism applies to a run at tp > 1. A LoRA run adapts the linears of the family's",
         "tensor-parallel plan that it names (`lora.targets`; the column was checked with `all-linear`),",
         "not a mixture of experts' experts. The default targets, `q_proj` and `v_proj`, are refused where",
@@ -363,21 +371,21 @@ def write_doc(record: dict) -> None:
         "",
         f"## Supported ({len(passed)} families)",
         "",
-        "| model_type | tensor parallel | 3D checked | sp | cp | packing | LoRA | planner's parameter count / "
+        "| model_type | tensor parallel | 3D checked | sp | cp | packing | LoRA | ep | planner's parameter count / "
         "transformers' |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for mt, row in passed.items():
         if row["status"] == "hand-written":
             spec = get_arch(row["spec"])
             cells = [spec.sequence_parallel, spec.attention, True, spec.moe is None]
-            cells = " | ".join("yes" if c else "no" for c in cells)
+            cells = " | ".join(["yes" if c else "no" for c in cells] + ["yes" if spec.moe else "-"])
             lines.append(f"| `{mt}` | yes (hand-written spec `{row['spec']}`) | its own oracle tests | {cells} | - |")
             continue
         layout = row.get("layout") or ("dp2-tp2-pp2" if mt in SUITE_3D else "-")
         ratio = row.get("planner_params_ratio")
         ratio = f"{ratio:.3f}" if ratio else "-"
-        cells = " | ".join(_cell(row, name) for name in ("sp", "cp", "packing", "lora"))
+        cells = " | ".join(_cell(row, name) for name in ("sp", "cp", "packing", "lora", "ep"))
         name = f"`{mt}`" + (" (eager attention)" if row.get("attention") == "eager" else "")
         name += " (hand-written spec; this row: the generic path)" if row.get("spec") else ""
         lines.append(f"| {name} | {'yes' if row.get('tp') else 'tp=1 only'} | {layout} | {cells} | {ratio} |")

@@ -14,7 +14,7 @@ from test_models import SINGLE, tiny_sizes
 from transformers import AutoConfig
 
 from raytrain_hybrid.config import load_config
-from raytrain_hybrid.models import generic, generic_forward, generic_weights
+from raytrain_hybrid.models import generic, generic_forward, generic_split, generic_weights
 
 
 def test_file_names_run_the_family_mapping_backwards():
@@ -128,14 +128,15 @@ def test_fused_and_stacked_tensors_are_read_as_the_model_holds_them():
         (["model.arch=gemma2", "parallelism.cp=2"], "parallelism.cp", "gemma2 runs only transformers' eager attention"),
         (["model.arch=qwen3_next", "parallelism.cp=2"], "parallelism.cp", "qwen3_next has linear_attention layers"),
         (["model.arch=deepseek_v2", "parallelism.cp=2"], "parallelism.cp", "deepseek_v2 has latent attention"),
-        (["model.arch=qwen2_moe", "parallelism.ep=2"], "parallelism.ep", "qwen2_moe's mixture of experts runs in"),
+        (["model.arch=llama4_text", "parallelism.ep=2"], "parallelism.ep", "llama4_text stores its experts otherwise"),
         (["model.arch=qwen2_moe", "model.router_aux_loss_coef=0.01"], "model.router_aux_loss_coef", "num_experts="),
         (["model.arch=qwen3", "parallelism.ep=2"], "parallelism.ep", "qwen3's model has no experts"),
     ],
 )
 def test_check_names_the_family_and_key_it_cannot_parallelise_so(overrides, key, words):
     """Context parallelism where the family's attention is not plain SDPA-able multi-head attention,
-    expert parallelism and the router's loss on transformers' own mixtures of experts: refused before
+    expert parallelism where the model matrix did not hold it and the router's loss on transformers' own
+    mixtures of experts: refused before
     workers start, naming the key, the model_type and why (tp=1 and dp=2: the layout is otherwise valid)."""
     from raytrain_hybrid.errors import ConfigError
 
@@ -413,3 +414,56 @@ def test_tp_is_refused_where_the_plan_shards_no_layer(model_type):
         load_config(None, [*base, "parallelism.dp=1", "parallelism.tp=2"])
     assert err.value.key == "parallelism.tp"
     load_config(None, [*base, "parallelism.dp=2", "parallelism.tp=1"])
+
+
+def test_a_mixture_of_experts_takes_tp_where_its_layers_have_more_than_experts_in_the_plan(monkeypatch):
+    """A mixture of experts stays whole on each tp rank (models.generic_split.moe_children), so the styles
+    transformers gives its experts are not refused; a family whose plan has nothing else for its
+    layers (DeepSeek-V3: latent attention outside the plan) is refused tp > 1, and so is one the model
+    matrix held at tp=1 only."""
+    from raytrain_hybrid.errors import ConfigError
+
+    base = ["data.path=memory", "parallelism.pp=1", "model.seq_len=32", "parallelism.dp=1", "parallelism.tp=2"]
+    assert generic_split.moe_children("qwen2_moe") == {"mlp"}
+    assert set(generic_split.block_tp_plan("qwen2_moe")) == {f"self_attn.{p}_proj" for p in "qkvo"}
+    assert generic.refusal("qwen2_moe", tp=2, recorded=False) is None
+    assert generic_split.moe_children("deepseek_v3") == {"mlp"} and not generic_split.block_tp_plan("deepseek_v3")
+    with pytest.raises(ConfigError, match=r"no entry for its layers outside its experts.*parallelism\.tp=1"):
+        load_config(None, ["model.arch=deepseek_v3", *base])
+    assert generic_split.moe_children("qwen3") == frozenset()
+    row = {**generic.verified()["qwen2_moe"], "tp": False}
+    monkeypatch.setattr(generic, "verified", lambda: {"qwen2_moe": row})
+    with pytest.raises(ConfigError, match=r"held to the one-process reference at tp=1 only") as err:
+        load_config(None, ["model.arch=qwen2_moe", *base])
+    assert err.value.key == "parallelism.tp"
+
+
+def test_expert_parallelism_is_taken_where_the_model_matrix_held_it(monkeypatch):
+    """parallelism.ep on a generic mixture of experts: refused for a dense family, for one the model
+    matrix did not hold with ep (its reason, else that it was not held), and at tp > 1 where it held it
+    at tp=1 only; taken where it held it, ep then dividing dp and the family's own expert count."""
+    from raytrain_hybrid.errors import ConfigError
+
+    base = ["data.path=memory", "parallelism.pp=1", "model.seq_len=32", "parallelism.dp=2", "parallelism.tp=1"]
+    with pytest.raises(ConfigError, match=r"qwen3's model has no experts; use ep=1"):
+        load_config(None, ["model.arch=qwen3", *base, "parallelism.ep=2"])
+    row = {"status": "passed", "tp": True}
+    monkeypatch.setattr(generic, "verified", lambda: {"qwen2_moe": row})
+    with pytest.raises(ConfigError, match=r"qwen2_moe was not held to the one-process reference with expert para"):
+        load_config(None, ["model.arch=qwen2_moe", *base, "parallelism.ep=2"])
+    row.update(ep=False, ep_reason="differs from the reference with ep: the loss differs")
+    with pytest.raises(ConfigError, match=r"qwen2_moe differs from the reference with ep: the loss differs; use"):
+        load_config(None, ["model.arch=qwen2_moe", *base, "parallelism.ep=2"])
+    row.update(ep=True, ep_reason=None, ep_tp_reason="differs from the reference at tp=2: the loss differs")
+    with pytest.raises(ConfigError, match=r"with ep differs from the reference at tp=2.*use parallelism.tp=1 or ep=1"):
+        load_config(None, ["model.arch=qwen2_moe", *base[:-1], "parallelism.tp=2", "parallelism.ep=2"])
+    from raytrain_hybrid.models import get_arch
+
+    get_arch.cache_clear()  # (the spec read the verdict when first asked for)
+    cfg = load_config(None, ["model.arch=qwen2_moe", *base, "parallelism.ep=2"])
+    spec = get_arch("qwen2_moe")
+    assert spec.moe == {"experts": "mlp.experts"} and spec.experts(cfg.model) == (60, 4)  # (the class's defaults)
+    with pytest.raises(ConfigError, match=r"parallelism.ep=8: must divide parallelism.dp=4"):
+        load_config(
+            None, ["model.arch=qwen2_moe", *base[:3], "parallelism.dp=4", "parallelism.tp=1", "parallelism.ep=8"]
+        )

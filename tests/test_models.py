@@ -46,6 +46,7 @@ FAMILIES = (
     "ministral",
     "nemotron",  # no pipeline plan (pp=1), a non-gated squared-ReLU MLP, LayerNorm with a +1 scale
     "lfm2",  # no pipeline plan, short-convolution layers beside attention, its final norm named otherwise
+    "qwen2_moe",  # a mixture of experts with a gated shared expert, whole on every tp rank
 )
 # Families without a pipeline plan in transformers, trained at pp=1: their 3-D job is dp=4 x tp=2, or
 # dp=8 where the tensor-parallel plan has no entry for the layers (tp > 1 is refused).
@@ -220,6 +221,9 @@ LORA = ("lora.rank=4", "lora.alpha=8", "lora.targets=all-linear", "train.lr=1e-2
 # families are held at cp=2 by scripts/model_matrix.py --cp).
 CP_FAMILIES = ("gemma3_text",)
 CP_3D = ("parallelism.dp=1", "parallelism.cp=2", "parallelism.tp=2", "parallelism.pp=2", "parallelism.microbatches=2")
+# Expert parallelism on a generic mixture of experts (Qwen2-MoE, with its shared expert): its experts
+# split over the two dp ranks beside tp=2 (sequence parallelism on) and pp=2, in the same launch.
+EP_3D = (*THREE_D, "parallelism.ep=2")
 
 
 @pytest.fixture(scope="module")
@@ -229,6 +233,7 @@ def three_d_runs(checkpoints):
     jobs = _jobs(checkpoints, THREE_D)
     jobs |= {f"{mt}-lora": [*_overrides(checkpoints[mt], THREE_D), *LORA] for mt in LORA_FAMILIES}
     jobs |= {f"{mt}-cp": _overrides(checkpoints[mt], CP_3D) for mt in CP_FAMILIES}
+    jobs["qwen2_moe-ep"] = _overrides(checkpoints["qwen2_moe"], EP_3D)
     return run_gloo_jobs(8, jobs)
 
 
@@ -309,6 +314,13 @@ def test_context_parallel_generic_family_matches_transformers(model_type, three_
     sliding layers' window and the causal mask built over the whole sequence), against the same
     one-process reference."""
     _assert_oracle(three_d_runs[f"{model_type}-cp"], references[model_type])
+
+
+def test_expert_parallel_generic_family_matches_transformers(three_d_runs, references):
+    """dp=2 x ep=2 x tp=2 x pp=2 on Qwen2-MoE: each dp rank holds half the experts of its stage's
+    layers and sends each token to the rank holding its expert (distributed.expert_parallel), against
+    the same one-process reference as every other layout."""
+    _assert_oracle(three_d_runs["qwen2_moe-ep"], references["qwen2_moe"])
 
 
 def test_the_oracle_notices_a_wrong_family(checkpoints, single_runs, references):
@@ -542,3 +554,24 @@ def test_the_planner_predicts_the_state_each_family_holds(checkpoints, single_ru
         predicted = predict(load_config(None, _overrides(path, SINGLE)), load_hardware("h100"))["memory_bytes"]
         want = sum(v for k, v in predicted.items() if k not in ("activations", "total"))
         assert abs(held - want) <= 0.01 * held, (mt, held, want)
+
+
+def test_a_mixture_of_experts_stays_whole_on_each_tp_rank_and_is_counted_so(checkpoints):
+    """transformers' plan splits Qwen2-MoE's experts over tp (moe_tp_experts, packed_colwise); the
+    engine keeps its whole MoE block (router, experts, shared expert and its gate) on every tp rank
+    and splits attention only (test_dp_tp_pp_matches_transformers holds that run). The planner
+    counts the block as held whole: read off the checkpoint's headers, as transformers' model has it."""
+    from transformers import AutoModelForCausalLM
+
+    from raytrain_hybrid.models import generic, get_arch
+
+    spec = get_arch("qwen2_moe")
+    assert spec.tp_plan and all(name.startswith("self_attn.") for name in spec.tp_plan), spec.tp_plan
+    assert "mlp.experts" in str(generic._tp_plan_raw("qwen2_moe"))  # (transformers' plan has them)
+    cfg = load_config(None, _overrides(checkpoints["qwen2_moe"], THREE_D))
+    hf = AutoModelForCausalLM.from_pretrained(checkpoints["qwen2_moe"], local_files_only=True)
+    blocks = hf.model.layers
+    whole = sum(p.numel() for b in blocks for p in b.mlp.parameters()) // len(blocks)
+    experts = sum(p.numel() for b in blocks for p in b.mlp.experts.parameters()) // len(blocks)
+    assert 0 < experts < whole and spec.expert_params(cfg.model) == experts  # (ep shards these)
+    assert spec.whole_params(cfg.model) == whole - experts  # the router and the shared expert

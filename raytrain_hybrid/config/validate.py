@@ -209,8 +209,11 @@ def _validate_experts(cfg: Config, spec: ArchSpec) -> None:
         raise ConfigError(
             "parallelism.ep", par.ep, f"needs a mixture-of-experts model.arch (mixtral, qwen3-moe), not {model.arch}"
         )
-    fits = [d for d in divisors(par.dp) if model.num_experts % d == 0]
-    for key, value in (("parallelism.dp", par.dp), ("model.num_experts", model.num_experts)):
+    experts = spec.experts(model)[0]
+    fits = [d for d in divisors(par.dp) if experts % d == 0]
+    # (a generic family's experts are its config's, not model.num_experts: named so)
+    counted = "model.num_experts" if "router" in spec.moe else "the model's expert count"
+    for key, value in (("parallelism.dp", par.dp), (counted, experts)):
         if value % par.ep:
             raise ConfigError("parallelism.ep", par.ep, f"must divide {key}={value}; try ep in {choices(fits)}")
 

@@ -57,11 +57,39 @@ def _experts(stage, spec: ArchSpec):
     return [m for name, m in stage.named_modules() if name.endswith("." + path)]
 
 
+def refusal(experts) -> str | None:
+    """Why ``experts`` is not a module the dispatch below runs (None: it is): transformers' stacked
+    experts (``num_experts``, ``act_fn``, ``gate_up_proj`` [E, 2F, H] and ``down_proj`` [E, H, F]
+    without biases, forward(hidden states, expert indices, routing weights)), as Qwen-MoE's, Mixtral's
+    and most of transformers' mixtures of experts are."""
+    import inspect
+
+    gate_up, down, count = (getattr(experts, n, None) for n in ("gate_up_proj", "down_proj", "num_experts"))
+    if not isinstance(count, int) or gate_up is None or down is None or not hasattr(experts, "act_fn"):
+        return "has an experts module that is not transformers' stacked experts (gate_up_proj, down_proj, act_fn)"
+    shapes = f"gate_up_proj {list(gate_up.shape)}, down_proj {list(down.shape)}"
+    if gate_up.dim() != 3 or down.dim() != 3 or (gate_up.shape[0], down.shape[0]) != (count, count):
+        return f"stores its experts otherwise ({shapes}; expert parallelism takes [E, 2F, H] and [E, H, F])"
+    if (
+        gate_up.shape[1] != 2 * down.shape[2]
+        or gate_up.shape[2] != down.shape[1]
+        or getattr(experts, "is_transposed", 0)
+    ):
+        return f"stores its experts otherwise ({shapes}; expert parallelism takes [E, 2F, H] and [E, H, F])"
+    if getattr(experts, "has_bias", False) or any(n.endswith("bias") for n, _ in experts.named_parameters()):
+        return "has experts with biases, which the expert-parallel dispatch does not add"
+    if len(inspect.signature(type(experts).forward).parameters) != 4:  # (self, hidden, indices, weights)
+        return "has experts whose forward is not (hidden states, expert indices, routing weights)"
+    return None
+
+
 def apply_ep(stage, spec: ArchSpec, mesh, dims) -> None:
     """On the meta device, before FSDP: shard every experts module of ``stage`` over the ep mesh
     and route its forward through the all-to-all dispatch."""
     group_mesh = ep_mesh(mesh.world, dims)["ep"]
     for experts in _experts(stage, spec):
+        if (why := refusal(experts)) is not None:  # (a registered model's: the matrix holds transformers')
+            raise ValueError(f"parallelism.ep={dims.ep}: the model {why}; use parallelism.ep=1")
         total = experts.num_experts
         for name in ("gate_up_proj", "down_proj"):
             full = getattr(experts, name)

@@ -194,7 +194,7 @@ class RouterLoss:
 
 def make_router_loss(cfg: Config, spec, hf_config, modules, cp_group=None) -> RouterLoss | None:
     """The RouterLoss of a mixture-of-experts model's stages; None for a dense model."""
-    if spec.moe is None:
+    if spec.moe is None or "router" not in spec.moe:  # (a generic family's: no auxiliary loss added)
         return None
     layers = hf_config.num_hidden_layers
     sparse_step = getattr(hf_config, "decoder_sparse_step", 1) or 1

@@ -30,7 +30,15 @@ import os
 from pathlib import Path
 
 from raytrain_hybrid.errors import ConfigError
-from raytrain_hybrid.models import generic_check, generic_counts, generic_cp, generic_facts, generic_sp, generic_weights
+from raytrain_hybrid.models import (
+    generic_check,
+    generic_counts,
+    generic_cp,
+    generic_facts,
+    generic_sp,
+    generic_split,
+    generic_weights,
+)
 from raytrain_hybrid.models.generic_forward import (
     experts_always_used,
     learnt_activations,
@@ -104,15 +112,8 @@ def refusal(model_type: str, *, tp: int = 1, recorded: bool = True) -> str | Non
         pp_names(model_type)
     except (KeyError, StopIteration):
         return "has a pipeline plan that names no embedding, block list and final norm"
-    if tp > 1 and not any("*" in pattern for pattern in _tp_plan_raw(model_type)):  # (LFM2, gpt-oss: the embedding)
-        why = "has a tensor-parallel plan with no entry for its layers (each rank would run every block whole)"
-        return f"{why}; use parallelism.tp=1"
-    if tp > 1 and known and known.get("tp_reason"):
-        return f"{known['tp_reason']}; use parallelism.tp=1"
     if tp > 1:
-        odd = sorted({s for s in _tp_plan_raw(model_type).values() if s not in _STYLES})
-        if odd:
-            return f"has tensor-parallel styles the engine cannot honour ({', '.join(odd)}); use parallelism.tp=1"
+        return generic_split.tp_refusal(model_type, known)
     return None
 
 
@@ -341,10 +342,6 @@ def build(model_type: str, hf_config):
 # ----------------------------------------------------------------- checkpoints and counts
 
 
-def to_hf(sd: dict) -> dict:
-    return dict(sd)
-
-
 def spec(model_type: str) -> ArchSpec:
     """The spec of a transformers causal-LM family (see the module docstring)."""
     why = refusal(model_type)
@@ -353,13 +350,7 @@ def spec(model_type: str) -> ArchSpec:
     prefix = _prefix(model_type)
     embed, layers, norm = pp_names(model_type)
     head = head_name(model_type)
-    raw = _tp_plan_raw(model_type)
-    tp_plan = {}
-    for pattern, style in raw.items():
-        module = pattern.removeprefix(f"{layers}.*.")
-        if module == pattern:  # a pattern outside the blocks (an embedding's)
-            continue
-        tp_plan[module] = _STYLES.get(style, style)
+    tp_plan = {module: _STYLES.get(style, style) for module, style in generic_split.block_tp_plan(model_type).items()}
     return ArchSpec(
         name=model_type,
         hf_config=functools.partial(hf_config, model_type),
@@ -373,6 +364,13 @@ def spec(model_type: str) -> ArchSpec:
         param_parts=functools.partial(generic_counts.param_parts, model_type),
         matmul_params=functools.partial(generic_counts.matmul_params, model_type),
         held_copies=functools.partial(generic_counts.held_copies, model_type),
+        # A mixture of experts stays whole on every tp rank (moe_children): the planner does not divide
+        # it by tp, and divides its experts module (not the router, not shared experts) by ep.
+        expert_params=functools.partial(generic_counts.moe_params, model_type, "experts"),
+        whole_params=functools.partial(generic_counts.moe_params, model_type, "rest"),
+        # Expert parallelism where the model matrix held it; no router auxiliary loss (no "router").
+        moe=None if (experts := generic_split.expert_module(model_type)) is None else {"experts": experts},
+        experts=functools.partial(generic_split.experts_of, model_type),
         layers=f"{prefix}.{layers}",
         first_stage=(f"{prefix}.{embed}", *(f"{prefix}.{n}" for n in per_layer_inputs(model_type))),
         last_stage=(f"{prefix}.{norm}", head),

@@ -1,7 +1,8 @@
 """What ``check`` refuses of a generic decoder family (models.generic) before workers start: the
 family itself, tensor parallelism where its plan or the model matrix says so, context parallelism
-where its attention does not allow it (models.generic_cp), and expert parallelism and the expert
-keys, which transformers' own mixtures of experts do not take (their experts run in its code)."""
+where its attention does not allow it (models.generic_cp), expert parallelism where the model matrix
+did not hold it, and the expert keys (a family's experts are its transformers config's, and no
+router auxiliary loss is added to its loss)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ from raytrain_hybrid.errors import ConfigError
 from raytrain_hybrid.models import generic_cp
 
 # A mixture of experts' expert count, by the names transformers' configs give it.
-_EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
 
 
 def check(model_type: str, cfg) -> None:
     """Refusals before workers start: a family the engine cannot run at this layout."""
-    from raytrain_hybrid.models import generic
+    from raytrain_hybrid.models import generic, generic_split
 
     par = cfg.parallelism
     why = generic.refusal(model_type, tp=par.tp)
@@ -37,12 +38,18 @@ def check(model_type: str, cfg) -> None:
     if par.ep == 1 and not moe_keys:
         return
     config = generic.hf_config(model_type, cfg)
-    experts = next((k for k in _EXPERT_KEYS if getattr(config, k, None)), None)
-    if par.ep > 1:
-        what = "mixture of experts runs in transformers' own code" if experts else "model has no experts"
-        raise ConfigError(
-            "parallelism.ep", par.ep, f"{model_type}'s {what}: expert parallelism is not applied to it; use ep=1"
-        )
+    experts = next((k for k in EXPERT_KEYS if getattr(config, k, None)), None)
+    if par.ep > 1 and not moe_keys:
+        if not experts:
+            raise ConfigError("parallelism.ep", par.ep, f"{model_type}'s model has no experts; use ep=1")
+        if generic_split.expert_module(model_type) is None:
+            row = generic.verified().get(model_type) or {}
+            why = row.get("ep_reason") or "was not held to the one-process reference with expert parallelism"
+            raise ConfigError("parallelism.ep", par.ep, f"{model_type} {why}; use parallelism.ep=1")
+        tp_only = (generic.verified().get(model_type) or {}).get("ep_tp_reason")
+        if par.tp > 1 and tp_only:
+            raise ConfigError("parallelism.ep", par.ep, f"{model_type} with ep {tp_only}; use parallelism.tp=1 or ep=1")
+        return  # (ep against dp and the expert count: config.validate, with spec.experts)
     key = moe_keys[0]
     where = f"{experts}={getattr(config, experts)}" if experts else "none: it has no experts"
     raise ConfigError(
@@ -88,7 +95,7 @@ def features(model_type: str, cfg) -> None:
 def lora_refusal(hf_config) -> str | None:
     """LoRA adapts the linears of a family's TP plan; a mixture of experts' experts are transformers'
     stacked weights, which peft adapts and the engine does not (as for the hand-written ones)."""
-    experts = next((k for k in _EXPERT_KEYS if getattr(hf_config, k, None)), None)
+    experts = next((k for k in EXPERT_KEYS if getattr(hf_config, k, None)), None)
     if experts:
         return (
             f"is a mixture of experts ({experts}={getattr(hf_config, experts)}), whose experts LoRA does not adapt here"

@@ -9,7 +9,11 @@ import functools
 import math
 from fractions import Fraction
 
-from raytrain_hybrid.models import generic, generic_facts  # (generic imports this module: names read at call time)
+from raytrain_hybrid.models import (  # (generic imports these: names read at call time)
+    generic,
+    generic_facts,
+    generic_split,
+)
 
 
 @functools.lru_cache(maxsize=64)
@@ -40,6 +44,22 @@ def built_counts(model_type: str, m: dict) -> tuple[int, int, int, int, int]:
 def built_parts(model_type: str, m: dict) -> tuple[list[int], int, int, int, int]:
     """(each block, embedding, the rest: final norm and anything else, head, tied) parameters of the
     model transformers builds on the meta device from the checkpoint's config or model.* sizes."""
+    model, inner, tied = _built(model_type, m)
+
+    def count(mod) -> int:
+        return sum(p.numel() for p in mod.parameters()) if mod is not None else 0
+
+    embed_name, layers_name, _ = generic.pp_names(model_type)
+    layers = getattr(inner, layers_name)
+    embed = count(getattr(inner, embed_name))
+    head = count(getattr(model, generic.head_name(model_type)))
+    rest = count(model) - count(layers) - embed - head  # the final norm and anything else
+    return [count(b) for b in layers], embed, rest, head, int(tied)
+
+
+def _built(model_type: str, m: dict):
+    """(the causal LM on the meta device, its base model, whether its config ties the head) from
+    the checkpoint's config or model.* sizes (built untied: the head counted apart)."""
     import torch
 
     config_cls, lm_cls = generic.classes(model_type)
@@ -58,18 +78,53 @@ def built_parts(model_type: str, m: dict) -> tuple[list[int], int, int, int, int
     config.tie_word_embeddings = False
     with torch.device("meta"):
         model = lm_cls(config)
-    prefix = generic_facts.prefix_of(lm_cls)
-    inner = getattr(model, prefix)
+    return model, getattr(model, generic_facts.prefix_of(lm_cls)), tied
 
-    def count(mod) -> int:
-        return sum(p.numel() for p in mod.parameters()) if mod is not None else 0
 
-    embed_name, layers_name, _ = generic.pp_names(model_type)
-    layers = getattr(inner, layers_name)
-    embed = count(getattr(inner, embed_name))
-    head = count(getattr(model, generic.head_name(model_type)))
-    rest = count(model) - count(layers) - embed - head  # the final norm and anything else
-    return [count(b) for b in layers], embed, rest, head, int(tied)
+def moe_params(model_type: str, part: str, m) -> int:
+    """A block's parameters of its mixture of experts (models.generic_split.moe_children), averaged over
+    the blocks as param_parts's per-block count is: ``part`` "experts", its experts module (which
+    expert parallelism shards), or "rest" (router, shared experts); both whole on every tp rank.
+    0 for a dense family."""
+    if not generic_split.moe_children(model_type):
+        return 0
+    experts, whole = _moe_params(model_type, _size_key(m))
+    return experts if part == "experts" else whole - experts
+
+
+@functools.lru_cache(maxsize=64)
+def _moe_params(model_type: str, sizes: tuple) -> tuple[int, int]:
+    """(experts module, whole MoE block) parameters a block, averaged: off a checkpoint's headers
+    (tensors named <prefix>.<layers>.<i>.<child>.; dense blocks hold none), else counted on the
+    model built on the meta device."""
+    from raytrain_hybrid.models.hf_checkpoint import tensor_sizes
+
+    m, moe = dict(sizes), generic_split.moe_children(model_type)
+    experts = generic_split.expert_module(model_type) or f"{next(iter(moe))}.experts"
+    facts = generic_facts.recorded(model_type)
+    if _checkpoint(m) and facts and facts["pp_names"] and (named := tensor_sizes(m["pretrained"])):
+        at = f"{facts['prefix']}.{facts['pp_names'][1]}."
+        inside = {name.removeprefix(at): n for name, n in named.items() if name.startswith(at)}
+        blocks = len({name.split(".")[0] for name in inside})
+        whole = sum(n for name, n in inside.items() if name.split(".")[1] in moe)
+        # (a checkpoint stores each expert apart: <child>.experts.<e>.<projection>.weight)
+        held = sum(n for name, n in inside.items() if ".".join(name.split(".")[1:]).startswith(experts + "."))
+        if blocks and held:  # (else the files name them otherwise, Mixtral's block_sparse_moe: built)
+            return held // blocks, whole // blocks
+    _, inner, _ = _built(model_type, m)
+    layers = list(getattr(inner, generic.pp_names(model_type)[1]))
+    children = [child for b in layers for name, child in b.named_children() if name in moe]
+    whole = sum(p.numel() for child in children for p in child.parameters())
+    held = sum(p.numel() for b in layers for p in (b.get_submodule(experts).parameters() if _has(b, experts) else ()))
+    return held // max(1, len(layers)), whole // max(1, len(layers))
+
+
+def _has(module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+        return True
+    except AttributeError:
+        return False
 
 
 # The sizes a recorded count polynomial is written in (scripts/generic_facts.py fits them): V vocab,

@@ -121,6 +121,12 @@ class ArchSpec:
     # Of param_parts' per-block count, the experts' weights (ModelConfig -> int): expert parallelism
     # shards them over ep, and they stay whole on every TP rank (the planner's memory and traffic).
     expert_params: Callable[[Any], int] = lambda model_cfg: 0
+    # Of the per-block count, the rest of a mixture-of-experts block that every TP rank holds whole
+    # and expert parallelism does not shard (a generic family's router and shared experts).
+    whole_params: Callable[[Any], int] = lambda model_cfg: 0
+    # (experts, experts a token is routed to) of a mixture of experts (ModelConfig -> ints): the
+    # model.* keys of a hand-written spec; a generic family's own config (models.generic).
+    experts: Callable[[Any], tuple[int, int]] = lambda m: (m.num_experts, m.experts_per_token)
     # Per block: the path of its attention module, a transformers attention that reads the config's
     # attention implementation, and a stage_forward that gives RoPE the positions of the stage's
     # ``seq_chunk`` (context parallelism runs only where this is set).

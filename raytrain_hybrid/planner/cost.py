@@ -67,11 +67,12 @@ def max_rank_params(cfg: Config) -> float:
     return best
 
 
-def expert_rank_params(cfg: Config) -> float:
-    """Expert weights on the fullest pipeline rank (the most blocks), before ep sharding."""
+def expert_rank_params(cfg: Config, part: str = "expert_params") -> float:
+    """Expert weights on the fullest pipeline rank (the most blocks), before ep sharding; ``part``
+    "whole_params": the rest of the MoE blocks there, whole on each TP rank, not split over ep."""
     from raytrain_hybrid.distributed.pipeline import split_layers, stage_ids
 
-    per_block = get_arch(cfg.model.arch).expert_params(cfg.model)
+    per_block = getattr(get_arch(cfg.model.arch), part)(cfg.model)
     if not per_block:
         return 0.0
     par = cfg.parallelism
@@ -91,7 +92,8 @@ def ep_alltoall_s(cfg: Config, micro_batch: int, hw: Hardware) -> float:
     if ep == 1:
         return 0.0
     width = 2.0 if cfg.train.dtype == "bfloat16" else 4.0
-    pairs = micro_batch * (m.seq_len // par.cp) * m.experts_per_token  # a cp rank routes its slice
+    per_token = get_arch(m.arch).experts(m)[1]
+    pairs = micro_batch * (m.seq_len // par.cp) * per_token  # a cp rank routes its slice
     link = hw.intra_node_gbps if ep * par.cp * par.tp <= hw.gpus_per_node else hw.inter_node_gbps
     one = pairs * m.hidden_size * width * (ep - 1) / ep / (link * 1e9) + (ep - 1) * hw.latency_s
     return 4 * one * (num_blocks(m) / par.pp) * par.microbatches
@@ -254,9 +256,10 @@ def predict(cfg: Config, hw: Hardware) -> dict:
     dp, tp, pp, mb, cp = par.dp, par.tp, par.pp, par.microbatches, par.cp
     virtual = par.stages_per_rank if pp > 1 else 1
     micro_batch = t.global_batch_size // (dp * mb)
-    # Experts are whole on each TP rank and 1/ep a rank under expert parallelism.
-    ep, experts = par.ep, expert_rank_params(cfg)
-    phi = (max_rank_params(cfg) - experts) / tp + experts / ep
+    # Experts are whole on each TP rank and 1/ep a rank under expert parallelism; a generic family's
+    # router and shared experts whole on each TP rank too.
+    ep, experts, whole = par.ep, expert_rank_params(cfg), expert_rank_params(cfg, "whole_params")
+    phi = (max_rank_params(cfg) - experts - whole) / tp + whole + experts / ep
     # The cp ranks of a replica average gradients like replicas: ZeRO shards over dp x cp (over the
     # shard group, dp/replicate x cp, under hybrid sharding); the experts' state over the dp/ep ranks
     # holding the same experts.

@@ -44,6 +44,7 @@ def _candidates(world: int, cfg: Config, gpus_per_node: int, fixed: dict):
     cps = [d for d in divisors if d > 1 and cfg.model.seq_len % d == 0] if get_arch(cfg.model.arch).attention else []
     # Expert parallelism for mixtures of experts: ep among dp's divisors that divide the experts.
     moe = get_arch(cfg.model.arch).moe is not None
+    experts = get_arch(cfg.model.arch).experts(cfg.model)[0] if moe else 1
     for tp in allowed("tp", [d for d in divisors if d <= gpus_per_node]):
         for pp, cp in ((p, c) for p in divisors for c in allowed("cp", [1, *cps]) if (world // tp) % (p * c) == 0):
             if "pp" in fixed and fixed["pp"] != pp:
@@ -52,7 +53,7 @@ def _candidates(world: int, cfg: Config, gpus_per_node: int, fixed: dict):
             if "dp" in fixed and fixed["dp"] != dp or cfg.train.global_batch_size % dp:
                 continue
             schedules = ["1F1B"] if pp == 1 else ["GPipe", "1F1B", "Interleaved1F1B"]
-            eps = [e for e in range(1, dp + 1) if dp % e == 0 and cfg.model.num_experts % e == 0] if moe else [1]
+            eps = [e for e in range(1, dp + 1) if dp % e == 0 and experts % e == 0] if moe else [1]
             for schedule, ep in ((s, e) for s in allowed("schedule", schedules) for e in allowed("ep", eps)):
                 for mb in allowed("microbatches", _microbatch_counts(cfg.train.global_batch_size // dp)):
                     zeros = allowed("zero", [0] if dp * cp == 1 else [0, 1, 2, 3])
