@@ -233,7 +233,8 @@ def three_d_runs(checkpoints):
     jobs = _jobs(checkpoints, THREE_D)
     jobs |= {f"{mt}-lora": [*_overrides(checkpoints[mt], THREE_D), *LORA] for mt in LORA_FAMILIES}
     jobs |= {f"{mt}-cp": _overrides(checkpoints[mt], CP_3D) for mt in CP_FAMILIES}
-    jobs["qwen2_moe-ep"] = _overrides(checkpoints["qwen2_moe"], EP_3D)
+    saved = ["checkpoint.interval=2", f"run.output_dir={_ep_run(checkpoints)}"]  # (resumed below)
+    jobs["qwen2_moe-ep"] = [*_overrides(checkpoints["qwen2_moe"], EP_3D), *saved]
     return run_gloo_jobs(8, jobs)
 
 
@@ -263,7 +264,7 @@ def test_register_model_refuses_what_workers_cannot_import():
         rh.register_model(Local, LlamaForCausalLM)
 
 
-def _assert_oracle(result: dict, reference: list[dict]) -> None:
+def _assert_oracle(result: dict, reference: list[dict], first: int = 0) -> None:
     """tests/test_oracle.py's oracle, with the key biases held element by element. A key bias
     shifts every score of a query alike, so softmax ignores it, except where RoPE rotates it: in a
     family with partial rotary (GLM-4) the unrotated half of each head's bias has a zero gradient but
@@ -281,7 +282,7 @@ def _assert_oracle(result: dict, reference: list[dict]) -> None:
 
     reach = 3 * sum(r["lr"] for r in reference)
     bad = []
-    for line in oracle_mismatches(result, reference):
+    for line in oracle_mismatches(result, reference, first):
         found = re.fullmatch(r"final value of (\S+\.(?:k_proj|query_key_value)\.bias): differs by .*", line)
         if found:
             name = found[1]
@@ -321,6 +322,36 @@ def test_expert_parallel_generic_family_matches_transformers(three_d_runs, refer
     layers and sends each token to the rank holding its expert (distributed.expert_parallel), against
     the same one-process reference as every other layout."""
     _assert_oracle(three_d_runs["qwen2_moe-ep"], references["qwen2_moe"])
+
+
+def _ep_run(checkpoints: dict) -> Path:
+    return checkpoints["qwen2_moe"].parent / "qwen2_moe-ep-run"
+
+
+def test_an_expert_parallel_checkpoint_resumes_in_one_process_and_exports(
+    checkpoints, three_d_runs, references, tmp_path
+):
+    """The ep run's checkpoint (each expert weight saved by the dp rank holding it) resumed by one
+    process continues the reference's steps; its export loads in transformers as Qwen2-MoE with the
+    source's config and key names, holding exactly the weights the ep run ended with."""
+    import numpy as np
+    from gloo_harness import run_gloo_jobs
+    from transformers import AutoModelForCausalLM
+
+    import raytrain_hybrid as rh
+
+    run, source = _ep_run(checkpoints), checkpoints["qwen2_moe"]
+    job = {"overrides": [*_overrides(source, SINGLE), f"run.output_dir={tmp_path / 'resumed'}"]}
+    resumed = run_gloo_jobs(1, {"resumed": job | {"resume": str(run / "checkpoints" / "step_2")}})["resumed"]
+    _assert_oracle(resumed, references["qwen2_moe"], first=2)
+    rh.export(str(run), tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == json.loads((source / "config.json").read_text())
+    assert _safetensors_keys(tmp_path / "hf") == _safetensors_keys(source)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32, local_files_only=True)
+    assert type(exported).__name__ == "Qwen2MoeForCausalLM"
+    final = three_d_runs["qwen2_moe-ep"]["probe"]["final"]
+    state = exported.state_dict()
+    assert all(np.array_equal(state[name].numpy(), value) for name, value in final.items()), "export != the run's end"
 
 
 def test_the_oracle_notices_a_wrong_family(checkpoints, single_runs, references):
