@@ -467,3 +467,27 @@ def test_expert_parallelism_is_taken_where_the_model_matrix_held_it(monkeypatch)
         load_config(
             None, ["model.arch=qwen2_moe", *base[:3], "parallelism.dp=4", "parallelism.tp=1", "parallelism.ep=8"]
         )
+
+
+def test_the_planner_keeps_a_generic_mixture_of_experts_whole_on_tp_and_splits_its_experts_over_ep():
+    """Qwen2-MoE's predicted weights per rank: tp divides attention and the rest of the block only
+    (its router, shared expert and experts stay whole on every tp rank), ep then divides the experts
+    module alone (not the router, not the shared expert)."""
+    from raytrain_hybrid.models import get_arch
+    from raytrain_hybrid.planner.cost import predict
+    from raytrain_hybrid.planner.hardware import PROFILES
+
+    base = ["model.arch=qwen2_moe", "data.path=memory", "model.seq_len=32", "parallelism.dp=2", "parallelism.pp=1"]
+    weights = {
+        (tp, ep): predict(load_config(None, [*base, f"parallelism.tp={tp}", f"parallelism.ep={ep}"]), PROFILES["h100"])[
+            "memory_bytes"
+        ]["params"]
+        / 4  # (fp32: 4 bytes a parameter)
+        for tp, ep in ((1, 1), (2, 1), (2, 2))
+    }
+    cfg = load_config(None, [*base, "parallelism.tp=1"])
+    spec, blocks = get_arch("qwen2_moe"), cfg.model.num_layers
+    experts, rest = spec.expert_params(cfg.model) * blocks, spec.whole_params(cfg.model) * blocks
+    assert experts > 0 and rest > 0
+    assert weights[(2, 1)] == pytest.approx((weights[(1, 1)] - experts - rest) / 2 + experts + rest)
+    assert weights[(2, 2)] == pytest.approx(weights[(2, 1)] - experts / 2)
