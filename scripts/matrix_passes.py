@@ -205,7 +205,7 @@ def tensor_parallel(row: dict, path: Path, model_type: str) -> None:
     row["tp"] = generic.refusal(model_type, tp=2, recorded=False) is None
     parallel_layout(row, path, row["tp"], model_type)
     if row.get("status") != "passed":  # (parallel_layout's verdict: no layout held at all)
-        raise AssertionError(row.pop("reason"))
+        raise AssertionError(row["reason"])  # (the row keeps it: run_pass merges the refusal)
 
 
 def _experts_refusal(path: Path, model_type: str) -> str | None:
@@ -334,5 +334,7 @@ def _merge(out: Path, record: dict, name: str, mt: str | None) -> dict:
         for key in KEYS[name]:
             row.pop(key, None)
         row.update({k: v for k, v in record["families"][mt].items() if k in KEYS[name]})
+        if record["families"][mt]["status"] != "passed":  # (a pass that refuses the family: the tp pass's tp=1)
+            row.update(status=record["families"][mt]["status"], reason=record["families"][mt].get("reason"))
     out.write_text(json.dumps(now, indent=1) + "\n")
     return now

@@ -72,7 +72,7 @@ class ParallelismConfig:
     # tp too. No effect at tp = 1.
     sequence_parallel: bool = True
     # Expert parallelism (mixture-of-experts models): each expert lives on one of ep ranks taken from the
-    # data-parallel ones (ep divides dp and model.num_experts), tokens sent to their experts by all-to-all.
+    # data-parallel ones (ep divides dp and the model's experts), tokens sent to their experts by all-to-all.
     ep: int = 1
 
     def __post_init__(self) -> None:

@@ -76,6 +76,8 @@ def refusal(experts) -> str | None:
         or getattr(experts, "is_transposed", 0)
     ):
         return f"stores its experts otherwise ({shapes}; expert parallelism takes [E, 2F, H] and [E, H, F])"
+    if getattr(experts, "is_concatenated", True) is False:  # (gate and up interleaved, not two halves)
+        return "stores its experts' gate and up projections interleaved, which the dispatch does not split"
     if getattr(experts, "has_bias", False) or any(n.endswith("bias") for n, _ in experts.named_parameters()):
         return "has experts with biases, which the expert-parallel dispatch does not add"
     if len(inspect.signature(type(experts).forward).parameters) != 4:  # (self, hidden, indices, weights)
@@ -136,18 +138,26 @@ def _grouped(x: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16 or torch.is_autocast_enabled("cuda")
 
 
+def _gate(experts, gate_up_out: torch.Tensor) -> torch.Tensor:
+    """The experts' own gating of the gate/up projection's output where their class has one
+    (transformers' ``_apply_gate``: Beam's computes the activation in fp32), else act(gate) * up."""
+    if hasattr(experts, "_apply_gate"):
+        return experts._apply_gate(gate_up_out)
+    gate, up = gate_up_out.chunk(2, dim=-1)
+    return experts.act_fn(gate) * up
+
+
 def _compute(experts, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """The local experts on their rows of ``x`` (grouped by expert, ``counts`` rows each)."""
     gate_up, down = _local(experts.gate_up_proj), _local(experts.down_proj)
     if _grouped(x):  # one kernel for all local experts; autocast does not reach it: bf16 by hand
         bf16 = torch.bfloat16
         offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-        gate, up = torch._grouped_mm(x.to(bf16), gate_up.to(bf16).transpose(-2, -1), offs=offs).chunk(2, dim=-1)
-        return torch._grouped_mm((experts.act_fn(gate) * up).to(bf16), down.to(bf16).transpose(-2, -1), offs=offs)
+        gate_up_out = torch._grouped_mm(x.to(bf16), gate_up.to(bf16).transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(_gate(experts, gate_up_out).to(bf16), down.to(bf16).transpose(-2, -1), offs=offs)
     outs = []
     for e, rows in enumerate(x.split(counts)):
-        gate, up = torch.nn.functional.linear(rows, gate_up[e]).chunk(2, dim=-1)
-        outs.append(torch.nn.functional.linear(experts.act_fn(gate) * up, down[e]))
+        outs.append(torch.nn.functional.linear(_gate(experts, torch.nn.functional.linear(rows, gate_up[e])), down[e]))
     return torch.cat(outs) if outs else x[:0]
 
 

@@ -65,8 +65,9 @@ class Trainer:
         ids = pipeline.stage_ids(par.schedule, self.pp_rank, dims.pp, par.stages_per_rank) if dims.pp > 1 else [0]
         self.stage_ids = ids
         # parallelism.compile "auto": on GPUs (the compiled blocks pay off there), off on CPU; off for
-        # a mixture of experts, whose routing gives every step new shapes (each expert's tokens).
-        auto = device.type == "cuda" and self.spec.moe is None
+        # a mixture of experts, whose routing gives every step new shapes (each expert's tokens):
+        # a hand-written one, or a generic family with experts (expert_params, ep or not).
+        auto = device.type == "cuda" and self.spec.moe is None and not self.spec.expert_params(cfg.model)
         self.compiled = par.compile if par.compile is not None else auto
         self.compile_clock = CompileClock() if self.compiled else None
         require_fp8_device(cfg.train.fp8, cfg.train.fp8_emulate, device)  # train.fp8: float8 matmuls here

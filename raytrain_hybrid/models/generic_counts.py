@@ -105,6 +105,9 @@ def _moe_params(model_type: str, sizes: tuple) -> tuple[int, int]:
     if _checkpoint(m) and facts and facts["pp_names"] and (named := tensor_sizes(m["pretrained"])):
         at = f"{facts['prefix']}.{facts['pp_names'][1]}."
         inside = {name.removeprefix(at): n for name, n in named.items() if name.startswith(at)}
+        # (the blocks the model builds: a next-token prediction layer past them left out, as from_headers does)
+        inside = {name: n for name, n in inside.items() if name.split(".")[0].isdigit()}
+        inside = {name: n for name, n in inside.items() if int(name.split(".")[0]) < m["num_layers"]}
         blocks = len({name.split(".")[0] for name in inside})
         whole = sum(n for name, n in inside.items() if name.split(".")[1] in moe)
         # (a checkpoint stores each expert apart: <child>.experts.<e>.<projection>.weight)
@@ -232,6 +235,10 @@ def param_parts(model_type: str, m) -> tuple[int, int, int]:
 
 def matmul_params(model_type: str, m) -> int:
     per_block, embed, last, head, tied = _counts(model_type, _size_key(m))
+    # A token meets its top-k experts only, not the block's every expert.
+    if experts := moe_params(model_type, "experts", m):
+        count, per_token = generic_split.experts_of(model_type, m)
+        per_block -= round(experts * (1 - per_token / max(count, 1)))
     # Norm weights and biases are a rounding error here; the embedding lookup is no matmul, the head is.
     return m.num_layers * per_block + head
 

@@ -1,6 +1,7 @@
 """How a generic family (models.generic) splits over ranks beyond its plan's translation: its
 block's tensor-parallel plan without its mixture of experts (router, experts and shared experts kept
-whole on every tp rank, as the hand-written Qwen3-MoE and Mixtral specs keep theirs), why tp > 1 is
+whole on every tp rank, as the hand-written Qwen3-MoE and Mixtral specs keep theirs; a dense layer's
+MLP under the same module name, as a first-k-dense stack has, whole too), why tp > 1 is
 refused, which experts module expert parallelism shards (where the model matrix held it:
 scripts/model_matrix.py --ep), and the family's own expert counts (its config's, not model.* keys)."""
 
@@ -40,9 +41,17 @@ def expert_module(model_type: str) -> str | None:
 
 
 def experts_of(model_type: str, m) -> tuple[int, int]:
-    """(routed experts, experts a token is routed to) of the family's transformers config."""
+    """(routed experts, experts a token is routed to) of the family's transformers config: a
+    checkpoint's config.json as data where it says both (no transformers import), else the class's."""
     from types import SimpleNamespace
 
+    from raytrain_hybrid.models.hf_checkpoint import is_set, read_config_json
+
+    if is_set(m.pretrained):
+        conf = read_config_json(m.pretrained, m.pretrained_revision)
+        count = next((conf[k] for k in generic_check.EXPERT_KEYS if conf.get(k)), None)
+        if isinstance(count, int) and isinstance(conf.get("num_experts_per_tok"), int):
+            return count, conf["num_experts_per_tok"]
     config = generic.hf_config(model_type, SimpleNamespace(model=m))
     count = next((getattr(config, k) for k in generic_check.EXPERT_KEYS if getattr(config, k, None)), 0)
     return int(count), int(getattr(config, "num_experts_per_tok", 0) or 0)

@@ -83,6 +83,18 @@ def expert_rank_params(cfg: Config, part: str = "expert_params") -> float:
     return float(per_block * max(sum(len(split[i]) for i in ids) for ids in ranks))
 
 
+def moe_flops_share(cfg: Config) -> float:
+    """The share of a token's FLOPs in its mixture-of-experts blocks (the router, shared experts and
+    its top-k experts: whole on each TP rank); 0 for a dense model."""
+    m, spec = cfg.model, get_arch(cfg.model.arch)
+    experts, rest = spec.expert_params(m), spec.whole_params(m)
+    if not experts and not rest:
+        return 0.0
+    count, per_token = spec.experts(m)
+    active = (rest + experts * per_token / max(count, 1)) * num_blocks(m)
+    return min(1.0, 6.0 * active / flops_per_token(m))
+
+
 def ep_alltoall_s(cfg: Config, micro_batch: int, hw: Hardware) -> float:
     """Expert parallelism's all-to-alls of a step on one rank: dispatch and combine forward and
     backward, each MoE layer and micro-batch; inside a node when ep*cp*tp workers fit one (an ep
@@ -266,7 +278,8 @@ def predict(cfg: Config, hw: Hardware) -> dict:
     shard = dp // par.replicate
     states = state_bytes(phi - experts / ep, zero=par.zero, dp=shard * cp)
     if experts:
-        expert_states = state_bytes(experts / ep, zero=par.zero, dp=dp // ep)
+        # (the dp/ep x cp ranks holding the same experts: distributed.expert_parallel.ep_mesh)
+        expert_states = state_bytes(experts / ep, zero=par.zero, dp=dp // ep * cp)
         states = {k: v + expert_states[k] for k, v in states.items()}
     trained = phi  # parameters with gradients, optimizer state and a DP reduction
     if cfg.lora.rank:  # the frozen base holds its weights only; the adapters train
@@ -276,7 +289,9 @@ def predict(cfg: Config, hw: Hardware) -> dict:
     memory["total"] = sum(memory.values())
 
     tokens = t.global_batch_size * tokens_per_row(m)
-    flops = flops_per_token(m) * tokens / (dp * cp * tp * pp)
+    # A mixture of experts runs whole on every TP rank: its share of the FLOPs is not divided by tp.
+    whole = moe_flops_share(cfg)
+    flops = flops_per_token(m) * tokens / (dp * cp * pp) * ((1 - whole) / tp + whole)
     if par.activation_checkpointing is True:  # (selective recomputes element-wise ops only)
         flops *= 4 / 3  # one more forward
     compute = flops / (hw.peak_tflops * 1e12 * hw.efficiency)
