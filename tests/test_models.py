@@ -224,6 +224,11 @@ CP_3D = ("parallelism.dp=1", "parallelism.cp=2", "parallelism.tp=2", "parallelis
 # Expert parallelism on a generic mixture of experts (Qwen2-MoE, with its shared expert): its experts
 # split over the two dp ranks beside tp=2 (sequence parallelism on) and pp=2, in the same launch.
 EP_3D = (*THREE_D, "parallelism.ep=2")
+# ... and beside context parallelism under ZeRO-3: the experts' FSDP unit over the dp/ep x cp ranks.
+EP_CP_ZERO3 = (
+    *("parallelism.dp=2", "parallelism.cp=2", "parallelism.tp=1", "parallelism.pp=2", "parallelism.microbatches=2"),
+    *("parallelism.ep=2", "parallelism.zero=3"),
+)
 
 
 @pytest.fixture(scope="module")
@@ -235,6 +240,7 @@ def three_d_runs(checkpoints):
     jobs |= {f"{mt}-cp": _overrides(checkpoints[mt], CP_3D) for mt in CP_FAMILIES}
     saved = ["checkpoint.interval=2", f"run.output_dir={_ep_run(checkpoints)}"]  # (resumed below)
     jobs["qwen2_moe-ep"] = [*_overrides(checkpoints["qwen2_moe"], EP_3D), *saved]
+    jobs["qwen2_moe-ep-cp-zero3"] = _overrides(checkpoints["qwen2_moe"], EP_CP_ZERO3)
     return run_gloo_jobs(8, jobs)
 
 
@@ -317,11 +323,14 @@ def test_context_parallel_generic_family_matches_transformers(model_type, three_
     _assert_oracle(three_d_runs[f"{model_type}-cp"], references[model_type])
 
 
-def test_expert_parallel_generic_family_matches_transformers(three_d_runs, references):
+@pytest.mark.parametrize("job", ["qwen2_moe-ep", "qwen2_moe-ep-cp-zero3"])
+def test_expert_parallel_generic_family_matches_transformers(job, three_d_runs, references):
     """dp=2 x ep=2 x tp=2 x pp=2 on Qwen2-MoE: each dp rank holds half the experts of its stage's
-    layers and sends each token to the rank holding its expert (distributed.expert_parallel), against
-    the same one-process reference as every other layout."""
-    _assert_oracle(three_d_runs["qwen2_moe-ep"], references["qwen2_moe"])
+    layers and sends each token to the rank holding its expert (distributed.expert_parallel); and
+    dp=2 x ep=2 x cp=2 x pp=2 under ZeRO-3, each cp rank routing its half of every sequence, the
+    experts sharded over the ranks holding them: against the same one-process reference as every
+    other layout."""
+    _assert_oracle(three_d_runs[job], references["qwen2_moe"])
 
 
 def _ep_run(checkpoints: dict) -> Path:
