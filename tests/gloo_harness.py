@@ -414,13 +414,16 @@ def _one_mesh_per_layout() -> None:
     compare equal, so a later job's ops already run on an earlier job's groups): a new set per
     job left each of 30 jobs three gloo threads per group more, and every job slower than the
     one before (3.4 s to 7.6 s over ten 8-rank jobs)."""
+    import dataclasses
+
     from raytrain_hybrid.distributed.parallel_dims import ParallelDims
 
     build, meshes = ParallelDims.build_mesh, {}
 
     def build_once(self, device_type: str, arrangement: list[int]):
-        key = (device_type, tuple(arrangement), self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
-        key += (self.zero == 0,)  # (which of the dp x cp meshes FSDP takes)
+        # Every degree in the key, not only the mesh's shape: the engine keeps what it derives
+        # from the dims on the mesh (expert parallelism's mesh, by ep and the ZeRO stage).
+        key = (device_type, tuple(arrangement), dataclasses.astuple(self))
         if key not in meshes:
             meshes[key] = build(self, device_type, arrangement)
         return meshes[key]
