@@ -11,7 +11,10 @@ raytrain_hybrid/assets/generic_families.json, which models.generic_check reads t
   where the family takes tp), against tests/reference_packing.py (every example alone through
   transformers' model);
 - lora: rank 4 on every linear "all-linear" adapts (the TP plan's), named to peft alike, dp=1 x pp=2
-  (x tp=2), against peft's adapters on transformers' model (tests/reference_lora.py).
+  (x tp=2), against peft's adapters on transformers' model (tests/reference_lora.py);
+- aux: a mixture of experts' router auxiliary loss (models.generic_router) at weight AUX, at the
+  family's ep layout where the ep pass held one (else dp x tp x pp), against the same loop with the
+  family's own load_balancing_loss_func on its router logits, per sequence and layer.
 """
 
 from __future__ import annotations
@@ -38,7 +41,10 @@ LORA = ("lora.rank=4", "lora.alpha=8", "train.lr=1e-2")
 KEYS = {
     name: (name, f"{name}_layout", f"{name}_reason", f"{name}_tp_reason")
     for name in ("cp", "sp", "packing", "lora", "ep")
-} | {"tp": ("tp", "layout", "tp_reason", "tp_tp_reason")}  # (the matrix's own layout: model_matrix.parallel_layout)
+} | {
+    "tp": ("tp", "layout", "tp_reason", "tp_tp_reason"),  # (the matrix's own layout: model_matrix.parallel_layout)
+    "aux": ("aux", "aux_layout", "aux_reason", "aux_tp_reason", "aux_router"),  # (and where the router is)
+}
 
 
 def _tp(row: dict) -> int:
@@ -263,6 +269,38 @@ def expert_parallel(row: dict, path: Path, model_type: str) -> None:
     row["ep_layout"] = row["ep_layout"].replace(f"dp{3 - pp}-", "dp2-ep2-")
 
 
+# The router loss's weight in the aux pass: 100 times transformers' usual 0.001, so that a run without it
+# misses the reference (tests/test_models.py shows one does).
+AUX = 0.1
+
+
+def router_aux(row: dict, path: Path, model_type: str) -> None:
+    """The router auxiliary loss where transformers' model of the family adds one (models.generic_router
+    .find, recorded in the row as ``aux_router``); a dense family is left without a verdict."""
+    from model_matrix import oracle
+
+    from raytrain_hybrid.models import generic_router, generic_split
+
+    if not generic_split.moe_children(model_type):
+        return
+    found = generic_router.find(model_type)
+    if found is None:
+        why = "adds no router auxiliary loss in transformers (its causal LM calls no load_balancing_loss_func on a"
+        row.update(aux=False, aux_reason=f"{why} router recorded under its mixture of experts)")
+        return
+    row["aux_router"] = found
+    pp, ep = _STAGED["pp"], bool(row.get("ep"))
+
+    def attempt(tp: int, keys: tuple[str, ...]) -> None:
+        layout = ("parallelism.dp=2", "parallelism.ep=2") if ep else (f"parallelism.dp={3 - pp}",)
+        dp = 2 if ep else 3 - pp
+        oracle(path, (*layout, *keys, f"parallelism.pp={pp}", "parallelism.microbatches=2"), dp * tp * pp, aux=AUX)
+
+    _held(row, "aux", attempt)
+    if ep:
+        row["aux_layout"] = row["aux_layout"].replace(f"dp{3 - pp}-", "dp2-ep2-")
+
+
 PASSES = {
     "tp": tensor_parallel,
     "ep": expert_parallel,
@@ -270,6 +308,7 @@ PASSES = {
     "sp": sequence_parallel,
     "packing": packing,
     "lora": lora,
+    "aux": router_aux,
 }
 
 
@@ -299,7 +338,7 @@ def run_pass(name: str, only: list[str], out: Path) -> dict:
     for mt, row in record["families"].items():
         if row["status"] != "passed" or (only and mt not in only):
             continue
-        verdict, layout, reason, _ = KEYS[name]
+        verdict, layout, reason = KEYS[name][:3]
         for key in KEYS[name]:
             row.pop(key, None)
         t0 = time.perf_counter()

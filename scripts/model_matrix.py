@@ -113,7 +113,9 @@ def planner_ratio(path: Path) -> float:
     return round(param_count(cfg.model) / want, 4)
 
 
-def oracle(path: Path, layout: tuple[str, ...], world: int) -> None:
+def oracle(path: Path, layout: tuple[str, ...], world: int, aux: float = 0.0) -> None:
+    """``layout`` in ``world`` gloo ranks against tests/reference.py's loop (``aux``: with a mixture
+    of experts' router auxiliary loss of that weight, in both)."""
     import torch
     from gloo_harness import run_gloo_jobs
     from reference import reference_run
@@ -122,14 +124,14 @@ def oracle(path: Path, layout: tuple[str, ...], world: int) -> None:
 
     from raytrain_hybrid.config import load_config
 
-    overrides = [f"model.pretrained={path}", *COMMON, *layout]
+    overrides = [f"model.pretrained={path}", *COMMON, *layout, *([f"model.router_aux_loss_coef={aux}"] if aux else [])]
     result = run_gloo_jobs(world, {"run": overrides}, env=rank_env())["run"]
     from test_models import SINGLE
 
     cfg = load_config(None, [*(o for o in overrides if not o.startswith("parallelism.")), *SINGLE])
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
     start = {n: v.detach().clone() for n, v in hf.state_dict().items()}
-    _assert_oracle(result, reference_run(cfg, initial=start))
+    _assert_oracle(result, reference_run(cfg, initial=start, aux=aux))
 
 
 def rank_env() -> dict | None:
@@ -294,7 +296,7 @@ def _cell(row: dict, name: str) -> str:
         return row[f"{name}_layout"] + (" (tp=1 only: differs at tp=2)" if row.get(f"{name}_tp_reason") else "")
     if name == "sp" and not row.get("tp"):
         return "- (tp=1 only)"
-    if name == "ep" and "ep" not in row:
+    if name in ("ep", "aux") and name not in row:
         return "-"  # (a dense family; a mixture of experts the pass has not run gets "not checked")
     why = row.get(f"{name}_reason")
     if why is None:
@@ -329,9 +331,11 @@ def write_doc(record: dict) -> None:
         "  packing (`data.packing`), LoRA and, for a mixture of experts, expert parallelism",
         "  (`parallelism.ep`). A mixture of experts (router, experts, shared experts) is kept whole on",
         "  every tp rank while attention is split, as the hand-written specs keep theirs (and the MLP of",
-        "  a dense layer under the same module name; the planner counts them so). Not for these: the",
-        "  router's auxiliary loss (the loss is the family's cross-entropy; `check` refuses the `model.*`",
-        "  expert keys: the experts are the checkpoint's).",
+        "  a dense layer under the same module name; the planner counts them so). The router's auxiliary",
+        "  loss where the *router loss* column says so, as transformers adds it: on when the checkpoint's",
+        "  config sets `output_router_logits`, weighed by its `router_aux_loss_coef` (`model.router_aux_loss_coef`",
+        "  sets the weight); `check` refuses `model.num_experts` and `model.experts_per_token`: the experts",
+        "  are the checkpoint's.",
         "",
         f"Checked with transformers {record['transformers']} ({record['date']}): each family below was built",
         "tiny (4 layers, grouped-query attention, 8 experts and narrow latent attention where it has them,",
@@ -340,7 +344,8 @@ def write_doc(record: dict) -> None:
         "parameter's gradient norm, final weights; fp32, 1e-4).",
         "The column *3D* says where dp=2 x tp=2 x pp=2 (pp=1 without a pipeline plan) was also held to that",
         "loop. The columns *sp*, *cp*,",
-        "*packing*, *LoRA* and *ep* give the layout each feature was held to its own one-process reference at, or",
+        "*packing*, *LoRA*, *ep* and *router loss* give the layout each feature was held to its own one-process",
+        "reference at, or",
         "why the family cannot take it:",
         "",
         "- *sp*: dp=1 x tp=2 x pp=2 with sequence parallelism, against the same loop (the norms and the",
@@ -352,7 +357,10 @@ def write_doc(record: dict) -> None:
         "- *LoRA*: rank 4 on every linear, at the same layout, against peft's adapters on transformers' model;",
         "- *ep*: a mixture of experts at dp=2 x ep=2 (x tp=2 with sequence parallelism where the family takes",
         "  them) x pp=2 (pp=1 without a pipeline plan), its experts split over the two dp ranks, against the",
-        "  same loop (`-`: no experts).",
+        "  same loop (`-`: no experts);",
+        "- *router loss*: `model.router_aux_loss_coef=0.1` at the *ep* layout (dp x tp x pp where the family",
+        "  has none), against the same loop plus the family's own `load_balancing_loss_func` on transformers'",
+        "  router logits, taken per sequence and MoE layer.",
         "",
         "A family without a pipeline plan takes dp=2 where these say dp=1 x pp=2 (the same ranks).",
         "",
@@ -372,21 +380,21 @@ def write_doc(record: dict) -> None:
         "",
         f"## Supported ({len(passed)} families)",
         "",
-        "| model_type | tensor parallel | 3D checked | sp | cp | packing | LoRA | ep | planner's parameter count / "
-        "transformers' |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| model_type | tensor parallel | 3D checked | sp | cp | packing | LoRA | ep | router loss | planner's "
+        "parameter count / transformers' |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for mt, row in passed.items():
         if row["status"] == "hand-written":
             spec = get_arch(row["spec"])
             cells = [spec.sequence_parallel, spec.attention, True, spec.moe is None]
-            cells = " | ".join(["yes" if c else "no" for c in cells] + ["yes" if spec.moe else "-"])
+            cells = " | ".join(["yes" if c else "no" for c in cells] + ["yes" if spec.moe else "-"] * 2)
             lines.append(f"| `{mt}` | yes (hand-written spec `{row['spec']}`) | its own oracle tests | {cells} | - |")
             continue
         layout = row.get("layout") or ("dp2-tp2-pp2" if mt in SUITE_3D else "-")
         ratio = row.get("planner_params_ratio")
         ratio = f"{ratio:.3f}" if ratio else "-"
-        cells = " | ".join(_cell(row, name) for name in ("sp", "cp", "packing", "lora", "ep"))
+        cells = " | ".join(_cell(row, name) for name in ("sp", "cp", "packing", "lora", "ep", "aux"))
         name = f"`{mt}`" + (" (eager attention)" if row.get("attention") == "eager" else "")
         name += " (hand-written spec; this row: the generic path)" if row.get("spec") else ""
         lines.append(f"| {name} | {'yes' if row.get('tp') else 'tp=1 only'} | {layout} | {cells} | {ratio} |")

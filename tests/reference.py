@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import importlib.util
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -261,12 +262,14 @@ def _engine_initial(cfg, initial: dict | None) -> dict:
 
 
 def reference_run(
-    cfg, windows: list | None = None, keep_model: list | None = None, initial=None, stretched=None
+    cfg, windows: list | None = None, keep_model: list | None = None, initial=None, stretched=None, aux: float = 0.0
 ) -> list[dict]:
     """A language model from ``initial`` (engine names -> arrays; default: the engine's, built
     for ``cfg``). ``windows``: per step, the global batch as [B, seq_len+1] token ids (default:
     the in-memory corpus windows). ``keep_model`` receives the trained transformers model.
-    ``stretched``: see _train."""
+    ``stretched``: see _train. ``aux``: the weight of a mixture of experts' router loss, the
+    family's own load_balancing_loss_func on its router logits (output_router_logits) taken per
+    sequence and layer (tests/reference_moe.py), with the model's own expert counts."""
     torch.manual_seed(0)
     model = lm_model(cfg)
     gpt2 = cfg.model.arch == "gpt2"
@@ -276,8 +279,16 @@ def reference_run(
 
     def loss_of(model, step):
         inputs, labels = windows[step][:, :-1], windows[step][:, 1:]  # predict the next token
-        logits = model(input_ids=inputs).logits
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        if not aux:
+            logits = model(input_ids=inputs).logits
+            return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        from reference_moe import sequence_aux_loss
+
+        out = model(input_ids=inputs, output_router_logits=True)
+        balance = sys.modules[type(model).__module__].load_balancing_loss_func  # (the family's own)
+        experts, top_k = model.num_experts, model.num_experts_per_tok
+        routed = sequence_aux_loss(out.router_logits, cfg.model.seq_len, experts, top_k, balance)
+        return F.cross_entropy(out.logits.flatten(0, 1), labels.flatten()) + aux * routed
 
     to_engine = gpt2_to_engine if gpt2 else dict
     if getattr(model.config, "tie_word_embeddings", False) and not gpt2:

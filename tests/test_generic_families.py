@@ -129,7 +129,13 @@ def test_fused_and_stacked_tensors_are_read_as_the_model_holds_them():
         (["model.arch=qwen3_next", "parallelism.cp=2"], "parallelism.cp", "qwen3_next has linear_attention layers"),
         (["model.arch=deepseek_v2", "parallelism.cp=2"], "parallelism.cp", "deepseek_v2 has latent attention"),
         (["model.arch=llama4_text", "parallelism.ep=2"], "parallelism.ep", "llama4_text stores its experts otherwise"),
-        (["model.arch=qwen2_moe", "model.router_aux_loss_coef=0.01"], "model.router_aux_loss_coef", "num_experts="),
+        (
+            ["model.arch=deepseek_v3", "model.router_aux_loss_coef=0.01"],
+            "model.router_aux_loss_coef",
+            "deepseek_v3 adds no router auxiliary loss in transformers",
+        ),
+        (["model.arch=qwen3", "model.router_aux_loss_coef=0.01"], "model.router_aux_loss_coef", "qwen3 has no experts"),
+        (["model.arch=qwen2_moe", "model.num_experts=4"], "model.num_experts", "num_experts=60"),
         (["model.arch=qwen3", "parallelism.ep=2"], "parallelism.ep", "qwen3's model has no experts"),
     ],
 )
@@ -144,6 +150,25 @@ def test_check_names_the_family_and_key_it_cannot_parallelise_so(overrides, key,
     with pytest.raises(ConfigError, match=re.escape(words)) as err:
         load_config(None, [*layout, *overrides])
     assert err.value.key == key
+
+
+def test_a_router_loss_is_taken_where_transformers_adds_one_and_weighed_as_it_weighs_it():
+    """model.router_aux_loss_coef on a family whose causal LM adds load_balancing_loss_func (the model
+    matrix held its router: tests/test_models.py runs it) is accepted; unset, the weight is the
+    config's own where it sets output_router_logits (as transformers adds it), else none."""
+    from types import SimpleNamespace
+
+    from raytrain_hybrid.models import generic_router
+
+    layout = ["parallelism.tp=1", "parallelism.pp=1", "data.path=memory", "model.seq_len=32"]
+    cfg = load_config(None, [*layout, "model.arch=qwen2_moe", "model.router_aux_loss_coef=0.01"])
+    assert cfg.model.router_aux_loss_coef == 0.01
+    assert generic_router.router("qwen2_moe") == {"router": "mlp.gate", "logits": 0, "block": "mlp"}
+    assert generic_router.router("deepseek_v3") is None and generic_router.router("qwen3") is None
+    on = SimpleNamespace(output_router_logits=True, router_aux_loss_coef=0.02)
+    assert generic_router.default_coef(on) == 0.02
+    assert generic_router.default_coef(SimpleNamespace(output_router_logits=False, router_aux_loss_coef=0.02)) == 0
+    assert generic_router.default_coef(SimpleNamespace()) == 0
 
 
 def test_experts_skipped_by_every_token_still_get_a_gradient():

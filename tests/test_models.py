@@ -200,6 +200,8 @@ def references(checkpoints):
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
         start = {n: v.detach().clone() for n, v in hf.state_dict().items()}  # transformers' load, not ours
         out[mt] = reference_run(cfg, initial=start)
+        if mt == "qwen2_moe":  # (and with its router's auxiliary loss: test_the_router_loss_...)
+            out[f"{mt}-aux"] = reference_run(cfg, initial=start, aux=ROUTER_AUX)
     return out
 
 
@@ -207,7 +209,24 @@ def references(checkpoints):
 def single_runs(checkpoints):
     from gloo_harness import run_gloo_jobs
 
-    return run_gloo_jobs(1, _jobs(checkpoints, SINGLE))
+    jobs = _jobs(checkpoints, SINGLE)
+    jobs["qwen2_moe-aux"] = _overrides(_aux_checkpoint(checkpoints["qwen2_moe"]), SINGLE)
+    return run_gloo_jobs(1, jobs)
+
+
+def _aux_checkpoint(source: Path) -> Path:
+    """The Qwen2-MoE checkpoint with the router loss turned on in its config.json, as a Hub checkpoint
+    trained with it says (output_router_logits, router_aux_loss_coef): taken with no key set."""
+    import shutil
+
+    copy = source.parent / f"{source.name}-aux-config"
+    if not copy.exists():
+        shutil.copytree(source, copy)
+        conf = json.loads((copy / "config.json").read_text())
+        (copy / "config.json").write_text(
+            json.dumps(conf | {"output_router_logits": True, "router_aux_loss_coef": ROUTER_AUX})
+        )
+    return copy
 
 
 # LoRA (peft's adapters on transformers' own linears) on two generic families, one of them tied with
@@ -229,6 +248,9 @@ EP_CP_ZERO3 = (
     *("parallelism.dp=2", "parallelism.cp=2", "parallelism.tp=1", "parallelism.pp=2", "parallelism.microbatches=2"),
     *("parallelism.ep=2", "parallelism.zero=3"),
 )
+# ... with the router's auxiliary loss (transformers' load_balancing_loss_func, models.generic_router)
+# at a weight whose share of the loss the oracle's bound tells apart (the negative control shows it).
+ROUTER_AUX = 0.1
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +262,8 @@ def three_d_runs(checkpoints):
     jobs |= {f"{mt}-cp": _overrides(checkpoints[mt], CP_3D) for mt in CP_FAMILIES}
     saved = ["checkpoint.interval=2", f"run.output_dir={_ep_run(checkpoints)}"]  # (resumed below)
     jobs["qwen2_moe-ep"] = [*_overrides(checkpoints["qwen2_moe"], EP_3D), *saved]
-    jobs["qwen2_moe-ep-cp-zero3"] = _overrides(checkpoints["qwen2_moe"], EP_CP_ZERO3)
+    aux = f"model.router_aux_loss_coef={ROUTER_AUX}"
+    jobs["qwen2_moe-ep-cp-zero3-aux"] = [*_overrides(checkpoints["qwen2_moe"], EP_CP_ZERO3), aux]
     return run_gloo_jobs(8, jobs)
 
 
@@ -323,14 +346,28 @@ def test_context_parallel_generic_family_matches_transformers(model_type, three_
     _assert_oracle(three_d_runs[f"{model_type}-cp"], references[model_type])
 
 
-@pytest.mark.parametrize("job", ["qwen2_moe-ep", "qwen2_moe-ep-cp-zero3"])
-def test_expert_parallel_generic_family_matches_transformers(job, three_d_runs, references):
+def test_expert_parallel_generic_family_matches_transformers(three_d_runs, references):
     """dp=2 x ep=2 x tp=2 x pp=2 on Qwen2-MoE: each dp rank holds half the experts of its stage's
-    layers and sends each token to the rank holding its expert (distributed.expert_parallel); and
-    dp=2 x ep=2 x cp=2 x pp=2 under ZeRO-3, each cp rank routing its half of every sequence, the
-    experts sharded over the ranks holding them: against the same one-process reference as every
-    other layout."""
-    _assert_oracle(three_d_runs[job], references["qwen2_moe"])
+    layers and sends each token to the rank holding its expert (distributed.expert_parallel), against
+    the same one-process reference as every other layout."""
+    _assert_oracle(three_d_runs["qwen2_moe-ep"], references["qwen2_moe"])
+
+
+@pytest.mark.parametrize("layout", ["single", "ep-cp-zero3"])
+def test_the_router_loss_of_a_generic_family_is_transformers_own(layout, single_runs, three_d_runs, references):
+    """The router's auxiliary loss on Qwen2-MoE against the reference plus transformers' own
+    load_balancing_loss_func on the model's router logits, per sequence and layer: in one process from
+    a checkpoint whose config.json turns it on (output_router_logits, its router_aux_loss_coef; the suite's
+    other Qwen2-MoE runs, whose config leaves it off, add none, as transformers adds none), and with
+    model.router_aux_loss_coef at dp=2 x ep=2 x cp=2 x pp=2 under ZeRO-3 (each cp rank routing its half
+    of every sequence, the experts sharded over the ranks holding them). The negative control: the
+    reference without it differs."""
+    from test_oracle import oracle_mismatches
+
+    run = single_runs["qwen2_moe-aux"] if layout == "single" else three_d_runs["qwen2_moe-ep-cp-zero3-aux"]
+    _assert_oracle(run, references["qwen2_moe-aux"])
+    assert oracle_mismatches(run, references["qwen2_moe"])
+    assert run["history"][0]["expert_load"] and run["history"][0]["dropped_tokens"] == 0
 
 
 def _ep_run(checkpoints: dict) -> Path:

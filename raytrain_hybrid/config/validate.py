@@ -212,7 +212,8 @@ def _validate_experts(cfg: Config, spec: ArchSpec) -> None:
     experts = spec.experts(model)[0]
     fits = [d for d in divisors(par.dp) if experts % d == 0]
     # (a generic family's experts are its config's, not model.num_experts: named so)
-    counted = "model.num_experts" if "router" in spec.moe else "the model's expert count"
+    hand = "router" in spec.moe and "logits" not in spec.moe
+    counted = "model.num_experts" if hand else "the model's expert count"
     for key, value in (("parallelism.dp", par.dp), (counted, experts)):
         if value % par.ep:
             raise ConfigError("parallelism.ep", par.ep, f"must divide {key}={value}; try ep in {choices(fits)}")

@@ -98,8 +98,14 @@ class RouterLoss:
     layer, every term is known where it is computed, so every layout trains the same model
     (for one sequence and one MoE layer the two definitions agree)."""
 
-    def __init__(self, modules, moe: dict, *, experts: int, moe_layers: int, seq_len: int, coef: float, cp_group=None):
+    def __init__(
+        self, modules, moe: dict, *, experts: int, moe_layers: int, seq_len: int, coef: float, cp_group=None, top_k=0
+    ):
         self.experts, self.moe_layers, self.seq_len, self.coef = experts, moe_layers, seq_len, coef
+        # A generic family's router (models.generic_router: "logits", its output's index of them) is
+        # hooked for its logits alone, as transformers' load_balancing_loss_func reads them: the top-k
+        # taken from their softmax, the loss's gradient carried by its MoE block's output ("block").
+        self.logits, self.top_k, self._pending = moe.get("logits"), top_k, None
         # Context parallelism: this rank routes a contiguous 1/cp of each sequence. A sequence's
         # term is e * sum_e f_e * P_e, with f the routed fractions over the whole sequence (its cp
         # ranks' counts summed, no gradient) and P the mean probabilities, linear in each token's:
@@ -115,13 +121,18 @@ class RouterLoss:
         self.device = next(p for m in modules for p in m.parameters()).device
         # The hooks keep Python state per step (and read the dispatch's token counts): run outside
         # torch.compile's graphs (a graph break each), not traced into guards that fail every step.
-        router_hook, experts_hook = torch._dynamo.disable(self._router_hook), torch._dynamo.disable(self._experts_hook)
+        router_hook = self._router_hook if self.logits is None else self._logits_hook
+        router_hook, experts_hook = torch._dynamo.disable(router_hook), torch._dynamo.disable(self._experts_hook)
+        block_hook = torch._dynamo.disable(self._block_hook)
+        self.watch_experts = "experts" in moe
         for module in modules:
             for name, sub in module.named_modules():
                 if name.endswith("." + moe["router"]):
                     sub.register_forward_hook(router_hook)
-                elif name.endswith("." + moe["experts"]):
+                elif self.watch_experts and name.endswith("." + moe["experts"]):
                     sub.register_forward_hook(experts_hook)
+                elif self.logits is not None and name.endswith("." + moe["block"]) and name.split(".")[-2].isdigit():
+                    sub.register_forward_hook(block_hook)  # (a block's own child, dense or not)
 
     def start_step(self, global_batch: int, dp: int, microbatches: int, scaled_by_schedule: bool) -> None:
         """Before a step: the pipeline schedule divides gradients by the micro-batch count
@@ -142,6 +153,28 @@ class RouterLoss:
         logits, weights, indices = output
         if not torch.is_grad_enabled() or logits.is_meta:
             return None
+        aux = self._term(router, logits, indices)
+        return logits, _WithAuxGrad.apply(weights, aux, self.scale), indices
+
+    def _logits_hook(self, router, args, output):
+        logits = output[self.logits] if isinstance(output, (tuple, list)) else output
+        if not torch.is_grad_enabled() or logits.is_meta:
+            return None
+        with torch.no_grad():
+            chosen = torch.softmax(logits.float(), dim=-1).topk(self.top_k, dim=-1).indices
+        self._pending = self._term(router, logits, chosen)  # (its block's output carries it: _block_hook)
+        return None
+
+    def _block_hook(self, block, args, output):
+        aux, self._pending = self._pending, None
+        if aux is None:  # (a dense layer's MLP under the MoE block's name)
+            return None
+        if isinstance(output, tuple):
+            return (_WithAuxGrad.apply(output[0], aux, self.scale), *output[1:])
+        return _WithAuxGrad.apply(output, aux, self.scale)
+
+    def _term(self, router, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """The loss's terms of the sequences a router saw (their sum, with its graph), recorded."""
         # Activation checkpointing's recomputation computes the same (it must save what the
         # forward saved) and records nothing.
         e, k, here = self.experts, indices.shape[-1], self.seq_len // self.cp
@@ -158,7 +191,7 @@ class RouterLoss:
             self._record.setdefault(id(router), []).append(
                 torch.cat([(aux.detach() * self.unit).reshape(1), hits.sum(0)])
             )
-        return logits, _WithAuxGrad.apply(weights, aux, self.scale), indices
+        return aux
 
     def _experts_hook(self, experts, args, output):
         """Token-expert pairs the experts computed: what expert parallelism's dispatch says it
@@ -189,27 +222,53 @@ class RouterLoss:
         if dist.is_initialized():
             dist.all_reduce(total)
         load = total[1:-1].round()
-        return {"aux": total[0], "expert_load": load, "dropped_tokens": load.sum() - total[-1].round()}
+        out = {"aux": total[0], "expert_load": load}
+        if self.watch_experts:  # (what the experts computed is known where they are hooked)
+            out["dropped_tokens"] = load.sum() - total[-1].round()
+        return out
 
 
 def make_router_loss(cfg: Config, spec, hf_config, modules, cp_group=None) -> RouterLoss | None:
-    """The RouterLoss of a mixture-of-experts model's stages; None for a dense model."""
-    if spec.moe is None or "router" not in spec.moe:  # (a generic family's: no auxiliary loss added)
+    """The RouterLoss of a mixture-of-experts model's stages; None for a dense model, or a generic
+    family without a router auxiliary loss (models.generic_router) or with a weight of 0 for it."""
+    if spec.moe is None or "router" not in spec.moe:
         return None
+    if "logits" in spec.moe:
+        return _generic_router_loss(cfg, spec, hf_config, modules, cp_group)
+    from raytrain_hybrid.models.qwen3_moe import aux_coef  # (the hand-written families' weight, unset)
+
+    coef = aux_coef(cfg.model)
     layers = hf_config.num_hidden_layers
     sparse_step = getattr(hf_config, "decoder_sparse_step", 1) or 1
     dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
     moe_layers = sum(1 for i in range(layers) if i not in dense and (i + 1) % sparse_step == 0)
     experts = getattr(hf_config, "num_local_experts", None) or hf_config.num_experts
-    coef = cfg.model.router_aux_loss_coef
     seq = cfg.model.seq_len
     return RouterLoss(
         modules, spec.moe, experts=experts, moe_layers=moe_layers, seq_len=seq, coef=coef, cp_group=cp_group
     )
 
 
+def _generic_router_loss(cfg: Config, spec, hf_config, modules, cp_group) -> RouterLoss | None:
+    from raytrain_hybrid.models.generic_router import default_coef
+
+    coef = cfg.model.router_aux_loss_coef
+    coef = default_coef(hf_config) if coef is None else coef
+    if not coef:
+        return None
+    experts, top_k = spec.experts(cfg.model)
+    # The MoE layers of the whole model (a stage holds some): its routers, counted on the meta device.
+    router = "." + spec.moe["router"]
+    moe_layers = sum(1 for name, _ in spec.build(hf_config).named_modules() if name.endswith(router))
+    sizes = {"experts": experts, "moe_layers": moe_layers, "seq_len": cfg.model.seq_len, "top_k": top_k}
+    return RouterLoss(modules, spec.moe, **sizes, coef=coef, cp_group=cp_group)
+
+
 def moe_metrics(moe: dict) -> dict:
     """A step's metrics from RouterLoss.reduce (none for a dense model)."""
     if not moe:
         return {}
-    return {"expert_load": moe["expert_load"].int().tolist(), "dropped_tokens": int(moe["dropped_tokens"])}
+    out = {"expert_load": moe["expert_load"].int().tolist()}
+    if "dropped_tokens" in moe:
+        out["dropped_tokens"] = int(moe["dropped_tokens"])
+    return out

@@ -35,6 +35,7 @@ from raytrain_hybrid.models import (
     generic_counts,
     generic_cp,
     generic_facts,
+    generic_router,
     generic_sp,
     generic_split,
     generic_weights,
@@ -368,8 +369,8 @@ def spec(model_type: str) -> ArchSpec:
         # it by tp, and divides its experts module (not the router, not shared experts) by ep.
         expert_params=functools.partial(generic_counts.moe_params, model_type, "experts"),
         whole_params=functools.partial(generic_counts.moe_params, model_type, "rest"),
-        # Expert parallelism where the model matrix held it; no router auxiliary loss (no "router").
-        moe=None if (experts := generic_split.expert_module(model_type)) is None else {"experts": experts},
+        # Expert parallelism and the router auxiliary loss where the model matrix held them.
+        moe=generic_router.moe_spec(model_type),
         experts=functools.partial(generic_split.experts_of, model_type),
         layers=f"{prefix}.{layers}",
         first_stage=(f"{prefix}.{embed}", *(f"{prefix}.{n}" for n in per_layer_inputs(model_type))),

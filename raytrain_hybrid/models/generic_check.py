@@ -1,8 +1,8 @@
 """What ``check`` refuses of a generic decoder family (models.generic) before workers start: the
 family itself, tensor parallelism where its plan or the model matrix says so, context parallelism
 where its attention does not allow it (models.generic_cp), expert parallelism where the model matrix
-did not hold it, and the expert keys (a family's experts are its transformers config's, and no
-router auxiliary loss is added to its loss)."""
+did not hold it, and the expert keys (a family's experts are its transformers config's; the router
+auxiliary loss's weight where the model matrix held the family with it: models.generic_router)."""
 
 from __future__ import annotations
 
@@ -31,10 +31,12 @@ def check(model_type: str, cfg) -> None:
         if why:
             raise ConfigError("parallelism.cp", par.cp, f"{model_type} {why}; use parallelism.cp=1")
     features(model_type, cfg)
+    from raytrain_hybrid.models import generic_router
+
     m, defaults = cfg.model, type(cfg.model)()
-    moe_keys = [
-        k for k in ("num_experts", "experts_per_token", "router_aux_loss_coef") if getattr(m, k) != getattr(defaults, k)
-    ]
+    moe_keys = [k for k in ("num_experts", "experts_per_token") if getattr(m, k) != getattr(defaults, k)]
+    if m.router_aux_loss_coef is not None and not moe_keys and generic_router.router(model_type) is None:
+        moe_keys = ["router_aux_loss_coef"]
     if par.ep == 1 and not moe_keys:
         return
     config = generic.hf_config(model_type, cfg)
@@ -52,12 +54,11 @@ def check(model_type: str, cfg) -> None:
         return  # (ep against dp and the expert count: config.validate, with spec.experts)
     key = moe_keys[0]
     where = f"{experts}={getattr(config, experts)}" if experts else "none: it has no experts"
-    raise ConfigError(
-        f"model.{key}",
-        getattr(m, key),
-        f"{model_type} takes its experts from its transformers config ({where}) and adds no router "
-        "auxiliary loss; leave the key out",
-    )
+    if key != "router_aux_loss_coef":
+        why = f"takes its experts from its transformers config ({where})"
+    else:
+        why = generic_router.refusal(model_type) if experts else "has no experts, so no router auxiliary loss"
+    raise ConfigError(f"model.{key}", getattr(m, key), f"{model_type} {why}; leave the key out")
 
 
 def cp_static(model_type: str) -> bool:
