@@ -283,10 +283,9 @@ def router_aux(row: dict, path: Path, model_type: str) -> None:
 
     if not generic_split.moe_children(model_type):
         return
-    found = generic_router.find(model_type)
+    found, why = generic_router.search(model_type)
     if found is None:
-        why = "adds no router auxiliary loss in transformers (its causal LM calls no load_balancing_loss_func on a"
-        row.update(aux=False, aux_reason=f"{why} router recorded under its mixture of experts)")
+        row.update(aux=False, aux_reason=why)
         return
     row["aux_router"] = found
     pp, ep = _STAGED["pp"], bool(row.get("ep"))

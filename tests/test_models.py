@@ -210,7 +210,11 @@ def single_runs(checkpoints):
     from gloo_harness import run_gloo_jobs
 
     jobs = _jobs(checkpoints, SINGLE)
-    jobs["qwen2_moe-aux"] = _overrides(_aux_checkpoint(checkpoints["qwen2_moe"]), SINGLE)
+    # (with activation checkpointing: the wrapper it puts around each block renames the block's modules)
+    jobs["qwen2_moe-aux"] = [
+        *_overrides(_aux_checkpoint(checkpoints["qwen2_moe"]), SINGLE),
+        "parallelism.activation_checkpointing=true",
+    ]
     return run_gloo_jobs(1, jobs)
 
 
@@ -358,7 +362,8 @@ def test_the_router_loss_of_a_generic_family_is_transformers_own(layout, single_
     """The router's auxiliary loss on Qwen2-MoE against the reference plus transformers' own
     load_balancing_loss_func on the model's router logits, per sequence and layer: in one process from
     a checkpoint whose config.json turns it on (output_router_logits, its router_aux_loss_coef; the suite's
-    other Qwen2-MoE runs, whose config leaves it off, add none, as transformers adds none), and with
+    other Qwen2-MoE runs, whose config leaves it off, add none, as transformers adds none), with
+    activation checkpointing, and with
     model.router_aux_loss_coef at dp=2 x ep=2 x cp=2 x pp=2 under ZeRO-3 (each cp rank routing its half
     of every sequence, the experts sharded over the ranks holding them). The negative control: the
     reference without it differs."""

@@ -56,9 +56,9 @@ class ModelConfig:
     experts_per_token: int = 2
     # MoE models: weight of the router's load-balancing loss added to the language-model loss: transformers'
     # load_balancing_loss_func taken per sequence and MoE layer and averaged over them (0: no auxiliary loss).
-    # "auto" (the default): 0.001 for qwen3-moe and mixtral; a transformers family's own (its config's
-    # router_aux_loss_coef where the config sets output_router_logits, as transformers adds it; else none).
-    router_aux_loss_coef: float | None = None
+    # A transformers family (not the two above) left at 0.001 takes its checkpoint's own weight: its config's
+    # router_aux_loss_coef where the config sets output_router_logits, as transformers adds it; else none.
+    router_aux_loss_coef: float = 0.001
     # Vocabulary size; must cover the tokenizer's vocabulary.
     vocab_size: int = 4096
     # Tokens per sample (multimodal-bert: per text field, padded or truncated to it).
@@ -100,7 +100,7 @@ class ModelConfig:
                 self.experts_per_token,
                 f"must be in [1, model.num_experts={self.num_experts}]",
             )
-        if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
+        if self.router_aux_loss_coef < 0:
             raise ConfigError("model.router_aux_loss_coef", self.router_aux_loss_coef, "must be >= 0 (0: none)")
 
 

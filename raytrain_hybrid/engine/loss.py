@@ -129,10 +129,11 @@ class RouterLoss:
             for name, sub in module.named_modules():
                 if name.endswith("." + moe["router"]):
                     sub.register_forward_hook(router_hook)
+                    if self.logits is not None:  # (the block holding this router: under any wrapper)
+                        block = name.removesuffix(moe["router"]) + moe["block"]
+                        module.get_submodule(block).register_forward_hook(block_hook)
                 elif self.watch_experts and name.endswith("." + moe["experts"]):
                     sub.register_forward_hook(experts_hook)
-                elif self.logits is not None and name.endswith("." + moe["block"]) and name.split(".")[-2].isdigit():
-                    sub.register_forward_hook(block_hook)  # (a block's own child, dense or not)
 
     def start_step(self, global_batch: int, dp: int, microbatches: int, scaled_by_schedule: bool) -> None:
         """Before a step: the pipeline schedule divides gradients by the micro-batch count
@@ -162,19 +163,26 @@ class RouterLoss:
             return None
         with torch.no_grad():
             chosen = torch.softmax(logits.float(), dim=-1).topk(self.top_k, dim=-1).indices
-        self._pending = self._term(router, logits, chosen)  # (its block's output carries it: _block_hook)
+        # The experts the router chose, for expert_load, where its output holds them (its last integer
+        # tensor): a family that routes otherwise than by the softmax's top-k (a sigmoid, a bias) too.
+        routed = (
+            [o for o in output if torch.is_tensor(o) and not o.is_floating_point()] if isinstance(output, tuple) else []
+        )
+        load = routed[-1] if routed and routed[-1].shape == chosen.shape else chosen
+        self._pending = self._term(router, logits, chosen, load)  # (its block's output carries it: _block_hook)
         return None
 
     def _block_hook(self, block, args, output):
         aux, self._pending = self._pending, None
-        if aux is None:  # (a dense layer's MLP under the MoE block's name)
+        if aux is None:  # (a pipeline stage's shape inference on meta tensors, evaluation)
             return None
         if isinstance(output, tuple):
             return (_WithAuxGrad.apply(output[0], aux, self.scale), *output[1:])
         return _WithAuxGrad.apply(output, aux, self.scale)
 
-    def _term(self, router, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """The loss's terms of the sequences a router saw (their sum, with its graph), recorded."""
+    def _term(self, router, logits: torch.Tensor, indices: torch.Tensor, load=None) -> torch.Tensor:
+        """The loss's terms of the sequences a router saw (their sum, with its graph), recorded with
+        the experts ``load`` names (default: ``indices``, the loss's choice)."""
         # Activation checkpointing's recomputation computes the same (it must save what the
         # forward saved) and records nothing.
         e, k, here = self.experts, indices.shape[-1], self.seq_len // self.cp
@@ -188,8 +196,9 @@ class RouterLoss:
         per_seq = e * (whole / self.seq_len * probs.mean(1) / self.cp).sum(-1)
         aux = per_seq.sum()
         if self._recording(logits):
+            counted = hits if load is None else F.one_hot(load.reshape(-1, here * k), e).sum(1).float()
             self._record.setdefault(id(router), []).append(
-                torch.cat([(aux.detach() * self.unit).reshape(1), hits.sum(0)])
+                torch.cat([(aux.detach() * self.unit).reshape(1), counted.sum(0)])
             )
         return aux
 
@@ -235,9 +244,7 @@ def make_router_loss(cfg: Config, spec, hf_config, modules, cp_group=None) -> Ro
         return None
     if "logits" in spec.moe:
         return _generic_router_loss(cfg, spec, hf_config, modules, cp_group)
-    from raytrain_hybrid.models.qwen3_moe import aux_coef  # (the hand-written families' weight, unset)
-
-    coef = aux_coef(cfg.model)
+    coef = cfg.model.router_aux_loss_coef
     layers = hf_config.num_hidden_layers
     sparse_step = getattr(hf_config, "decoder_sparse_step", 1) or 1
     dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
@@ -253,7 +260,8 @@ def _generic_router_loss(cfg: Config, spec, hf_config, modules, cp_group) -> Rou
     from raytrain_hybrid.models.generic_router import default_coef
 
     coef = cfg.model.router_aux_loss_coef
-    coef = default_coef(hf_config) if coef is None else coef
+    if coef == type(cfg.model)().router_aux_loss_coef:  # left at its default: the checkpoint's own
+        coef = default_coef(hf_config)
     if not coef:
         return None
     experts, top_k = spec.experts(cfg.model)

@@ -35,7 +35,8 @@ def check(model_type: str, cfg) -> None:
 
     m, defaults = cfg.model, type(cfg.model)()
     moe_keys = [k for k in ("num_experts", "experts_per_token") if getattr(m, k) != getattr(defaults, k)]
-    if m.router_aux_loss_coef is not None and not moe_keys and generic_router.router(model_type) is None:
+    weighed = m.router_aux_loss_coef != defaults.router_aux_loss_coef  # (left at it: the checkpoint's own)
+    if weighed and not moe_keys and generic_router.router(model_type) is None:
         moe_keys = ["router_aux_loss_coef"]
     if par.ep == 1 and not moe_keys:
         return

@@ -52,23 +52,27 @@ def default_coef(hf_config) -> float:
 
 
 def find(model_type: str) -> dict | None:
-    """The family's router as its classes say it (see the module docstring); None where its causal LM
-    adds no load-balancing loss or its recorded router is not found under one MoE child of a block."""
+    """The family's router as its classes say it (see the module docstring), or None (``why``)."""
+    return search(model_type)[0]
+
+
+def search(model_type: str) -> tuple[dict | None, str | None]:
+    """(the family's router, None), or (None, why it has none this engine can weigh)."""
     import inspect
+    from types import SimpleNamespace
 
     import torch
 
     config_cls, lm_cls = generic.classes(model_type)
     if "load_balancing_loss_func" not in inspect.getsource(lm_cls.forward):
-        return None
+        return None, "adds no router auxiliary loss in transformers (its causal LM calls no load_balancing_loss_func)"
     recorder = (getattr(lm_cls, "_can_record_outputs", None) or {}).get("router_logits")
     target = getattr(recorder, "target_class", None)
     if target is None:
-        return None
-    from types import SimpleNamespace
-
+        return None, "records its router logits otherwise than from one router module, which the loss reads"
     moe = generic_split.moe_children(model_type)
-    sizes = dict(vocab_size=256, hidden_size=64, ffn_hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
+    # (4 layers, as the model matrix's tiny models: a family's default dense first layers leave some MoE)
+    sizes = dict(vocab_size=256, hidden_size=64, ffn_hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2)
     config = config_cls(**generic.tiny_kwargs(SimpleNamespace(**sizes, head_dim=16, seq_len=32), model_type))
     with torch.device("meta"):
         model = lm_cls(config)
@@ -76,9 +80,10 @@ def find(model_type: str) -> dict | None:
     found = set()
     for name, module in model.named_modules():
         if isinstance(module, target) and layers in name:
-            path = name.split(layers, 1)[1].split(".", 1)[1]  # (after the block's index)
-            found.add(path)
+            found.add(name.split(layers, 1)[1].split(".", 1)[1])  # (its path after the block's index)
     paths = sorted(p for p in found if p.split(".")[0] in moe)
     if len(paths) != 1 or len(found) != 1:
-        return None
-    return {"router": paths[0], "logits": int(getattr(recorder, "index", 0)), "block": paths[0].split(".")[0]}
+        where = ", ".join(sorted(found)) or "no module of the matrix's tiny model"
+        return None, f"records its router logits from {where}, not from one router inside its mixture of experts"
+    index = int(getattr(recorder, "index", 0))
+    return {"router": paths[0], "logits": index, "block": paths[0].split(".")[0]}, None

@@ -20,15 +20,10 @@ from raytrain_hybrid.models.llama import sizes_from_hf as llama_sizes
 from raytrain_hybrid.models.spec import ArchSpec, TransformersClass
 
 
-def aux_coef(m) -> float:
-    """model.router_aux_loss_coef, or unset the hand-written families' own 0.001 (Qwen3-MoE's and Mixtral's)."""
-    return 0.001 if m.router_aux_loss_coef is None else m.router_aux_loss_coef
-
-
 def _hf_config(config_cls, mixtral: bool, cfg):
     m = cfg.model
     if is_set(m.pretrained):
-        return checkpoint_config(config_cls, m, attention_dropout=0.0, router_aux_loss_coef=aux_coef(m))
+        return checkpoint_config(config_cls, m, attention_dropout=0.0, router_aux_loss_coef=m.router_aux_loss_coef)
     experts = (
         {"num_local_experts": m.num_experts, "router_jitter_noise": 0.0}
         if mixtral
@@ -41,7 +36,7 @@ def _hf_config(config_cls, mixtral: bool, cfg):
     return config_cls(
         **config_kwargs(m),
         num_experts_per_tok=m.experts_per_token,
-        router_aux_loss_coef=aux_coef(m),
+        router_aux_loss_coef=m.router_aux_loss_coef,
         **experts,
     )
 
