@@ -196,7 +196,8 @@ class RouterLoss:
         per_seq = e * (whole / self.seq_len * probs.mean(1) / self.cp).sum(-1)
         aux = per_seq.sum()
         if self._recording(logits):
-            counted = hits if load is None else F.one_hot(load.reshape(-1, here * k), e).sum(1).float()
+            same = load is None or load is indices  # (the router's own choice: counted once)
+            counted = hits if same else F.one_hot(load.reshape(-1, here * k), e).sum(1).float()
             self._record.setdefault(id(router), []).append(
                 torch.cat([(aux.detach() * self.unit).reshape(1), counted.sum(0)])
             )
