@@ -279,9 +279,12 @@ def router_aux(row: dict, path: Path, model_type: str) -> None:
     .find, recorded in the row as ``aux_router``); a dense family is left without a verdict."""
     from model_matrix import oracle
 
-    from raytrain_hybrid.models import generic_router, generic_split
+    from raytrain_hybrid.models import generic, generic_check, generic_router, generic_split
 
-    if not generic_split.moe_children(model_type):
+    # A mixture of experts: its TP plan's experts, or an expert count in its config (gpt-oss's plan
+    # names no experts, and its causal LM adds the loss).
+    counted = any(getattr(generic.classes(model_type)[0](), k, None) for k in generic_check.EXPERT_KEYS)
+    if not generic_split.moe_children(model_type) and not counted:
         return
     found, why = generic_router.search(model_type)
     if found is None:

@@ -169,6 +169,41 @@ def test_a_router_loss_is_taken_where_transformers_adds_one_and_weighed_as_it_we
     assert generic_router.default_coef(on) == 0.02
     assert generic_router.default_coef(SimpleNamespace(output_router_logits=False, router_aux_loss_coef=0.02)) == 0
     assert generic_router.default_coef(SimpleNamespace()) == 0
+    # gpt-oss's TP plan names no experts: its router's parent is the block (matrix: held at dp1 x pp2)
+    assert generic_router.router("gpt_oss") == {"router": "mlp.router", "logits": 0, "block": "mlp"}
+
+
+def test_a_router_loss_nobody_held_is_refused_not_left_out(tmp_path, monkeypatch):
+    """A checkpoint whose config.json asks for the router loss (output_router_logits) of a family the
+    model matrix recorded no verdict for (another transformers, a registered family) is refused
+    naming model.pretrained, instead of training without the loss transformers would add;
+    model.router_aux_loss_coef=0 trains it without. Where the matrix held the loss at tp=1 only,
+    tp=2 is refused with it and taken without it."""
+    import json
+
+    from test_models import make_checkpoint
+
+    from raytrain_hybrid.errors import ConfigError
+
+    path = make_checkpoint(tmp_path, "qwen2_moe")
+    conf = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**conf, "output_router_logits": True, "router_aux_loss_coef": 0.02}))
+    layout = ["parallelism.pp=1", "data.path=memory", "model.seq_len=32", f"model.pretrained={path}"]
+    tp1 = ["parallelism.tp=1", *layout]
+    assert load_config(None, tp1).model.pretrained == str(path)  # (recorded: the matrix held its router)
+    rows = generic.verified()
+    monkeypatch.setattr(generic, "verified", lambda: {k: v for k, v in rows.items() if k != "qwen2_moe"})
+    with pytest.raises(ConfigError, match="sets output_router_logits") as err:
+        load_config(None, tp1)
+    assert err.value.key == "model.pretrained" and "model.router_aux_loss_coef=0" in str(err.value)
+    load_config(None, [*tp1, "model.router_aux_loss_coef=0"])
+    tp_only = {**rows["qwen2_moe"], "aux_tp_reason": "differs from the reference at tp=2: (test)"}
+    monkeypatch.setattr(generic, "verified", lambda: {**rows, "qwen2_moe": tp_only})
+    tp2 = ["parallelism.tp=2", "parallelism.dp=1", *layout]
+    with pytest.raises(ConfigError, match=re.escape("qwen2_moe with its router loss differs")) as err:
+        load_config(None, tp2)
+    assert err.value.key == "parallelism.tp"
+    load_config(None, [*tp2, "model.router_aux_loss_coef=0"])
 
 
 def test_experts_skipped_by_every_token_still_get_a_gradient():

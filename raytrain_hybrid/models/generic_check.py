@@ -35,9 +35,17 @@ def check(model_type: str, cfg) -> None:
 
     m, defaults = cfg.model, type(cfg.model)()
     moe_keys = [k for k in ("num_experts", "experts_per_token") if getattr(m, k) != getattr(defaults, k)]
-    weighed = m.router_aux_loss_coef != defaults.router_aux_loss_coef  # (left at it: the checkpoint's own)
-    if weighed and not moe_keys and generic_router.router(model_type) is None:
-        moe_keys = ["router_aux_loss_coef"]
+    # (0 is always allowed: no router loss is what a family without one trains with)
+    if m.router_aux_loss_coef and not moe_keys and generic_router.router(model_type) is None:
+        weighed = m.router_aux_loss_coef != defaults.router_aux_loss_coef  # (left at it: the checkpoint's own)
+        moe_keys = ["router_aux_loss_coef"] if weighed else []
+        _unheld_router_loss(model_type, m)
+    if generic_router.router(model_type) and par.tp > 1:
+        tp_only = (generic.verified().get(model_type) or {}).get("aux_tp_reason")
+        if tp_only and m.router_aux_loss_coef and _router_loss_on(m, defaults):
+            raise ConfigError(
+                "parallelism.tp", par.tp, f"{model_type} with its router loss {tp_only}; use parallelism.tp=1"
+            )
     if par.ep == 1 and not moe_keys:
         return
     config = generic.hf_config(model_type, cfg)
@@ -113,3 +121,32 @@ def packing_refusal(hf_config) -> str | None:
     if other:
         return f"has {', '.join(other)} layers, which carry state across a packed row's examples instead of a mask"
     return None
+
+
+def _router_loss_on(m, defaults) -> bool:
+    """The run weighs a router auxiliary loss: the key set, or left at its default and the
+    checkpoint's config.json asking for one (output_router_logits, as transformers reads it)."""
+    from raytrain_hybrid.models.hf_checkpoint import is_set, read_config_json
+
+    if m.router_aux_loss_coef != defaults.router_aux_loss_coef:
+        return True
+    conf = read_config_json(m.pretrained, m.pretrained_revision) if is_set(m.pretrained) else {}
+    return bool(conf.get("output_router_logits") and conf.get("router_aux_loss_coef", 0))
+
+
+def _unheld_router_loss(model_type: str, m) -> None:
+    """Refuse a checkpoint whose config.json asks for a router auxiliary loss that the model matrix
+    did not hold for its family (one it did not record at all: a family of another transformers, or
+    registered): trained without it, the run would silently differ from transformers' own."""
+    from raytrain_hybrid.models import generic
+
+    # A recorded family: the matrix's aux pass ran over every family with experts (a verdict in its row)
+    if model_type in generic.verified() or not _router_loss_on(m, type(m)()):
+        return
+    raise ConfigError(
+        "model.pretrained",
+        m.pretrained,
+        f"its config.json sets output_router_logits, a router auxiliary loss that was not held to "
+        f"transformers' for {model_type}; set output_router_logits to false there, or "
+        f"model.router_aux_loss_coef=0 to train without it",
+    )

@@ -81,7 +81,9 @@ def search(model_type: str) -> tuple[dict | None, str | None]:
     for name, module in model.named_modules():
         if isinstance(module, target) and layers in name:
             found.add(name.split(layers, 1)[1].split(".", 1)[1])  # (its path after the block's index)
-    paths = sorted(p for p in found if p.split(".")[0] in moe)
+    # The MoE block is the plan's (moe_children); a family whose TP plan names no experts (gpt-oss's
+    # shards the embedding only) has its one router's parent as the block.
+    paths = sorted(p for p in found if not moe or p.split(".")[0] in moe)
     if len(paths) != 1 or len(found) != 1:
         where = ", ".join(sorted(found)) or "no module of the matrix's tiny model"
         return None, f"records its router logits from {where}, not from one router inside its mixture of experts"
