@@ -348,7 +348,7 @@ def run_pass(name: str, only: list[str], out: Path) -> dict:
             os.environ["RH_EAGER"] = "1"
         _STAGED["pp"] = 2 if generic.has_pp_plan(mt) else 1
         if row.get("spec"):  # a hand-written family, held on the generic path (model_matrix.main)
-            os.environ[GENERIC_PATH_ENV] = mt
+            os.environ[GENERIC_PATH_ENV] = row["spec"]  # (the spec's name: qwen3-moe for qwen3_moe)
         try:
             PASSES[name](row, make_checkpoint(tmp, mt), mt)
         except Exception as exc:  # noqa: BLE001 - recorded per family

@@ -221,10 +221,10 @@ def main() -> None:
     # Model types a hand-written spec trains (sequence parallelism, ep, ...): held by their own
     # oracle tests (tests/test_oracle.py, test_pretrained.py, test_moe.py), and by this matrix on the
     # generic path where RAYTRAIN_GENERIC_PATH names them (their rows keep the spec's name).
-    from raytrain_hybrid.models import ARCH_NAMES, GENERIC_PATH_ENV, arch_names, get_arch
+    from raytrain_hybrid.models import ARCH_NAMES, GENERIC_PATH_ENV, HAND_MODEL_TYPES
 
     forced = {n for n in os.environ.get(GENERIC_PATH_ENV, "").split(",") if n in ARCH_NAMES}
-    hand = {mt: name for name in arch_names("lm") for mt in get_arch(name).hf_model_types if mt not in forced}
+    hand = {mt: name for mt, name in HAND_MODEL_TYPES.items() if name not in forced}
     for mt in names:
         t0 = time.perf_counter()
         row: dict = {"status": "refused"}
@@ -259,8 +259,8 @@ def main() -> None:
             head = "differs from the reference" if mismatch else "could not be built or trained here"
             row["reason"] = f"{head}: {_short(exc)}"
             row["trace"] = traceback.format_exc(limit=3)[-600:]
-        if mt in forced:
-            row["spec"] = mt  # trained by its hand-written spec unless RAYTRAIN_GENERIC_PATH names it
+        if HAND_MODEL_TYPES.get(mt) in forced:  # trained by its spec unless RAYTRAIN_GENERIC_PATH names it
+            row["spec"] = HAND_MODEL_TYPES[mt]  # (the spec's name: qwen3-moe for qwen3_moe)
         os.environ.pop("RH_EAGER", None)  # (single_oracle's, for this family's checks alone)
         shutil.rmtree(tmp / mt, ignore_errors=True)  # some families' default sizes make GB-sized checkpoints
         row["seconds"] = round(time.perf_counter() - t0, 1)
