@@ -551,3 +551,22 @@ def test_the_planner_keeps_a_generic_mixture_of_experts_whole_on_tp_and_splits_i
     assert experts > 0 and rest > 0
     assert weights[(2, 1)] == pytest.approx((weights[(1, 1)] - experts - rest) / 2 + experts + rest)
     assert weights[(2, 2)] == pytest.approx(weights[(2, 1)] - experts / 2)
+
+
+@pytest.mark.parametrize(("sp", "share"), [(False, 2 / 4), (True, 3 / 4)])
+def test_the_planner_charges_tp_collectives_of_a_mixture_of_experts_where_they_are(sp, share):
+    """At tp=2 a Qwen2-MoE block's MoE runs whole on every rank: attention keeps its all-reduce
+    forward and backward, the MoE has none of its own (with sequence parallelism its input's
+    all-gather forward and reduce-scatter backward): half a dense Qwen2 block's TP time of the same
+    sizes, or three quarters."""
+    from raytrain_hybrid.planner.cost import predict
+    from raytrain_hybrid.planner.hardware import PROFILES
+
+    sizes = ["model.hidden_size=256", "model.num_layers=4", "model.num_heads=4", "model.num_kv_heads=2"]
+    base = [*sizes, "data.path=memory", "model.seq_len=64", "parallelism.dp=1", "parallelism.pp=1", "parallelism.tp=2"]
+    base.append(f"parallelism.sequence_parallel={str(sp).lower()}")
+    tp_time = {
+        arch: predict(load_config(None, [f"model.arch={arch}", *base]), PROFILES["h100"])["time_s"]["tp"]
+        for arch in ("qwen2", "qwen2_moe")
+    }
+    assert tp_time["qwen2"] > 0 and tp_time["qwen2_moe"] == pytest.approx(share * tp_time["qwen2"])

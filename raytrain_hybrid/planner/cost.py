@@ -305,10 +305,16 @@ def predict(cfg: Config, hw: Hardware) -> dict:
     width = 2.0 if t.dtype == "bfloat16" else 4.0
     act_msg = micro_batch * (m.seq_len // cp) * m.hidden_size * width
     layers_per_rank = num_blocks(m) / pp
-    # TP: two all-reduces forward and two backward per block and micro-batch, inside a node.
-    tp_s = 4 * layers_per_rank * mb * _allreduce_s(act_msg, tp, hw.intra_node_gbps, hw.latency_s)
-    if tp > 1:  # attention and MLP are one column/row pair each
-        tp_s += 2 * layers_per_rank * mb * hw.tp_pair_overhead_s * (tp / 2) * share
+    # TP: two all-reduces forward and two backward per block and micro-batch, inside a node (under
+    # sequence parallelism an all-gather and a reduce-scatter each, as many bytes): attention's and
+    # the MLP's. A mixture of experts runs whole on every TP rank instead: no collective of its own,
+    # or under sequence parallelism its input's all-gather forward and that one's reduce-scatter
+    # backward (its output is sliced back to the shards without one).
+    sp = par.sequence_parallel and has_sequence_parallel(m)
+    mlp_reduces, pairs = ((1 if sp else 0), 1) if whole else (2, 2)
+    tp_s = (2 + mlp_reduces) * layers_per_rank * mb * _allreduce_s(act_msg, tp, hw.intra_node_gbps, hw.latency_s)
+    if tp > 1:  # attention and a dense MLP are one column/row pair each
+        tp_s += pairs * layers_per_rank * mb * hw.tp_pair_overhead_s * (tp / 2) * share
     cp_s = cp_alltoall_s(cfg, micro_batch, hw) * share
     ep_s = ep_alltoall_s(cfg, micro_batch, hw) * share
     # Placement fills nodes TP-first, then CP, then DP, then PP: an axis leaves the node once the
