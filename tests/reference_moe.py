@@ -67,7 +67,7 @@ def moe_reference_run(cfg, initial=None) -> list[dict]:
     start = _engine_initial(cfg, initial)
     model.load_state_dict(start, strict=True)
     windows = memory_windows(cfg, cfg.train.steps)
-    m = cfg.model
+    m, weighted = cfg.model, []  # (each step's weighted auxiliary loss, for the run's router_aux_loss)
 
     def loss_of(model, step):
         inputs, labels = windows[step][:, :-1], windows[step][:, 1:]
@@ -75,8 +75,11 @@ def moe_reference_run(cfg, initial=None) -> list[dict]:
         lm = F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
         balance = modeling.load_balancing_loss_func
         aux = sequence_aux_loss(out.router_logits, m.seq_len, m.num_experts, m.experts_per_token, balance)
+        weighted.append(m.router_aux_loss_coef * aux.item())
         return lm + m.router_aux_loss_coef * aux
 
     out = _train(cfg, model, dict, loss_of)
+    for step, value in zip(out, weighted, strict=True):
+        step["router_aux_loss"] = value
     out[0]["initial"] = start
     return out

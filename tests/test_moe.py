@@ -39,7 +39,9 @@ def _check(arch: str, results: dict, names: list[str]) -> list[dict]:
     reference = moe_reference_run(load_config(None, common), initial=results[names[0]]["probe"]["initial"])
     for name in names:
         assert_oracle(results[name], reference)
-        for got in results[name]["history"]:
+        for got, want in zip(results[name]["history"], reference, strict=True):
+            # the weighted auxiliary loss reported apart (the loss, compared above, includes it)
+            assert got["router_aux_loss"] == pytest.approx(want["router_aux_loss"], rel=1e-4, abs=1e-7), name
             load = got["expert_load"]
             # Every token of the global batch routed to top-k experts in each MoE layer, none dropped.
             assert len(load) == 4 and sum(load) == 8 * 16 * 2 * 2, (name, load)

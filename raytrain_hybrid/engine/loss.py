@@ -277,7 +277,8 @@ def moe_metrics(moe: dict) -> dict:
     """A step's metrics from RouterLoss.reduce (none for a dense model)."""
     if not moe:
         return {}
-    out = {"expert_load": moe["expert_load"].int().tolist()}
+    # (the routers' weighted auxiliary loss: part of the step's "loss", as transformers adds it to its loss)
+    out = {"router_aux_loss": float(moe["aux"]), "expert_load": moe["expert_load"].int().tolist()}
     if "dropped_tokens" in moe:
         out["dropped_tokens"] = int(moe["dropped_tokens"])
     return out

@@ -41,6 +41,7 @@ _SCALARS = {
     "val_f1": "val/f1",
     "val_auc": "val/auc",
     "dropped_tokens": "moe/dropped_tokens",
+    "router_aux_loss": "moe/router_aux_loss",
 }
 _MEMORY = ("param_bytes", "grad_bytes", "optimizer_bytes", "max_rss_bytes", "max_cuda_allocated_bytes")
 
