@@ -570,3 +570,29 @@ def test_the_planner_charges_tp_collectives_of_a_mixture_of_experts_where_they_a
         for arch in ("qwen2", "qwen2_moe")
     }
     assert tp_time["qwen2"] > 0 and tp_time["qwen2_moe"] == pytest.approx(share * tp_time["qwen2"])
+
+
+def test_a_family_that_norms_its_embeddings_with_its_final_norm_does_so_on_the_first_stage(tmp_path, monkeypatch):
+    """NanoChat's base model passes the embeddings through its final norm (weightless) before the
+    layers, as well as the last hidden states: recorded as pre_norm (and read off its classes alike),
+    the norm kept on every stage, and the engine's stage gives transformers' logits. The negative
+    control: without that norm they differ (the model matrix refused the family so: 0.98 of the logits)."""
+    from test_models import _stage_of, make_checkpoint
+
+    from raytrain_hybrid.models import generic_facts, get_arch
+
+    assert generic_facts.pre_norm("nanochat") and not generic_facts.pre_norm("qwen3")
+    assert generic_facts.norms_embeddings("nanochat", "layers", "norm")
+    assert not generic_facts.norms_embeddings("qwen3", "layers", "norm")
+    assert get_arch("nanochat").last_stage == ("lm_head",) and "model.norm" in get_arch("qwen3").last_stage
+    stage, reference = _stage_of(make_checkpoint(tmp_path, "nanochat"))
+    ids = torch.randint(3, reference.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+
+    def gap() -> float:
+        with torch.no_grad():
+            got, want = stage(ids), reference(input_ids=ids).logits
+        return float((got - want).norm() / want.norm())
+
+    assert gap() < 1e-5
+    monkeypatch.setattr(generic_facts, "pre_norm", lambda model_type: False)
+    assert gap() > 0.1

@@ -374,7 +374,7 @@ def spec(model_type: str) -> ArchSpec:
         experts=functools.partial(generic_split.experts_of, model_type),
         layers=f"{prefix}.{layers}",
         first_stage=(f"{prefix}.{embed}", *(f"{prefix}.{n}" for n in per_layer_inputs(model_type))),
-        last_stage=(f"{prefix}.{norm}", head),
+        last_stage=(*(() if generic_facts.pre_norm(model_type) else (f"{prefix}.{norm}",)), head),
         tp_plan=tp_plan,
         # Vocab-parallel embedding and head: a tied pair is sharded alike (engine.tied sums them).
         tp_plan_outer={f"{prefix}.{embed}": "embedding", head: "head"},

@@ -78,6 +78,8 @@ def derive(model_type: str) -> dict:
     except (KeyError, StopIteration) as exc:
         facts["pp_names"] = None
         facts["pp_error"] = str(exc)
+    if facts["pp_names"] and norms_embeddings(model_type, *facts["pp_names"][1:]):
+        facts["pre_norm"] = True  # (recorded where true only: the other families' facts unchanged)
     facts["head"] = generic.head_name_of(lm_cls)
     facts["prefix"] = prefix_of(lm_cls)
     facts["sdpa"] = bool(getattr(lm_cls, "_supports_sdpa", False))
@@ -125,18 +127,49 @@ def state_space(config_cls) -> bool:
     return any(k.startswith(("mamba_", "ssm_")) for k in fields)
 
 
-def final_norm_of(model_type: str) -> str:
-    """A base model without a pipeline plan: its final norm, the last norm its __init__ sets
-    (``norm``; LFM2's ``embedding_norm``, which it applies last)."""
+@functools.cache
+def pre_norm(model_type: str) -> bool:
+    """Whether the family's base model applies its final norm to the embeddings too, before its layers
+    (NanoChat's "additional norm before the layers"): recorded, else read off its classes."""
+    facts = recorded(model_type)
+    if facts is not None:
+        return bool(facts.get("pre_norm"))
+    from raytrain_hybrid.models import generic
+
+    return norms_embeddings(model_type, *generic.pp_names(model_type)[1:])
+
+
+def norms_embeddings(model_type: str, layers: str, norm: str) -> bool:
+    """The base model's forward, before its loop over ``layers``, passes the hidden states through
+    ``norm`` (read in its source)."""
     import re
 
+    base = _base_class(model_type)
+    try:
+        source = inspect.getsource(base.forward) if base else ""
+    except (OSError, TypeError):
+        return False
+    before = re.split(rf"for \w+ in self\.{layers}\b", source, maxsplit=1)
+    return len(before) == 2 and f"hidden_states = self.{norm}(hidden_states)" in before[0]
+
+
+def _base_class(model_type: str):
+    """The family's base model class (transformers' MODEL_MAPPING_NAMES), or None."""
     from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
     from raytrain_hybrid.models import generic
 
     name = MODEL_MAPPING_NAMES.get(model_type)
     module = inspect.getmodule(generic.classes(model_type)[1])
-    base = getattr(module, name, None) if isinstance(name, str) else None
+    return getattr(module, name, None) if isinstance(name, str) else None
+
+
+def final_norm_of(model_type: str) -> str:
+    """A base model without a pipeline plan: its final norm, the last norm its __init__ sets
+    (``norm``; LFM2's ``embedding_norm``, which it applies last)."""
+    import re
+
+    base = _base_class(model_type)
     try:
         norms = re.findall(r"self\.(\w+) = \w*Norm\w*\(", inspect.getsource(base.__init__)) if base else []
     except (OSError, TypeError):

@@ -11,6 +11,8 @@ import functools
 import inspect
 from typing import TYPE_CHECKING, Any
 
+from raytrain_hybrid.models import generic_facts
+
 if TYPE_CHECKING:
     import torch
 
@@ -146,6 +148,8 @@ def stage_forward(stage, x: torch.Tensor, *carried: torch.Tensor):
             scale = getattr(inner, name, None)
             if isinstance(scale, (int, float)) and scale != 1:
                 h = h * scale
+        if generic_facts.pre_norm(config.model_type):  # (NanoChat's: the final norm, on every stage)
+            h = norm(h)
         if getattr(inner, "hidden_size_per_layer_input", None):  # Gemma 4's per-layer embeddings
             per_layer = inner.project_per_layer_inputs(h, inner.get_per_layer_inputs(x, h))
     packed = position_ids is not None
@@ -178,9 +182,10 @@ def stage_forward(stage, x: torch.Tensor, *carried: torch.Tensor):
             kwargs["shared_kv_states"] = shared_kv
         out = block(h, per_layer[:, :, i], **kwargs) if per_layer is not None else block(h, **kwargs)
         h = out[0] if isinstance(out, tuple) else out
-    if norm is not None:
+    last = getattr(stage, head_name) is not None
+    if norm is not None and last:
         h = norm(h)
-    if getattr(stage, head_name) is not None:
+    if last:
         lm = stage._generic_lm[0]
         hidden = getattr(lm, stage._generic_prefix)  # the base model's attribute: model, gpt_neox, ...
         hidden.value = h
@@ -213,6 +218,9 @@ def on_stage(prefix: str, names: tuple[str, str, str, str], stage, model) -> Non
     model._modules.pop(prefix, None)
     object.__setattr__(model, prefix, _Hidden())
     stage._generic_prefix = prefix
+    held = getattr(getattr(stage, prefix), names[2], None)  # (a final norm every stage holds: pre_norm)
+    if getattr(stage, names[3]) is None and held is not None and any(True for _ in held.parameters()):
+        raise NotImplementedError(f"{prefix}.{names[2]} is applied on the first and last stage and has weights")
     stage._generic_names = names  # (embedding, block list, final norm) of the base model, the head
     stage._generic_lm = [model]
 
