@@ -240,6 +240,17 @@ def main() -> None:
             else:
                 path = make_checkpoint(tmp, mt)
                 gap = forward_gap(path, mt)
+                if gap > 1e-4 and generic.attention_implementation(mt) != "eager":
+                    # transformers' eager attention (the reference's), where SDPA's differs: a family
+                    # whose attention reads its mask as data (Doge's dynamic mask) needs the mask tensor
+                    # SDPA's causal path goes without; the family then runs eager (single_oracle's rule)
+                    os.environ["RH_EAGER"] = "1"
+                    sdpa, gap = gap, forward_gap(path, mt)
+                    if gap <= 1e-4:
+                        why = f"its layers' forward differs from transformers' with SDPA attention ({sdpa:.1e})"
+                        row.update(attention="eager", attention_reason=why)
+                    else:
+                        os.environ.pop("RH_EAGER")
                 row["forward_gap"] = gap
                 if gap > 1e-4:
                     row["reason"] = f"its layers' forward differs from transformers' ({gap:.1e} of the logits)"

@@ -197,6 +197,18 @@ def test_a_router_loss_nobody_held_is_refused_not_left_out(tmp_path, monkeypatch
         load_config(None, tp1)
     assert err.value.key == "model.pretrained" and "model.router_aux_loss_coef=0" in str(err.value)
     load_config(None, [*tp1, "model.router_aux_loss_coef=0"])
+    # Recorded without its router (Doge's: none found), it is refused alike; recorded as a family to which
+    # transformers adds no such loss, or as a dense family (no verdict), it trains as transformers does
+    from raytrain_hybrid.models.generic_router import NO_LOSS
+
+    unfound = {"status": "passed", "tp": True, "aux": False, "aux_reason": "records its router logits from no module"}
+    for row, refused in ((unfound, True), ({**unfound, "aux_reason": f"{NO_LOSS} (...)"}, False), ({}, False)):
+        monkeypatch.setattr(generic, "verified", lambda row=row: {**rows, "qwen2_moe": {"status": "passed", **row}})
+        if refused:
+            with pytest.raises(ConfigError, match="sets output_router_logits"):
+                load_config(None, tp1)
+        else:
+            load_config(None, tp1)
     tp_only = {**rows["qwen2_moe"], "aux_tp_reason": "differs from the reference at tp=2: (test)"}
     monkeypatch.setattr(generic, "verified", lambda: {**rows, "qwen2_moe": tp_only})
     tp2 = ["parallelism.tp=2", "parallelism.dp=1", *layout]
@@ -596,3 +608,26 @@ def test_a_family_that_norms_its_embeddings_with_its_final_norm_does_so_on_the_f
     assert gap() < 1e-5
     monkeypatch.setattr(generic_facts, "pre_norm", lambda model_type: False)
     assert gap() > 0.1
+
+
+def test_a_family_whose_attention_reads_its_causal_mask_runs_eager(tmp_path, monkeypatch):
+    """Doge's attention builds a dynamic mask from the causal mask it is given, and SDPA's causal
+    path gives none: the model matrix recorded it to run transformers' eager attention (a mask
+    tensor), where the engine's stage gives transformers' logits; with SDPA it does not."""
+    from test_models import _stage_of, make_checkpoint
+
+    row = generic.verified()["doge"]
+    assert row["attention"] == "eager" and generic.attention_implementation("doge") == "eager"
+    path = make_checkpoint(tmp_path, "doge")
+    ids = torch.randint(3, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+
+    def gap() -> float:
+        stage, reference = _stage_of(path)
+        with torch.no_grad():
+            got, want = stage(ids), reference(input_ids=ids).logits
+        return float((got - want).norm() / want.norm())
+
+    assert gap() < 1e-5
+    rows, sdpa = generic.verified(), {k: v for k, v in row.items() if k != "attention"}
+    monkeypatch.setattr(generic, "verified", lambda: {**rows, "doge": sdpa})
+    assert generic.attention_implementation("doge") == "sdpa" and gap() > 0.1

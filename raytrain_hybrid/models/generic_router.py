@@ -16,6 +16,9 @@ import os
 
 from raytrain_hybrid.models import generic, generic_split  # (generic imports this module: read at call time)
 
+# Why a family has no router loss to weigh because transformers adds none (any other reason: one it adds)
+NO_LOSS = "adds no router auxiliary loss in transformers"
+
 
 def router(model_type: str) -> dict | None:
     """{"router": path under a block, "logits": index in its output, "block": the MoE child} where the
@@ -65,7 +68,7 @@ def search(model_type: str) -> tuple[dict | None, str | None]:
 
     config_cls, lm_cls = generic.classes(model_type)
     if "load_balancing_loss_func" not in inspect.getsource(lm_cls.forward):
-        return None, "adds no router auxiliary loss in transformers (its causal LM calls no load_balancing_loss_func)"
+        return None, f"{NO_LOSS} (its causal LM calls no load_balancing_loss_func)"
     recorder = (getattr(lm_cls, "_can_record_outputs", None) or {}).get("router_logits")
     target = getattr(recorder, "target_class", None)
     if target is None:
