@@ -170,7 +170,8 @@ def test_a_router_loss_is_taken_where_transformers_adds_one_and_weighed_as_it_we
     assert generic_router.default_coef(SimpleNamespace(output_router_logits=False, router_aux_loss_coef=0.02)) == 0
     assert generic_router.default_coef(SimpleNamespace()) == 0
     # gpt-oss's TP plan names no experts: its router's parent is the block (matrix: held at dp1 x pp2)
-    assert generic_router.router("gpt_oss") == {"router": "mlp.router", "logits": 0, "block": "mlp"}
+    held = {"router": "mlp.router", "logits": 0, "block": "mlp"}
+    assert generic_router.search("gpt_oss") == (held, None) and generic_router.router("gpt_oss") == held
 
 
 def test_a_router_loss_nobody_held_is_refused_not_left_out(tmp_path, monkeypatch):
@@ -197,6 +198,9 @@ def test_a_router_loss_nobody_held_is_refused_not_left_out(tmp_path, monkeypatch
         load_config(None, tp1)
     assert err.value.key == "model.pretrained" and "model.router_aux_loss_coef=0" in str(err.value)
     load_config(None, [*tp1, "model.router_aux_loss_coef=0"])
+    with pytest.raises(ConfigError, match="leave the key out") as err:  # (a weight set: the key is named)
+        load_config(None, [*tp1, "model.router_aux_loss_coef=0.05"])
+    assert err.value.key == "model.router_aux_loss_coef"
     # Recorded without its router (Doge's: none found), it is refused alike; recorded as a family to which
     # transformers adds no such loss, or as a dense family (no verdict), it trains as transformers does
     from raytrain_hybrid.models.generic_router import NO_LOSS
@@ -628,6 +632,21 @@ def test_a_family_whose_attention_reads_its_causal_mask_runs_eager(tmp_path, mon
         return float((got - want).norm() / want.norm())
 
     assert gap() < 1e-5
+    # Its mixture of experts (is_moe) routes by the whole batch: a checkpoint that turns it on is refused
+    import json
+
+    from raytrain_hybrid.errors import ConfigError
+
+    overrides = ["parallelism.tp=1", "parallelism.pp=1", "data.path=memory", "model.seq_len=32"]
+    load_config(None, [*overrides, f"model.pretrained={path}", "lora.rank=4"])  # (dense: LoRA held)
+    moe = tmp_path / "doge-moe"
+    moe.mkdir()
+    for f in path.iterdir():
+        (moe / f.name).write_bytes(f.read_bytes())
+    (moe / "config.json").write_text(json.dumps({**json.loads((path / "config.json").read_text()), "is_moe": True}))
+    with pytest.raises(ConfigError, match="sets is_moe, which turns on Doge's mixture of experts") as err:
+        load_config(None, [*overrides, f"model.pretrained={moe}"])
+    assert err.value.key == "model.pretrained"
     rows, sdpa = generic.verified(), {k: v for k, v in row.items() if k != "attention"}
     monkeypatch.setattr(generic, "verified", lambda: {**rows, "doge": sdpa})
     assert generic.attention_implementation("doge") == "sdpa" and gap() > 0.1

@@ -250,13 +250,17 @@ class ReplicaSync:
                 self.manager._quorum_future = None
                 time.sleep(1.0)
 
-    def combine(self, loss: torch.Tensor, tokens: int) -> tuple[torch.Tensor, list[int]]:
+    def combine(
+        self, loss: torch.Tensor, tokens: int, aux: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, list[int], torch.Tensor]:
         """The groups' gradients weighted by their tokens, in place; returns the step's loss over
-        the tokens present and the groups that contributed."""
+        the tokens present, the groups that contributed, and ``aux`` (a mixture of experts' router
+        loss, part of ``loss``) weighted as the loss is."""
         from torch.distributed import ReduceOp
 
-        stats = torch.zeros(2 + self.groups, dtype=torch.float64, device=loss.device)
-        stats[0], stats[1], stats[2 + self.group] = loss.double() * tokens, float(tokens), 1.0
+        stats = torch.zeros(3 + self.groups, dtype=torch.float64, device=loss.device)
+        stats[0], stats[1], stats[3 + self.group] = loss.double() * tokens, float(tokens), 1.0
+        stats[2] = 0.0 if aux is None else aux.double() * tokens
         self.manager.allreduce(stats, reduce_op=ReduceOp.SUM).wait()
         present = stats[1].clamp(min=1.0)
         params = self.trainer.params
@@ -274,8 +278,8 @@ class ReplicaSync:
                 _unpack(*pending.pop(0))
         for done in pending:
             _unpack(*done)
-        groups = [i for i in range(self.groups) if stats[2 + i] > 0.5]
-        return (stats[0] / present).float(), groups
+        groups = [i for i in range(self.groups) if stats[3 + i] > 0.5]
+        return (stats[0] / present).float(), groups, (stats[2] / present).float()
 
     def should_commit(self) -> bool:
         return bool(self.manager.should_commit())

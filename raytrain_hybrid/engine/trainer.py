@@ -288,7 +288,9 @@ class Trainer:
         in_step = None
         if self.replicas is not None:  # the replica groups' gradients, weighted by their tokens
             tokens = counted if counted is not None else self.cfg.train.global_batch_size
-            loss, in_step = self.replicas.combine(loss, tokens)
+            loss, in_step, aux = self.replicas.combine(loss, tokens, moe.get("aux"))
+            if moe:  # (reported as the loss is: over every group's tokens)
+                moe["aux"] = aux
         self.grad_bytes = sum(_local_bytes(p.grad) for p in self.params if p.grad is not None)
         if isinstance(self.optimizer, ZeroOneOptimizer):
             norm = self._zero1_reduce_and_clip()

@@ -69,6 +69,7 @@ def _forget(model_type: str) -> None:
     generic_facts.overridden(model_type)
     generic.classes.cache_clear()
     generic.pp_names.cache_clear()
+    generic_facts.pre_norm.cache_clear()
     get_arch.cache_clear()
 
 

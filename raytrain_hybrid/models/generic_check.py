@@ -11,6 +11,15 @@ from raytrain_hybrid.models import generic_cp
 
 # A mixture of experts' expert count, by the names transformers' configs give it.
 EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+# A config switch that makes a family another model than the one the model matrix held (its tiny model
+# takes the family's default), and why that one cannot be held: refused where a checkpoint turns it on.
+SWITCHES = {
+    "doge": (
+        "is_moe",
+        "turns on Doge's mixture of experts, which mixes router logits across a batch's tokens (transformers "
+        "notes its routing is not causal), so no split of a batch over ranks or micro-batches trains the same model",
+    ),
+}
 
 
 def check(model_type: str, cfg) -> None:
@@ -31,6 +40,7 @@ def check(model_type: str, cfg) -> None:
         if why:
             raise ConfigError("parallelism.cp", par.cp, f"{model_type} {why}; use parallelism.cp=1")
     features(model_type, cfg)
+    _switches(model_type, cfg.model)
     from raytrain_hybrid.models import generic_router
 
     m, defaults = cfg.model, type(cfg.model)()
@@ -39,7 +49,8 @@ def check(model_type: str, cfg) -> None:
     if m.router_aux_loss_coef and not moe_keys and generic_router.router(model_type) is None:
         weighed = m.router_aux_loss_coef != defaults.router_aux_loss_coef  # (left at it: the checkpoint's own)
         moe_keys = ["router_aux_loss_coef"] if weighed else []
-        _unheld_router_loss(model_type, m)
+        if not weighed:  # (a weight set: refused below, naming the key)
+            _unheld_router_loss(model_type, m)
     if generic_router.router(model_type) and par.tp > 1:
         tp_only = (generic.verified().get(model_type) or {}).get("aux_tp_reason")
         if tp_only and m.router_aux_loss_coef and _router_loss_on(m, defaults):
@@ -106,7 +117,7 @@ def lora_refusal(hf_config) -> str | None:
     """LoRA adapts the linears of a family's TP plan; a mixture of experts' experts are transformers'
     stacked weights, which peft adapts and the engine does not (as for the hand-written ones)."""
     experts = next((k for k in EXPERT_KEYS if getattr(hf_config, k, None)), None)
-    if experts:
+    if experts and getattr(hf_config, "is_moe", None) is not False:  # (Doge's dense layers name a count too)
         return (
             f"is a mixture of experts ({experts}={getattr(hf_config, experts)}), whose experts LoRA does not adapt here"
         )
@@ -121,6 +132,16 @@ def packing_refusal(hf_config) -> str | None:
     if other:
         return f"has {', '.join(other)} layers, which carry state across a packed row's examples instead of a mask"
     return None
+
+
+def _switches(model_type: str, m) -> None:
+    """Refuse a checkpoint whose config.json turns on a switch of SWITCHES (read as data)."""
+    from raytrain_hybrid.models.hf_checkpoint import is_set, read_config_json
+
+    if model_type in SWITCHES and is_set(m.pretrained):
+        key, why = SWITCHES[model_type]
+        if read_config_json(m.pretrained, m.pretrained_revision).get(key):
+            raise ConfigError("model.pretrained", m.pretrained, f"its config.json sets {key}, which {why}")
 
 
 def _router_loss_on(m, defaults) -> bool:
