@@ -179,12 +179,18 @@ def parallel_layout(row: dict, path: Path, tp_ok: bool, model_type: str) -> None
     layout = tuple(o.replace("pp=2", f"pp={pp}") for o in THREE_D)
     tp1 = tuple(o.replace("tp=2", "tp=1") for o in layout)
     if tp_ok:
-        try:
-            oracle(path, layout, 4 * pp)
-            row["layout"] = f"dp2-tp2-pp{pp}"
-            return
-        except BaseException as exc:  # noqa: BLE001 - recorded
-            row.update(tp=False, tp_reason=f"differs from the reference at tp=2: {_short(exc)}")
+        # tp=2 with sequence parallelism (the default), else without it (a family whose layers take
+        # the TP plan and not SP's split of the sequence: the --sp pass then records why, and check
+        # runs it without SP)
+        why = None
+        for keys in ((), ("parallelism.sequence_parallel=false",)):
+            try:
+                oracle(path, (*layout, *keys), 4 * pp)
+                row["layout"] = f"dp2-tp2-pp{pp}"
+                return
+            except BaseException as exc:  # noqa: BLE001 - recorded
+                why = why or f"differs from the reference at tp=2: {_short(exc)}"  # (with SP: the default's)
+        row.update(tp=False, tp_reason=why)
     try:
         oracle(path, tp1, 2 * pp)
         row["layout"] = f"dp2-tp1-pp{pp}"
