@@ -147,12 +147,15 @@ def _switches(model_type: str, m) -> None:
 def _router_loss_on(m, defaults) -> bool:
     """The run weighs a router auxiliary loss: the key set, or left at its default and the
     checkpoint's config.json asking for one (output_router_logits, as transformers reads it)."""
+    from types import SimpleNamespace
+
+    from raytrain_hybrid.models.generic_router import default_coef
     from raytrain_hybrid.models.hf_checkpoint import is_set, read_config_json
 
     if m.router_aux_loss_coef != defaults.router_aux_loss_coef:
         return True
     conf = read_config_json(m.pretrained, m.pretrained_revision) if is_set(m.pretrained) else {}
-    return bool(conf.get("output_router_logits") and conf.get("router_aux_loss_coef", 0))
+    return default_coef(SimpleNamespace(**conf)) > 0  # (transformers' own weight, as the engine takes it)
 
 
 def _unheld_router_loss(model_type: str, m) -> None:
