@@ -12,6 +12,8 @@ raytrain_hybrid/assets/generic_families.json, which models.generic_check reads t
   transformers' model);
 - lora: rank 4 on every linear "all-linear" adapts (the TP plan's), named to peft alike, dp=1 x pp=2
   (x tp=2), against peft's adapters on transformers' model (tests/reference_lora.py);
+- planner: the planner's parameter count of the checkpoint (off its files' headers) over transformers'
+  count of its model (the matrix records it with the family's row; this pass redoes it alone);
 - aux: a mixture of experts' router auxiliary loss (models.generic_router) at weight AUX, at the
   family's ep layout where the ep pass held one (else dp x tp x pp), against the same loop with the
   family's own load_balancing_loss_func on its router logits, per sequence and layer.
@@ -44,6 +46,7 @@ KEYS = {
 } | {
     "tp": ("tp", "layout", "tp_reason", "tp_tp_reason"),  # (the matrix's own layout: model_matrix.parallel_layout)
     "aux": ("aux", "aux_layout", "aux_reason", "aux_tp_reason", "aux_router"),  # (and where the router is)
+    "planner": ("planner_params_ratio", "planner_layout", "planner_reason"),  # (a ratio, no layout)
 }
 
 
@@ -303,6 +306,24 @@ def router_aux(row: dict, path: Path, model_type: str) -> None:
         row["aux_layout"] = row["aux_layout"].replace(f"dp{3 - pp}-", "dp2-ep2-")
 
 
+def planner_ratio(path: Path) -> float:
+    """The planner's parameter count of a checkpoint (off its config.json and safetensors headers) over
+    transformers' count of its model."""
+    from test_models import SINGLE
+    from transformers import AutoModelForCausalLM
+
+    from raytrain_hybrid.config import load_config
+    from raytrain_hybrid.models.params import param_count
+
+    cfg = load_config(None, [f"model.pretrained={path}", "data.path=memory", "model.seq_len=32", *SINGLE])
+    want = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).num_parameters()
+    return round(param_count(cfg.model) / want, 4)
+
+
+def planner_count(row: dict, path: Path, model_type: str) -> None:
+    row["planner_params_ratio"] = planner_ratio(path)
+
+
 PASSES = {
     "tp": tensor_parallel,
     "ep": expert_parallel,
@@ -311,6 +332,7 @@ PASSES = {
     "packing": packing,
     "lora": lora,
     "aux": router_aux,
+    "planner": planner_count,
 }
 
 

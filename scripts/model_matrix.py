@@ -29,7 +29,7 @@ import time
 import traceback
 from pathlib import Path
 
-from matrix_passes import PASSES, run_pass
+from matrix_passes import PASSES, planner_ratio, run_pass
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -98,19 +98,6 @@ def forward_gap(path: Path, model_type: str) -> float:
     with torch.no_grad():
         got, exp = stage(ids), ref(input_ids=ids).logits
     return float((got - exp).norm() / exp.norm())
-
-
-def planner_ratio(path: Path) -> float:
-    """The planner's parameter count (from config.json) over transformers' count of its model."""
-    from test_models import SINGLE
-    from transformers import AutoModelForCausalLM
-
-    from raytrain_hybrid.config import load_config
-    from raytrain_hybrid.models.params import param_count
-
-    cfg = load_config(None, [f"model.pretrained={path}", "data.path=memory", "model.seq_len=32", *SINGLE])
-    want = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).num_parameters()
-    return round(param_count(cfg.model) / want, 4)
 
 
 def oracle(path: Path, layout: tuple[str, ...], world: int, aux: float = 0.0) -> None:

@@ -93,6 +93,43 @@ def test_the_planner_counts_a_tiny_family_as_transformers_does(model_type, tmp_p
     generic.verified.cache_clear()
 
 
+@pytest.mark.parametrize("model_type", ["minimax", "glm4_moe", "apertus"])
+def test_buffers_a_checkpoints_files_hold_are_not_counted_as_parameters(model_type, tmp_path, monkeypatch):
+    """A family whose model keeps buffers in its state dict (MiniMax's decay tables, a router's
+    score-correction bias, an activation's constants) has them in its files too: the planner's count
+    off the files' headers leaves them out, as transformers' does, and is exact. The negative
+    control: counted with them, the files hold more than the model's parameters."""
+    from test_models import make_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    from raytrain_hybrid.models import generic_counts, generic_facts
+    from raytrain_hybrid.models.hf_checkpoint import tensor_sizes
+    from raytrain_hybrid.models.params import param_count
+
+    monkeypatch.setenv("RAYTRAIN_MODEL_MATRIX", "1")  # the planner's count, whatever the recorded verdict
+    path = make_checkpoint(tmp_path, model_type)
+    stored = sum(tensor_sizes(str(path)).values())  # (every tensor the files hold)
+    want = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).num_parameters()
+    assert generic_facts.buffers(model_type) and stored > want  # (the files do hold buffers)
+    m = {"pretrained": str(path), "pretrained_revision": ""}
+    assert generic_counts.from_headers(model_type, m) == generic_counts.built_counts(model_type, m)
+    cfg = load_config(None, [f"model.pretrained={path}", "data.path=memory", "model.seq_len=32", *SINGLE])
+    assert param_count(cfg.model) == want
+
+
+def test_every_family_the_matrix_holds_is_counted_by_the_planner_within_5_percent():
+    """The model matrix's record (scripts/model_matrix.py --planner redoes it): for every family that
+    passed, the planner's count of its tiny checkpoint over transformers' count of the model."""
+    import json
+    from pathlib import Path
+
+    record = json.loads((Path(generic.__file__).parents[1] / "assets" / "generic_families.json").read_text())
+    rows = {mt: row for mt, row in record["families"].items() if row["status"] == "passed"}
+    off = {mt: row.get("planner_params_ratio") for mt, row in rows.items()}
+    off = {mt: r for mt, r in off.items() if not (isinstance(r, float) and abs(r - 1) <= 0.05)}
+    assert len(rows) >= 60 and not off, off
+
+
 def test_a_family_recorded_without_tensor_parallelism_is_refused_at_tp2(monkeypatch):
     """The matrix records a family whose dp=2 x tp=2 x pp=2 run differs but whose dp=2 x pp=2 run
     holds (Apertus: its activation's learnt scalars see a column shard): check then refuses tp > 1,

@@ -102,7 +102,12 @@ def _moe_params(model_type: str, sizes: tuple) -> tuple[int, int]:
     m, moe = dict(sizes), generic_split.moe_children(model_type)
     experts = generic_split.expert_module(model_type) or f"{next(iter(moe))}.experts"
     facts = generic_facts.recorded(model_type)
-    if _checkpoint(m) and facts and facts["pp_names"] and (named := tensor_sizes(m["pretrained"])):
+    if (
+        _checkpoint(m)
+        and facts
+        and facts["pp_names"]
+        and (named := _parameters(model_type, tensor_sizes(m["pretrained"])))
+    ):
         at = f"{facts['prefix']}.{facts['pp_names'][1]}."
         inside = {name.removeprefix(at): n for name, n in named.items() if name.startswith(at)}
         # (the blocks the model builds: a next-token prediction layer past them left out, as from_headers does)
@@ -183,7 +188,7 @@ def from_headers(model_type: str, m: dict) -> tuple[int, int, int, int, int] | N
     from raytrain_hybrid.models.hf_checkpoint import read_config_json, tensor_sizes
 
     facts = generic_facts.recorded(model_type)
-    sizes = tensor_sizes(m["pretrained"]) if facts and facts["pp_names"] else None
+    sizes = _parameters(model_type, tensor_sizes(m["pretrained"])) if facts and facts["pp_names"] else None
     if not sizes:
         return None
     conf = read_config_json(m["pretrained"], m.get("pretrained_revision", ""))
@@ -213,6 +218,15 @@ def from_headers(model_type: str, m: dict) -> tuple[int, int, int, int, int] | N
     if not embed or not head or not all(blocks):
         return None
     return sum(blocks) // len(blocks), embed, rest + head, head, int(tied)
+
+
+def _parameters(model_type: str, sizes: dict[str, int] | None) -> dict[str, int] | None:
+    """A checkpoint's tensor sizes less the family's buffers that its files hold beside the
+    parameters (models.generic_facts.buffers): transformers counts parameters only."""
+    from fnmatch import fnmatchcase
+
+    skip = generic_facts.buffers(model_type) if sizes else []
+    return {k: n for k, n in sizes.items() if not any(fnmatchcase(k, p) for p in skip)} if skip else sizes
 
 
 class _Sizes:

@@ -80,6 +80,8 @@ def derive(model_type: str) -> dict:
         facts["pp_error"] = str(exc)
     if facts["pp_names"] and norms_embeddings(model_type, *facts["pp_names"][1:]):
         facts["pre_norm"] = True  # (recorded where true only: the other families' facts unchanged)
+    if kept := _buffers(config_cls, lm_cls, _tiny(model_type, config_cls)):
+        facts["buffers"] = kept  # (recorded where there are some, as pre_norm)
     facts["head"] = generic.head_name_of(lm_cls)
     facts["prefix"] = prefix_of(lm_cls)
     facts["sdpa"] = bool(getattr(lm_cls, "_supports_sdpa", False))
@@ -106,6 +108,41 @@ def derive(model_type: str) -> dict:
             facts["sizes_from_class"] = True
             break
     return facts
+
+
+def buffers(model_type: str) -> list[str]:
+    """The state-dict entries of the family's model that are buffers, not parameters, as patterns
+    ("*" for a block's or an expert's index): recorded, else read off its classes."""
+    facts = recorded(model_type)
+    if facts is not None:
+        return facts.get("buffers", [])
+    from raytrain_hybrid.models import generic
+
+    config_cls, lm_cls = generic.classes(model_type)
+    return _buffers(config_cls, lm_cls, _tiny(model_type, config_cls))
+
+
+def _buffers(config_cls, lm_cls, tiny: dict | None) -> list[str]:
+    """The persistent buffers of the model the class builds (on the meta device) from a tiny
+    config: in its state dict, and so in a checkpoint's files beside the parameters (a router's
+    score-correction bias, an activation's constants, MiniMax's decay tables), which the planner's
+    count off the files leaves out as transformers' count does."""
+    import re
+
+    import torch
+
+    if tiny is None:  # (a family whose tiny config its class refuses: the matrix refuses it too)
+        return []
+    # (a family whose defaults leave its routed experts unset, dots1: a few, as the matrix's checkpoint)
+    unset = {k: 4 for k in ("n_routed_experts", "num_experts", "num_local_experts") if k in tiny and tiny[k] is None}
+    unset |= {"num_experts_per_tok": 2} if unset and tiny.get("num_experts_per_tok") is None else {}
+    try:
+        with torch.device("meta"):
+            model = lm_cls(config_cls(**(tiny | unset)))
+    except Exception:  # noqa: BLE001 - a family whose model does not build so: refused by the matrix
+        return []
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    return sorted({re.sub(r"\.\d+\.", ".*.", k) for k in model.state_dict(keep_vars=True) if k not in params})
 
 
 def prefix_of(lm_cls) -> str:
