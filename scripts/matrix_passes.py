@@ -14,6 +14,8 @@ raytrain_hybrid/assets/generic_families.json, which models.generic_check reads t
   (x tp=2), against peft's adapters on transformers' model (tests/reference_lora.py);
 - planner: the planner's parameter count of the checkpoint (off its files' headers) over transformers'
   count of its model (the matrix records it with the family's row; this pass redoes it alone);
+- export: trained in one process at a vanishing learning rate, exported (rh.export) and loaded by
+  transformers: the source's safetensors key names, its config.json, the same class, its logits (1e-5);
 - aux: a mixture of experts' router auxiliary loss (models.generic_router) at weight AUX, at the
   family's ep layout where the ep pass held one (else dp x tp x pp), against the same loop with the
   family's own load_balancing_loss_func on its router logits, per sequence and layer.
@@ -42,7 +44,7 @@ LORA = ("lora.rank=4", "lora.alpha=8", "train.lr=1e-2")
 # The row keys each pass writes: the verdict, its layout, its reason.
 KEYS = {
     name: (name, f"{name}_layout", f"{name}_reason", f"{name}_tp_reason")
-    for name in ("cp", "sp", "packing", "lora", "ep")
+    for name in ("cp", "sp", "packing", "lora", "ep", "export")
 } | {
     "tp": ("tp", "layout", "tp_reason", "tp_tp_reason"),  # (the matrix's own layout: model_matrix.parallel_layout)
     "aux": ("aux", "aux_layout", "aux_reason", "aux_tp_reason", "aux_router"),  # (and where the router is)
@@ -306,6 +308,41 @@ def router_aux(row: dict, path: Path, model_type: str) -> None:
         row["aux_layout"] = row["aux_layout"].replace(f"dp{3 - pp}-", "dp2-ep2-")
 
 
+def export(row: dict, path: Path, model_type: str) -> None:
+    """The checkpoint trained 3 steps at lr 1e-12 in one process, exported to transformers' format,
+    held to the source as tests/test_models.py's export test holds its families."""
+    import torch
+    from gloo_harness import run_gloo_jobs
+    from test_models import SEQ, SINGLE, VOCAB, _overrides, _safetensors_keys
+    from transformers import AutoModelForCausalLM
+
+    import raytrain_hybrid as rh
+
+    scratch = Path(tempfile.mkdtemp(prefix=f"export-{model_type}-"))
+    try:
+        overrides = [o for o in _overrides(path, SINGLE) if not o.startswith("train.lr=")]
+        run = [*overrides, "train.lr=1e-12", "checkpoint.interval=3", f"run.output_dir={scratch / 'run'}"]
+        run_gloo_jobs(1, {model_type: run})
+        rh.export(str(scratch / "run"), scratch / "hf")
+        want = json.loads((path / "config.json").read_text())
+        got = json.loads((scratch / "hf" / "config.json").read_text())
+        changed = sorted(k for k in {*want, *got} if want.get(k) != got.get(k))
+        assert not changed, f"the exported config.json differs from the source's in {changed}"
+        keys, source = _safetensors_keys(scratch / "hf"), _safetensors_keys(path)
+        assert keys == source, f"the exported files name {sorted(keys ^ source)[:4]} otherwise than the source's"
+        a = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
+        b = AutoModelForCausalLM.from_pretrained(scratch / "hf", dtype=torch.float32, local_files_only=True).eval()
+        assert type(a) is type(b), f"transformers loads the export as {type(b).__name__}, not {type(a).__name__}"
+        ids = torch.randint(3, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            la, lb = a(input_ids=ids).logits, b(input_ids=ids).logits
+        gap = ((la - lb).norm() / la.norm()).item()
+        assert gap <= 1e-5, f"the exported model's logits differ from the source's by {gap:.1e}"
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    row.update(export=True, export_layout="dp1-tp1-pp1")
+
+
 def planner_ratio(path: Path) -> float:
     """The planner's parameter count of a checkpoint (off its config.json and safetensors headers) over
     transformers' count of its model."""
@@ -333,6 +370,7 @@ PASSES = {
     "lora": lora,
     "aux": router_aux,
     "planner": planner_count,
+    "export": export,
 }
 
 

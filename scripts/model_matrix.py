@@ -311,6 +311,11 @@ def _cell(row: dict, name: str) -> str:
 
 
 def write_doc(record: dict) -> None:
+    DOC.write_text(render_doc(record))
+
+
+def render_doc(record: dict) -> str:
+    """docs/models.md from the matrix's record."""
     from test_models import FAMILIES as SUITE_3D  # held at dp=2 x tp=2 x pp=2 by the test suite
 
     from raytrain_hybrid.models import ARCH_NAMES, get_arch
@@ -366,7 +371,10 @@ def write_doc(record: dict) -> None:
         "  same loop (`-`: no experts);",
         "- *router loss*: `model.router_aux_loss_coef=0.1` at the *ep* layout (dp x tp x pp where the family",
         "  has none), against the same loop plus the family's own `load_balancing_loss_func` on transformers'",
-        "  router logits, taken per sequence and MoE layer.",
+        "  router logits, taken per sequence and MoE layer;",
+        "- *export*: 3 steps at one process and a vanishing learning rate, exported as `raytrain-hybrid",
+        "  export` does, and transformers' `from_pretrained` of the result: the source's safetensors names,",
+        "  its `config.json`, the same class, and the source's logits (1e-5).",
         "",
         "A family without a pipeline plan takes dp=2 where these say dp=1 x pp=2 (the same ranks).",
         "",
@@ -386,21 +394,23 @@ def write_doc(record: dict) -> None:
         "",
         f"## Supported ({len(passed)} families)",
         "",
-        "| model_type | tensor parallel | 3D checked | sp | cp | packing | LoRA | ep | router loss | planner's "
-        "parameter count / transformers' |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| model_type | tensor parallel | 3D checked | sp | cp | packing | LoRA | ep | router loss | export | "
+        "planner's parameter count / transformers' |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for mt, row in passed.items():
         if row["status"] == "hand-written":
             spec = get_arch(row["spec"])
             cells = [spec.sequence_parallel, spec.attention, True, spec.moe is None]
             cells = " | ".join(["yes" if c else "no" for c in cells] + ["yes" if spec.moe else "-"] * 2)
+            cells += " | its own tests"
             lines.append(f"| `{mt}` | yes (hand-written spec `{row['spec']}`) | its own oracle tests | {cells} | - |")
             continue
         layout = row.get("layout") or ("dp2-tp2-pp2" if mt in SUITE_3D else "-")
         ratio = row.get("planner_params_ratio")
         ratio = f"{ratio:.3f}" if ratio else "-"
         cells = " | ".join(_cell(row, name) for name in ("sp", "cp", "packing", "lora", "ep", "aux"))
+        cells += " | " + ("yes" if row.get("export") else _cell(row, "export"))
         name = f"`{mt}`" + (" (eager attention)" if row.get("attention") == "eager" else "")
         name += " (hand-written spec; this row: the generic path)" if row.get("spec") else ""
         lines.append(f"| {name} | {'yes' if row.get('tp') else 'tp=1 only'} | {layout} | {cells} | {ratio} |")
@@ -434,7 +444,7 @@ def write_doc(record: dict) -> None:
         "model_type and `model.*` sets its sizes.",
         "",
     ]
-    DOC.write_text("\n".join(lines))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

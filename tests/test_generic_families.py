@@ -130,6 +130,25 @@ def test_every_family_the_matrix_holds_is_counted_by_the_planner_within_5_percen
     assert len(rows) >= 60 and not off, off
 
 
+def test_every_family_the_matrix_holds_exports_as_transformers_loads_it_and_the_page_says_so():
+    """The matrix's export pass (scripts/model_matrix.py --export) held every family it holds: the
+    export loads in transformers as the source's class with the source's names, config and logits;
+    docs/models.md is what the script writes from the record."""
+    import json
+    import sys
+    from pathlib import Path
+
+    root = Path(generic.__file__).parents[2]
+    record = json.loads((root / "raytrain_hybrid/assets/generic_families.json").read_text())
+    rows = {mt: row for mt, row in record["families"].items() if row["status"] == "passed"}
+    assert len(rows) >= 60 and record["export_passes"]
+    assert not [mt for mt, row in rows.items() if row.get("export") is not True]
+    sys.path.insert(0, str(root / "scripts"))
+    from model_matrix import render_doc
+
+    assert render_doc(record) == (root / "docs/models.md").read_text(), "run scripts/model_matrix.py --doc"
+
+
 def test_a_family_recorded_without_tensor_parallelism_is_refused_at_tp2(monkeypatch):
     """The matrix records a family whose dp=2 x tp=2 x pp=2 run differs but whose dp=2 x pp=2 run
     holds (Apertus: its activation's learnt scalars see a column shard): check then refuses tp > 1,
