@@ -94,7 +94,7 @@ def test_the_planner_counts_a_tiny_family_as_transformers_does(model_type, tmp_p
 
 
 @pytest.mark.parametrize("model_type", ["minimax", "glm4_moe", "apertus"])
-def test_buffers_a_checkpoints_files_hold_are_not_counted_as_parameters(model_type, tmp_path, monkeypatch):
+def test_buffers_a_checkpoints_files_hold_are_not_counted_as_parameters(model_type, tmp_path):
     """A family whose model keeps buffers in its state dict (MiniMax's decay tables, a router's
     score-correction bias, an activation's constants) has them in its files too: the planner's count
     off the files' headers leaves them out, as transformers' does, and is exact. The negative
@@ -106,7 +106,6 @@ def test_buffers_a_checkpoints_files_hold_are_not_counted_as_parameters(model_ty
     from raytrain_hybrid.models.hf_checkpoint import tensor_sizes
     from raytrain_hybrid.models.params import param_count
 
-    monkeypatch.setenv("RAYTRAIN_MODEL_MATRIX", "1")  # the planner's count, whatever the recorded verdict
     path = make_checkpoint(tmp_path, model_type)
     stored = sum(tensor_sizes(str(path)).values())  # (every tensor the files hold)
     want = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).num_parameters()
@@ -115,6 +114,32 @@ def test_buffers_a_checkpoints_files_hold_are_not_counted_as_parameters(model_ty
     assert generic_counts.from_headers(model_type, m) == generic_counts.built_counts(model_type, m)
     cfg = load_config(None, [f"model.pretrained={path}", "data.path=memory", "model.seq_len=32", *SINGLE])
     assert param_count(cfg.model) == want
+
+
+@pytest.mark.parametrize("model_type", ["minimax", "youtu"])
+def test_modules_the_tp_plan_leaves_out_are_counted_whole_on_each_tp_rank(model_type, tmp_path):
+    """MiniMax's linear attention and Youtu's latent attention are in no style of transformers' plan:
+    each tp rank holds and computes them whole. The planner's parameter bytes of a dp=1 x tp=2 rank
+    are what the engine's rank holds (0.5 %; the tiny model's embedding and head are most of it);
+    counted as split, as the planner did, they would miss by more than 1 %."""
+    from gloo_harness import run_gloo_jobs
+    from test_models import COMMON, make_checkpoint
+
+    from raytrain_hybrid.models import generic_facts, get_arch
+    from raytrain_hybrid.models.params import num_blocks
+    from raytrain_hybrid.planner.cost import predict
+    from raytrain_hybrid.planner.hardware import load_hardware
+
+    assert generic_facts.tp_whole(model_type)  # (recorded: modules the plan leaves out)
+    path = make_checkpoint(tmp_path, model_type)
+    layout = ("parallelism.dp=1", "parallelism.tp=2", "parallelism.pp=1", "parallelism.microbatches=1")
+    overrides = [f"model.pretrained={path}", *COMMON, *layout, "parallelism.sequence_parallel=false"]
+    held = run_gloo_jobs(2, {model_type: overrides})[model_type]["memory"][0]["param_bytes"]
+    cfg = load_config(None, overrides)
+    predicted = predict(cfg, load_hardware("h100"))["memory_bytes"]["params"]
+    assert abs(predicted - held) <= 0.005 * held, (held, predicted)
+    whole = 4 * get_arch(cfg.model.arch).tp_whole_params(cfg.model) * num_blocks(cfg.model)
+    assert whole / 2 > 0.01 * held  # (what counting them split would leave out)
 
 
 def test_every_family_the_matrix_holds_is_counted_by_the_planner_within_5_percent():

@@ -127,6 +127,45 @@ def _moe_params(model_type: str, sizes: tuple) -> tuple[int, int]:
     return held // max(1, len(layers)), whole // max(1, len(layers))
 
 
+def tp_whole_params(model_type: str, m) -> int:
+    """A block's parameters, averaged over the blocks, in the modules no tensor-parallel style
+    splits (models.generic_facts.tp_whole: MiniMax's linear attention): whole on every tp rank.
+    0 where the plan splits every matrix outside a mixture of experts."""
+    if not generic_facts.tp_whole(model_type):
+        return 0
+    return _tp_whole_params(model_type, _size_key(m))
+
+
+@functools.lru_cache(maxsize=64)
+def _tp_whole_params(model_type: str, sizes: tuple) -> int:
+    """tp_whole_params off a checkpoint's headers (its tensors under those modules), else counted on
+    the model built on the meta device."""
+    from fnmatch import fnmatchcase
+
+    from raytrain_hybrid.models.hf_checkpoint import tensor_sizes
+
+    m, whole = dict(sizes), generic_facts.tp_whole(model_type)
+    blocks = m["num_layers"]
+    facts = generic_facts.recorded(model_type)
+    if _checkpoint(m) and facts and (named := _parameters(model_type, tensor_sizes(m["pretrained"]))):
+        at, index = [f"{facts['prefix']}.{pattern}.*" for pattern in whole], len(facts["prefix"].split(".")) + 1
+        # (the blocks the model builds: a next-token prediction layer past them left out, as from_headers does)
+        inside = {k: n for k, n in named.items() if _block_of(k, index) < blocks}
+        held = sum(n for name, n in inside.items() if any(fnmatchcase(name, p) for p in at))
+        if held:  # (else the files name them otherwise: built)
+            return held // blocks
+    _, inner, _ = _built(model_type, m)
+    layers = generic.pp_names(model_type)[1]
+    modules = [mod for name, mod in inner.named_modules() if any(fnmatchcase(name, p) for p in whole)]
+    return sum(p.numel() for mod in modules for p in mod.parameters()) // max(1, len(getattr(inner, layers)))
+
+
+def _block_of(name: str, at: int) -> int | float:
+    """The block index a tensor's name gives at its ``at``-th part (inf: none)."""
+    parts = name.split(".")
+    return int(parts[at]) if len(parts) > at and parts[at].isdigit() else math.inf
+
+
 def _has(module, path: str) -> bool:
     try:
         module.get_submodule(path)

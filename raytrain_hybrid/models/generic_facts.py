@@ -80,10 +80,13 @@ def derive(model_type: str) -> dict:
         facts["pp_error"] = str(exc)
     if facts["pp_names"] and norms_embeddings(model_type, *facts["pp_names"][1:]):
         facts["pre_norm"] = True  # (recorded where true only: the other families' facts unchanged)
-    if kept := _buffers(config_cls, lm_cls, _tiny(model_type, config_cls)):
-        facts["buffers"] = kept  # (recorded where there are some, as pre_norm)
     facts["head"] = generic.head_name_of(lm_cls)
     facts["prefix"] = prefix_of(lm_cls)
+    model = _tiny_model(config_cls, lm_cls, _tiny(model_type, config_cls))
+    if kept := _buffers(model):
+        facts["buffers"] = kept  # (recorded where there are some, as pre_norm)
+    if facts["pp_names"] and (whole := _tp_whole(model, facts)):
+        facts["tp_whole"] = whole  # (likewise)
     facts["sdpa"] = bool(getattr(lm_cls, "_supports_sdpa", False))
     source = inspect.getsource(inspect.getmodule(lm_cls))
     facts["sinks"] = "s_aux" in source or "sinks=" in source
@@ -119,30 +122,82 @@ def buffers(model_type: str) -> list[str]:
     from raytrain_hybrid.models import generic
 
     config_cls, lm_cls = generic.classes(model_type)
-    return _buffers(config_cls, lm_cls, _tiny(model_type, config_cls))
+    return _buffers(_tiny_model(config_cls, lm_cls, _tiny(model_type, config_cls)))
 
 
-def _buffers(config_cls, lm_cls, tiny: dict | None) -> list[str]:
-    """The persistent buffers of the model the class builds (on the meta device) from a tiny
-    config: in its state dict, and so in a checkpoint's files beside the parameters (a router's
-    score-correction bias, an activation's constants, MiniMax's decay tables), which the planner's
-    count off the files leaves out as transformers' count does."""
-    import re
+def tp_whole(model_type: str) -> list[str]:
+    """The modules of a block, as patterns under the base model ("layers.*.self_attn.qkv_proj"),
+    whose weights no style of the tensor-parallel plan splits, outside a mixture of experts (which
+    generic_split keeps whole apart): MiniMax's linear attention, Youtu's latent attention. Every tp
+    rank holds them whole and computes them whole. Recorded, else read off its classes."""
+    facts = recorded(model_type)
+    if facts is not None:
+        return facts.get("tp_whole", [])
+    from raytrain_hybrid.models import generic
 
+    config_cls, lm_cls = generic.classes(model_type)
+    model = _tiny_model(config_cls, lm_cls, _tiny(model_type, config_cls))
+    names = {"pp_names": list(generic.pp_names(model_type)), "prefix": prefix_of(lm_cls)}
+    return _tp_whole(model, names | {"tp_plan": dict(config_cls.base_model_tp_plan or {})})
+
+
+def _tiny_model(config_cls, lm_cls, tiny: dict | None):
+    """The family's model built on the meta device from a tiny config, or None where it does not build."""
     import torch
 
     if tiny is None:  # (a family whose tiny config its class refuses: the matrix refuses it too)
-        return []
+        return None
     # (a family whose defaults leave its routed experts unset, dots1: a few, as the matrix's checkpoint)
     unset = {k: 4 for k in ("n_routed_experts", "num_experts", "num_local_experts") if k in tiny and tiny[k] is None}
     unset |= {"num_experts_per_tok": 2} if unset and tiny.get("num_experts_per_tok") is None else {}
     try:
         with torch.device("meta"):
-            model = lm_cls(config_cls(**(tiny | unset)))
+            return lm_cls(config_cls(**(tiny | unset)))
     except Exception:  # noqa: BLE001 - a family whose model does not build so: refused by the matrix
+        return None
+
+
+def _buffers(model) -> list[str]:
+    """The persistent buffers of the model (in its state dict, and so in a checkpoint's files beside
+    the parameters: a router's score-correction bias, an activation's constants, MiniMax's decay
+    tables), which the planner's count off the files leaves out as transformers' count does."""
+    import re
+
+    if model is None:
         return []
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     return sorted({re.sub(r"\.\d+\.", ".*.", k) for k in model.state_dict(keep_vars=True) if k not in params})
+
+
+# The plan's styles that split a module's weights over the tp ranks (or, moe_tp_experts, mark a
+# mixture of experts, which generic_split keeps whole and the planner counts apart).
+_SPLITTING = ("colwise", "rowwise", "moe_tp_experts")
+
+
+def _tp_whole(model, facts: dict) -> list[str]:
+    """tp_whole of the model built: its blocks' matrices (a norm's or a bias's vector is a rounding
+    error) that no splitting entry of the plan covers, outside the block children holding experts."""
+    import re
+
+    if model is None:
+        return []
+    layers = facts["pp_names"][1]
+    plan = [k for k, style in facts["tp_plan"].items() if any(s in style for s in _SPLITTING)]
+    covered = [re.compile("^" + re.escape(k).replace(r"\*", r"\d+") + r"(\.|$)") for k in plan]
+    experts = {
+        k.removeprefix(f"{layers}.*.").split(".")[0] for k, s in facts["tp_plan"].items() if s == "moe_tp_experts"
+    }
+    try:
+        blocks = model.get_submodule(f"{facts['prefix']}.{layers}")
+    except AttributeError:  # (a base model whose blocks its pipeline plan names otherwise, HRM's: refused)
+        return []
+    whole = set()
+    for i, block in enumerate(blocks):
+        for name, p in block.named_parameters():
+            full = f"{layers}.{i}.{name}"
+            if p.dim() >= 2 and name.split(".")[0] not in experts and not any(c.match(full) for c in covered):
+                whole.add(re.sub(r"\.\d+\.", ".*.", full).rsplit(".", 1)[0])
+    return sorted(whole)
 
 
 def prefix_of(lm_cls) -> str:

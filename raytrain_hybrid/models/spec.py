@@ -124,6 +124,10 @@ class ArchSpec:
     # Of the per-block count, the rest of a mixture-of-experts block that every TP rank holds whole
     # and expert parallelism does not shard (a generic family's router and shared experts).
     whole_params: Callable[[Any], int] = lambda model_cfg: 0
+    # Of the per-block count, outside a mixture of experts, the parameters no tensor-parallel style
+    # splits (a generic family's modules its plan leaves out: MiniMax's linear attention): whole
+    # on every TP rank, their FLOPs too.
+    tp_whole_params: Callable[[Any], int] = lambda model_cfg: 0
     # (experts, experts a token is routed to) of a mixture of experts (ModelConfig -> ints): the
     # model.* keys of a hand-written spec; a generic family's own config (models.generic).
     experts: Callable[[Any], tuple[int, int]] = lambda m: (m.num_experts, m.experts_per_token)

@@ -69,7 +69,8 @@ def max_rank_params(cfg: Config) -> float:
 
 def expert_rank_params(cfg: Config, part: str = "expert_params") -> float:
     """Expert weights on the fullest pipeline rank (the most blocks), before ep sharding; ``part``
-    "whole_params": the rest of the MoE blocks there, whole on each TP rank, not split over ep."""
+    "whole_params": the rest of the MoE blocks there, whole on each TP rank, not split over ep;
+    "tp_whole_params": the modules the tensor-parallel plan leaves out there, whole on each TP rank."""
     from raytrain_hybrid.distributed.pipeline import split_layers, stage_ids
 
     per_block = getattr(get_arch(cfg.model.arch), part)(cfg.model)
@@ -270,7 +271,9 @@ def predict(cfg: Config, hw: Hardware) -> dict:
     micro_batch = t.global_batch_size // (dp * mb)
     # Experts are whole on each TP rank and 1/ep a rank under expert parallelism; a generic family's
     # router and shared experts whole on each TP rank too.
-    ep, experts, whole = par.ep, expert_rank_params(cfg), expert_rank_params(cfg, "whole_params")
+    # And a generic family's modules that its tensor-parallel plan leaves out (MiniMax's linear attention).
+    ep, experts = par.ep, expert_rank_params(cfg)
+    whole = expert_rank_params(cfg, "whole_params") + expert_rank_params(cfg, "tp_whole_params")
     phi = (max_rank_params(cfg) - experts - whole) / tp + whole + experts / ep
     # The cp ranks of a replica average gradients like replicas: ZeRO shards over dp x cp (over the
     # shard group, dp/replicate x cp, under hybrid sharding); the experts' state over the dp/ep ranks
@@ -289,9 +292,11 @@ def predict(cfg: Config, hw: Hardware) -> dict:
     memory["total"] = sum(memory.values())
 
     tokens = t.global_batch_size * tokens_per_row(m)
-    # A mixture of experts runs whole on every TP rank: its share of the FLOPs is not divided by tp.
+    # A mixture of experts runs whole on every TP rank, as do modules the plan leaves out: their share
+    # of the FLOPs is not divided by tp.
     whole = moe_flops_share(cfg)
-    flops = flops_per_token(m) * tokens / (dp * cp * pp) * ((1 - whole) / tp + whole)
+    unsplit = min(1.0, whole + 6.0 * get_arch(m.arch).tp_whole_params(m) * num_blocks(m) / flops_per_token(m))
+    flops = flops_per_token(m) * tokens / (dp * cp * pp) * ((1 - unsplit) / tp + unsplit)
     if par.activation_checkpointing is True:  # (selective recomputes element-wise ops only)
         flops *= 4 / 3  # one more forward
     compute = flops / (hw.peak_tflops * 1e12 * hw.efficiency)
