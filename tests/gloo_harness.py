@@ -386,7 +386,8 @@ def _run_jobs(rank: int, world: int, jobs: dict) -> dict:
         # for an elastic layout=auto start, which picks its layout as a Ray worker group does.
         job = job if isinstance(job, dict) else {"overrides": job}
         probe = Probe()
-        probe.install()
+        if job.get("probe", True):  # (False: a benchmark's run, timed without the probe's gathers and norms)
+            probe.install()
         notice = _notice(rank, *job["notice"]) if "notice" in job else None
         node_id, said = f"node{rank % job.get('nodes', 1)}", []
         try:
@@ -403,7 +404,7 @@ def _run_jobs(rank: int, world: int, jobs: dict) -> dict:
             result = run_worker(WorkerPlan(cfg, resume=job.get("resume")), node_id, WorkerIO(notice=notice))
         finally:
             Trainer.__init__ = init  # the next job's probe, not this one's too
-        out[name] = {**result, "probe": probe.report(), "said": said}
+        out[name] = {**result, "probe": probe.report() if probe.trainer else None, "said": said}
         _progress(rank, name)
     return out
 

@@ -114,7 +114,8 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         is held by ``replicas`` ranks under hybrid sharding)."""
         total = torch.zeros((), dtype=torch.float64, device=self.shard.device)
         for i, _, s_at, n in self._segments():
-            total += self.shard.grad[s_at : s_at + n].double().pow(2).sum() / (self.copies[i] * self.replicas)
+            part = torch.linalg.vector_norm(self.shard.grad[s_at : s_at + n], dtype=torch.float64).square()
+            total += part / (self.copies[i] * self.replicas)
         return total
 
     @torch.no_grad()
