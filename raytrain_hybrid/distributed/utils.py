@@ -33,7 +33,8 @@ def global_grad_norm(params, ranks_per_stage: int, device: torch.device) -> torc
         if p.grad is None:
             continue
         local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        # Summed in float64 without a float64 copy of the gradient (2-5x faster than .double()).
+        # Squared and summed in float64 by one fused reduction (2-5x faster on a CPU than
+        # .double().pow(2).sum(), which makes two float64 temporaries of the gradient).
         total += torch.linalg.vector_norm(local, dtype=torch.float64).square() / shard_copies(p.grad, ranks_per_stage)
     if dist.is_initialized():
         dist.all_reduce(total)

@@ -128,8 +128,8 @@ def _moe_params(model_type: str, sizes: tuple) -> tuple[int, int]:
 
 
 def tp_whole_params(model_type: str, m) -> int:
-    """A block's parameters, averaged over the blocks, in the modules no tensor-parallel style
-    splits (models.generic_facts.tp_whole: MiniMax's linear attention): whole on every tp rank.
+    """A block's parameters, averaged over the blocks, that no tensor-parallel style splits
+    (models.generic_facts.tp_whole: MiniMax's linear attention): whole on every tp rank.
     0 where the plan splits every matrix outside a mixture of experts."""
     if not generic_facts.tp_whole(model_type):
         return 0
@@ -148,7 +148,7 @@ def _tp_whole_params(model_type: str, sizes: tuple) -> int:
     blocks = m["num_layers"]
     facts = generic_facts.recorded(model_type)
     if _checkpoint(m) and facts and (named := _parameters(model_type, tensor_sizes(m["pretrained"]))):
-        at, index = [f"{facts['prefix']}.{pattern}.*" for pattern in whole], len(facts["prefix"].split(".")) + 1
+        at, index = [f"{facts['prefix']}.{pattern}" for pattern in whole], len(facts["prefix"].split(".")) + 1
         # (the blocks the model builds: a next-token prediction layer past them left out, as from_headers does)
         inside = {k: n for k, n in named.items() if _block_of(k, index) < blocks}
         held = sum(n for name, n in inside.items() if any(fnmatchcase(name, p) for p in at))
@@ -156,8 +156,8 @@ def _tp_whole_params(model_type: str, sizes: tuple) -> int:
             return held // blocks
     _, inner, _ = _built(model_type, m)
     layers = generic.pp_names(model_type)[1]
-    modules = [mod for name, mod in inner.named_modules() if any(fnmatchcase(name, p) for p in whole)]
-    return sum(p.numel() for mod in modules for p in mod.parameters()) // max(1, len(getattr(inner, layers)))
+    held = sum(p.numel() for name, p in inner.named_parameters() if any(fnmatchcase(name, w) for w in whole))
+    return held // max(1, len(getattr(inner, layers)))
 
 
 def _block_of(name: str, at: int) -> int | float:

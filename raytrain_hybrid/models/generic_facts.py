@@ -63,6 +63,8 @@ def version() -> str:
 def overridden(model_type: str) -> None:
     """``model_type`` was registered in this process: its classes answer from now on."""
     _OVERRIDDEN.add(model_type)
+    _tp_whole_of.cache_clear()  # (what its former classes answered)
+    _buffers_of.cache_clear()
 
 
 def derive(model_type: str) -> dict:
@@ -119,6 +121,11 @@ def buffers(model_type: str) -> list[str]:
     facts = recorded(model_type)
     if facts is not None:
         return facts.get("buffers", [])
+    return _buffers_of(model_type)
+
+
+@functools.cache
+def _buffers_of(model_type: str) -> list[str]:
     from raytrain_hybrid.models import generic
 
     config_cls, lm_cls = generic.classes(model_type)
@@ -126,13 +133,18 @@ def buffers(model_type: str) -> list[str]:
 
 
 def tp_whole(model_type: str) -> list[str]:
-    """The modules of a block, as patterns under the base model ("layers.*.self_attn.qkv_proj"),
-    whose weights no style of the tensor-parallel plan splits, outside a mixture of experts (which
+    """A block's weights, as patterns under the base model ("layers.*.self_attn.qkv_proj.weight"),
+    that no style of the tensor-parallel plan splits, outside a mixture of experts (which
     generic_split keeps whole apart): MiniMax's linear attention, Youtu's latent attention. Every tp
     rank holds them whole and computes them whole. Recorded, else read off its classes."""
     facts = recorded(model_type)
     if facts is not None:
         return facts.get("tp_whole", [])
+    return _tp_whole_of(model_type)
+
+
+@functools.cache
+def _tp_whole_of(model_type: str) -> list[str]:
     from raytrain_hybrid.models import generic
 
     config_cls, lm_cls = generic.classes(model_type)
@@ -147,9 +159,15 @@ def _tiny_model(config_cls, lm_cls, tiny: dict | None):
 
     if tiny is None:  # (a family whose tiny config its class refuses: the matrix refuses it too)
         return None
-    # (a family whose defaults leave its routed experts unset, dots1: a few, as the matrix's checkpoint)
+    # (a family whose defaults leave its routed and shared experts unset, dots1: a few, as the matrix's
+    # checkpoint; one whose first dense layers are more than the tiny model's two, DeepSeek-V3: one)
     unset = {k: 4 for k in ("n_routed_experts", "num_experts", "num_local_experts") if k in tiny and tiny[k] is None}
     unset |= {"num_experts_per_tok": 2} if unset and tiny.get("num_experts_per_tok") is None else {}
+    unset |= (
+        {"n_shared_experts": 1} if unset and "n_shared_experts" in tiny and tiny["n_shared_experts"] is None else {}
+    )
+    if (tiny.get("first_k_dense_replace") or 0) >= tiny.get("num_hidden_layers", 2):
+        unset["first_k_dense_replace"] = 1
     try:
         with torch.device("meta"):
             return lm_cls(config_cls(**(tiny | unset)))
@@ -196,7 +214,7 @@ def _tp_whole(model, facts: dict) -> list[str]:
         for name, p in block.named_parameters():
             full = f"{layers}.{i}.{name}"
             if p.dim() >= 2 and name.split(".")[0] not in experts and not any(c.match(full) for c in covered):
-                whole.add(re.sub(r"\.\d+\.", ".*.", full).rsplit(".", 1)[0])
+                whole.add(re.sub(r"\.\d+\.", ".*.", full))  # (each parameter: nested modules counted once)
     return sorted(whole)
 
 

@@ -273,7 +273,7 @@ def predict(cfg: Config, hw: Hardware) -> dict:
     # router and shared experts whole on each TP rank too.
     # And a generic family's modules that its tensor-parallel plan leaves out (MiniMax's linear attention).
     ep, experts = par.ep, expert_rank_params(cfg)
-    whole = expert_rank_params(cfg, "whole_params") + expert_rank_params(cfg, "tp_whole_params")
+    whole = expert_rank_params(cfg, "whole_params") + (expert_rank_params(cfg, "tp_whole_params") if tp > 1 else 0)
     phi = (max_rank_params(cfg) - experts - whole) / tp + whole + experts / ep
     # The cp ranks of a replica average gradients like replicas: ZeRO shards over dp x cp (over the
     # shard group, dp/replicate x cp, under hybrid sharding); the experts' state over the dp/ep ranks
@@ -295,7 +295,9 @@ def predict(cfg: Config, hw: Hardware) -> dict:
     # A mixture of experts runs whole on every TP rank, as do modules the plan leaves out: their share
     # of the FLOPs is not divided by tp.
     whole = moe_flops_share(cfg)
-    unsplit = min(1.0, whole + 6.0 * get_arch(m.arch).tp_whole_params(m) * num_blocks(m) / flops_per_token(m))
+    unsplit = whole
+    if tp > 1:  # (at tp=1 nothing is split: a family's count is not asked for, which may build its model)
+        unsplit = min(1.0, whole + 6.0 * get_arch(m.arch).tp_whole_params(m) * num_blocks(m) / flops_per_token(m))
     flops = flops_per_token(m) * tokens / (dp * cp * pp) * ((1 - unsplit) / tp + unsplit)
     if par.activation_checkpointing is True:  # (selective recomputes element-wise ops only)
         flops *= 4 / 3  # one more forward
