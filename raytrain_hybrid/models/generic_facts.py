@@ -63,8 +63,7 @@ def version() -> str:
 def overridden(model_type: str) -> None:
     """``model_type`` was registered in this process: its classes answer from now on."""
     _OVERRIDDEN.add(model_type)
-    _tp_whole_of.cache_clear()  # (what its former classes answered)
-    _buffers_of.cache_clear()
+    _classes_and_tiny_model.cache_clear()  # (what its former classes answered)
 
 
 def derive(model_type: str) -> dict:
@@ -121,15 +120,7 @@ def buffers(model_type: str) -> list[str]:
     facts = recorded(model_type)
     if facts is not None:
         return facts.get("buffers", [])
-    return _buffers_of(model_type)
-
-
-@functools.cache
-def _buffers_of(model_type: str) -> list[str]:
-    from raytrain_hybrid.models import generic
-
-    config_cls, lm_cls = generic.classes(model_type)
-    return _buffers(_tiny_model(config_cls, lm_cls, _tiny(model_type, config_cls)))
+    return _buffers(_classes_and_tiny_model(model_type)[2])
 
 
 def tp_whole(model_type: str) -> list[str]:
@@ -140,17 +131,21 @@ def tp_whole(model_type: str) -> list[str]:
     facts = recorded(model_type)
     if facts is not None:
         return facts.get("tp_whole", [])
-    return _tp_whole_of(model_type)
+    from raytrain_hybrid.models import generic
+
+    config_cls, lm_cls, model = _classes_and_tiny_model(model_type)
+    names = {"pp_names": list(generic.pp_names(model_type)), "prefix": prefix_of(lm_cls)}
+    return _tp_whole(model, names | {"tp_plan": dict(config_cls.base_model_tp_plan or {})})
 
 
 @functools.cache
-def _tp_whole_of(model_type: str) -> list[str]:
+def _classes_and_tiny_model(model_type: str):
+    """(config class, causal LM class, its tiny model on the meta device or None) of a family whose
+    facts are not recorded: built once a process (cleared when the family is registered)."""
     from raytrain_hybrid.models import generic
 
     config_cls, lm_cls = generic.classes(model_type)
-    model = _tiny_model(config_cls, lm_cls, _tiny(model_type, config_cls))
-    names = {"pp_names": list(generic.pp_names(model_type)), "prefix": prefix_of(lm_cls)}
-    return _tp_whole(model, names | {"tp_plan": dict(config_cls.base_model_tp_plan or {})})
+    return config_cls, lm_cls, _tiny_model(config_cls, lm_cls, _tiny(model_type, config_cls))
 
 
 def _tiny_model(config_cls, lm_cls, tiny: dict | None):
