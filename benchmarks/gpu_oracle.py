@@ -168,12 +168,14 @@ def compare(result: dict, ref: list[dict], loss_only: bool, bound: float = BF16_
 
 
 def cpu_initial(overrides: list[str]) -> dict:
-    """The engine's initial weights built on the CPU (gloo ranks forked here)."""
+    """The engine's initial weights built on the CPU (gloo ranks forked here). An FP8 case builds
+    with the casts emulated: the CPU has no float8 matmuls, and the conversion renames nothing."""
     from gloo_harness import initial_state
 
     from raytrain_hybrid.config import load_config
 
-    return initial_state(load_config(None, overrides))
+    fp8 = any(o.startswith("train.fp8=") and o != "train.fp8=off" for o in overrides)
+    return initial_state(load_config(None, [*overrides, *(["train.fp8_emulate=true"] if fp8 else [])]))
 
 
 def run_case(overrides: list[str], kind: str, device: torch.device) -> dict:

@@ -39,3 +39,38 @@ def test_gpu_benchmark_smoke(tmp_path):
     assert row["engine_eager_fp8"]["step_s"] > 0 and row["engine_eager_fp8"]["compile_s"] is None
     assert row["ratios"]["engine_eager_fp8_final_loss_rel_diff"] < 2e-2, row["ratios"]
     assert row["ratios"]["engine_eager_fp8_over_engine_eager_step"] > 0
+
+
+def _fp8_loss(rank: int, world: int, out: str) -> dict:
+    sys.path.insert(0, str(BENCHMARKS))
+    import bench_gpu
+
+    return bench_gpu.run_rank(rank, world, bench_gpu.parse_args(["--smoke", "--fp8-loss-steps", "12", "--out", out]))
+
+
+def test_fp8_loss_check_trains_both_curves_from_one_seed(tmp_path):
+    """--fp8-loss-steps: bf16 and FP8 rowwise (emulated here), compiled, the same steps on the
+    shipped corpus; both curves recorded, their last losses compared against the 1 % goal."""
+    out = tmp_path / "fp8_loss.json"
+    launch_ranks(_fp8_loss, 1, str(out))
+    got = json.loads(out.read_text())["fp8_loss"]
+    assert got["steps"] == 12 and got["goal_rel_diff"] == 0.01
+    bf16, fp8 = got["bf16"], got["fp8_rowwise"]
+    assert bf16["losses_every_10"][0] > bf16["losses_every_10"][-1]  # it learns
+    # The same start, then FP8's rounding: the curves differ, a little.
+    assert abs(fp8["losses_every_10"][0] / bf16["losses_every_10"][0] - 1) < 1e-3
+    assert fp8["losses_every_10"] != bf16["losses_every_10"]
+    assert got["last_mean_rel_diff"] == abs(fp8["last_mean"] / bf16["last_mean"] - 1) < 0.01 and got["ok"]
+
+
+def test_bench_variants_are_checked_by_name():
+    sys.path.insert(0, str(BENCHMARKS))
+    import bench_gpu
+    import pytest
+
+    assert bench_gpu.parse_args(["--variants", "engine_compiled,engine_compiled_fp8"]).variants == [
+        "engine_compiled",
+        "engine_compiled_fp8",
+    ]
+    with pytest.raises(SystemExit):
+        bench_gpu.parse_args(["--variants", "engine_compiled_fp9"])

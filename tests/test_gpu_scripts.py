@@ -1,5 +1,5 @@
 """The GPU checks in benchmarks/ (gpu_oracle.py, gpu_grouped_mm.py, gpu_profile.py, and
-gpu_suite.sh, which runs them) run on the CPU here, so they cannot rot between GPU runs; their
+gpu_suite.sh, which runs them with bench_gpu.py) run on the CPU here, so they cannot rot between GPU runs; their
 committed results come from a GPU."""
 
 from __future__ import annotations
@@ -29,6 +29,19 @@ def test_gpu_oracle_script_compares_against_the_reference(tmp_path):
     assert row["initial_equals_cpu_build"] and row["steps"] == 5
     assert 0 < row["max_rel_param_grad_norm"] < 1e-4
     assert json.loads(out.read_text())["cases"]["llama-fp32"]["ok"]
+
+
+def test_gpu_oracle_builds_an_fp8_case_on_the_cpu_for_its_weight_check():
+    """An FP8 case's CPU build (the check that the GPU's initial weights are the CPU's) runs with
+    the casts emulated, not refused for want of a float8 GPU, and gives the bf16 case's weights."""
+    import numpy as np
+
+    sys.path.insert(0, str(BENCHMARKS))
+    import gpu_oracle
+
+    fp8 = gpu_oracle.cpu_initial(gpu_oracle.CASES["llama-fp8-rowwise-compiled"][0])
+    bf16 = gpu_oracle.cpu_initial(gpu_oracle.CASES["llama-bf16"][0])
+    assert sorted(fp8) == sorted(bf16) and all(np.array_equal(fp8[n], bf16[n]) for n in bf16)
 
 
 def test_gpu_oracle_notices_a_wrong_run():
@@ -110,9 +123,10 @@ def test_trace_self_time_subtracts_the_ops_an_op_calls(tmp_path, capsys):
     assert printed["top_cpu_ops"] == got["top_cpu_ops"][:1] and printed["cpu_by_kind"] == got["cpu_by_kind"][:1]
 
 
-def test_gpu_suite_runs_the_three_scripts_with_arguments_they_take():
+def test_gpu_suite_runs_its_four_parts_with_arguments_the_scripts_take():
     """benchmarks/gpu_suite.sh --dry-run: the oracle with every case (FP8 too where torchao is
-    here), bench_gpu.py and the profiler smoke, each within its time limit, 8 minutes in all; each
+    here), bench_gpu.py, FP8's 200-step loss check and the profiler smoke, each within its time
+    limit, 9 minutes in all (what one lent GPU's call holds beside the machine's start); each
     command line parses with the script's own parser."""
     import subprocess
 
@@ -130,10 +144,11 @@ def test_gpu_suite_runs_the_three_scripts_with_arguments_they_take():
     assert done.returncode == 0, done.stderr
     lines = dict(line.split(": ", 1) for line in done.stdout.strip().splitlines())
     limits = {name.split()[0]: int(name.split("limit ")[1].rstrip("s)")) for name in lines}
-    assert list(limits) == ["oracle", "bench", "profile"] and sum(limits.values()) <= 8 * 60, limits
+    assert list(limits) == ["oracle", "bench", "fp8_loss", "profile"] and sum(limits.values()) <= 9 * 60, limits
     argv = {name.split()[0]: cmd.split()[2:] for name, cmd in lines.items()}
     assert [cmd.split()[1] for cmd in lines.values()] == [
         "benchmarks/gpu_oracle.py",
+        "benchmarks/bench_gpu.py",
         "benchmarks/bench_gpu.py",
         "benchmarks/gpu_profile.py",
     ]
@@ -141,5 +156,15 @@ def test_gpu_suite_runs_the_three_scripts_with_arguments_they_take():
     assert cases == list(gpu_oracle.CASES) and any("fp8" in c for c in cases)
     bench = bench_gpu.parse_args(argv["bench"])
     assert bench.shapes == ["0.77b", "8b-layers"] and bench.out.endswith("benchmarks/results/gpu.json")
+    # bf16 eager and compiled, FP8 compiled both ways, and the plain loop beside them.
+    assert bench.variants == [
+        "engine_eager",
+        "engine_compiled",
+        "engine_compiled_fp8",
+        "engine_compiled_fp8_tensorwise",
+    ]
+    assert not bench.no_plain and bench.fp8_loss_steps == 0
     assert "engine_compiled_fp8" in bench_gpu.FP8_VARIANTS and "engine_eager_fp8" in bench_gpu.FP8_VARIANTS
+    loss = bench_gpu.parse_args(argv["fp8_loss"])
+    assert loss.fp8_loss_steps == 200 and loss.out.endswith("benchmarks/results/gpu_fp8_loss.json")
     assert argv["profile"] == ["--out", "benchmarks/results/gpu_profile.json"]
