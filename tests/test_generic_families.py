@@ -6,7 +6,9 @@ sublayers). scripts/model_matrix.py holds each family to the training oracle."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from unittest import mock
 
 import pytest
 import torch
@@ -140,6 +142,72 @@ def test_modules_the_tp_plan_leaves_out_are_counted_whole_on_each_tp_rank(model_
     assert abs(predicted - held) <= 0.005 * held, (held, predicted)
     whole = 4 * get_arch(cfg.model.arch).tp_whole_params(cfg.model) * num_blocks(cfg.model)
     assert whole / 2 > 0.01 * held  # (what counting them split would leave out)
+
+
+def _attention_all_reduces(rank: int, world: int, overrides: list[str], scratch: str) -> dict[int, int]:
+    """Per block, the forward TP all-reduces its attention runs at tp=2: the engine's rank 0 built
+    in a fake two-rank group (collectives counted, not run) through one forward and backward."""
+    import re
+
+    import torch.distributed as dist
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from raytrain_hybrid.data.corpus import Batch
+    from raytrain_hybrid.distributed.parallel_dims import ParallelDims, arrange_ranks
+    from raytrain_hybrid.engine.trainer import Trainer
+
+    dist.destroy_process_group()  # (the harness's world of one: the fake world of two instead)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        cfg = load_config(None, overrides)
+        dims = ParallelDims.from_config(cfg.parallelism)
+        trainer = Trainer(cfg, dims, dims.build_mesh("cpu", arrange_ranks(dims, ["n"] * 2)), torch.device("cpu"))
+        ids = torch.randint(3, 200, (cfg.train.global_batch_size, cfg.model.seq_len))
+        with CommDebugMode() as comms:
+            trainer._forward_backward(Batch((ids,), ids))
+    finally:
+        dist.destroy_process_group()
+        dist.init_process_group("gloo", init_method=f"file://{scratch}/pg", rank=0, world_size=1)
+    counts = {int(b): 0 for b in range(cfg.model.num_layers)}
+    for name, by in comms.comm_module_counts.items():
+        if found := re.search(r"layers\.(\d+)\.self_attn$", name):
+            counts[int(found.group(1))] = sum(n for op, n in by.get("forward", {}).items() if "all_reduce" in str(op))
+    return counts
+
+
+@pytest.mark.parametrize(("model_type", "whole"), [("youtu", 1.0), ("minimax", 0.5), ("qwen3", 0.0)])
+def test_the_planner_charges_attention_all_reduces_where_the_engine_runs_them(model_type, whole, tmp_path):
+    """Youtu's latent attention and MiniMax's linear-attention layers (every other block of the tiny
+    one) are in no style of transformers' plan: at tp=2 their attention runs whole, with no
+    all-reduce, which the engine's collectives show block by block. The planner charges attention's
+    all-reduces (and its column/row pair) in the share of blocks that run them: none for Youtu, half
+    for MiniMax, all for Qwen3."""
+    from gloo_harness import launch_ranks
+    from test_models import COMMON, make_checkpoint
+
+    from raytrain_hybrid.models import get_arch
+    from raytrain_hybrid.planner.cost import predict
+    from raytrain_hybrid.planner.hardware import PROFILES
+
+    layout = ("parallelism.dp=1", "parallelism.tp=2", "parallelism.pp=1", "parallelism.microbatches=1")
+    path = make_checkpoint(tmp_path, model_type)
+    overrides = [f"model.pretrained={path}", *COMMON, *layout, "parallelism.sequence_parallel=false"]
+    per_block = launch_ranks(_attention_all_reduces, 1, overrides, str(tmp_path))
+    assert sum(1 for n in per_block.values() if n == 0) / len(per_block) == whole, per_block
+    assert set(per_block.values()) <= {0, 1}  # (one forward all-reduce where attention is split)
+    cfg = load_config(None, overrides)
+    spec = get_arch(cfg.model.arch)
+    assert spec.tp_whole_attention(cfg.model) == whole
+    # Against the same run with every attention split (what the planner charged before): the MLP's
+    # or MoE's share stays, attention's goes with the whole share.
+    tp_time = predict(cfg, PROFILES["h100"])["time_s"]["tp"]
+    split = dataclasses.replace(spec, tp_whole_attention=lambda m: 0.0)
+    with mock.patch("raytrain_hybrid.planner.cost.get_arch", lambda arch: split):
+        all_split = predict(cfg, PROFILES["h100"])["time_s"]["tp"]
+    dense_mlp = not spec.expert_params(cfg.model)
+    attention, mlp = 2.0, (2.0 if dense_mlp else 0.0)  # (all-reduces a block; the pair overhead alike)
+    assert tp_time == pytest.approx(all_split * ((1 - whole) * attention + mlp) / (attention + mlp), rel=1e-6)
 
 
 def test_every_family_the_matrix_holds_is_counted_by_the_planner_within_5_percent():

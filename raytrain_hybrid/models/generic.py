@@ -365,11 +365,11 @@ def spec(model_type: str) -> ArchSpec:
         param_parts=functools.partial(generic_counts.param_parts, model_type),
         matmul_params=functools.partial(generic_counts.matmul_params, model_type),
         held_copies=functools.partial(generic_counts.held_copies, model_type),
-        # A mixture of experts (moe_children) and modules the plan leaves out stay whole on every tp rank:
-        # the planner does not divide them by tp; it divides the experts module alone by ep.
+        # MoE blocks and modules the plan leaves out: whole on each tp rank; ep divides the experts alone.
         expert_params=functools.partial(generic_counts.moe_params, model_type, "experts"),
         whole_params=functools.partial(generic_counts.moe_params, model_type, "rest"),
         tp_whole_params=functools.partial(generic_counts.tp_whole_params, model_type),
+        tp_whole_attention=functools.partial(generic_counts.tp_whole_attention, model_type),
         # Expert parallelism and the router auxiliary loss where the model matrix held them.
         moe=generic_router.moe_spec(model_type),
         experts=functools.partial(generic_split.experts_of, model_type),

@@ -133,13 +133,25 @@ def tp_whole_params(model_type: str, m) -> int:
     0 where the plan splits every matrix outside a mixture of experts."""
     if not generic_facts.tp_whole(model_type):
         return 0
-    return _tp_whole_params(model_type, _size_key(m))
+    return _tp_whole(model_type, _size_key(m))[0]
+
+
+def tp_whole_attention(model_type: str, m) -> float:
+    """The share of blocks whose attention output projection (``o_proj`` / ``out_proj``) no
+    tensor-parallel style splits: their attention runs whole on each tp rank, with no all-reduce of
+    its own (Youtu's latent attention: all of them; MiniMax's linear-attention layers)."""
+    if not generic_facts.tp_whole(model_type):
+        return 0.0
+    return _tp_whole(model_type, _size_key(m))[1]
+
+
+_OUTPUT_PROJECTIONS = (".o_proj.weight", ".out_proj.weight")
 
 
 @functools.lru_cache(maxsize=64)
-def _tp_whole_params(model_type: str, sizes: tuple) -> int:
-    """tp_whole_params off a checkpoint's headers (its tensors under those modules), else counted on
-    the model built on the meta device."""
+def _tp_whole(model_type: str, sizes: tuple) -> tuple[int, float]:
+    """(tp_whole_params, tp_whole_attention) off a checkpoint's headers (its tensors under those
+    modules), else counted on the model built on the meta device."""
     from fnmatch import fnmatchcase
 
     from raytrain_hybrid.models.hf_checkpoint import tensor_sizes
@@ -151,13 +163,20 @@ def _tp_whole_params(model_type: str, sizes: tuple) -> int:
         at, index = [f"{facts['prefix']}.{pattern}" for pattern in whole], len(facts["prefix"].split(".")) + 1
         # (the blocks the model builds: a next-token prediction layer past them left out, as from_headers does)
         inside = {k: n for k, n in named.items() if _block_of(k, index) < blocks}
-        held = sum(n for name, n in inside.items() if any(fnmatchcase(name, p) for p in at))
+        held = {name: n for name, n in inside.items() if any(fnmatchcase(name, p) for p in at)}
         if held:  # (else the files name them otherwise: built)
-            return held // blocks
+            return sum(held.values()) // blocks, _attention_share(held, index, blocks)
     _, inner, _ = _built(model_type, m)
     layers = generic.pp_names(model_type)[1]
-    held = sum(p.numel() for name, p in inner.named_parameters() if any(fnmatchcase(name, w) for w in whole))
-    return held // max(1, len(getattr(inner, layers)))
+    built = len(getattr(inner, layers))
+    held = {name: p.numel() for name, p in inner.named_parameters() if any(fnmatchcase(name, w) for w in whole)}
+    return sum(held.values()) // max(1, built), _attention_share(held, 1, built)
+
+
+def _attention_share(whole: dict[str, int], index: int, blocks: int) -> float:
+    """The share of ``blocks`` holding a whole output projection among the ``whole`` names."""
+    at = {_block_of(name, index) for name in whole if name.endswith(_OUTPUT_PROJECTIONS)}
+    return len({b for b in at if b < blocks}) / max(1, blocks)
 
 
 def _block_of(name: str, at: int) -> int | float:

@@ -128,6 +128,8 @@ class ArchSpec:
     # splits (a generic family's modules its plan leaves out: MiniMax's linear attention): whole
     # on every TP rank, their FLOPs too.
     tp_whole_params: Callable[[Any], int] = lambda model_cfg: 0
+    # The share of blocks whose attention the plan leaves whole (Youtu's): no TP all-reduce of its own.
+    tp_whole_attention: Callable[[Any], float] = lambda model_cfg: 0.0
     # (experts, experts a token is routed to) of a mixture of experts (ModelConfig -> ints): the
     # model.* keys of a hand-written spec; a generic family's own config (models.generic).
     experts: Callable[[Any], tuple[int, int]] = lambda m: (m.num_experts, m.experts_per_token)
