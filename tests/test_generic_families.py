@@ -154,9 +154,10 @@ def test_modules_the_tp_plan_leaves_out_are_counted_whole_on_each_tp_rank(model_
     assert whole / 2 > 0.01 * held  # (what counting them split would leave out)
 
 
-def _attention_all_reduces(rank: int, world: int, overrides: list[str], scratch: str) -> dict[int, int]:
-    """Per block, the forward TP all-reduces its attention runs at tp=2: the engine's rank 0 built
-    in a fake two-rank group (collectives counted, not run) through one forward and backward."""
+def _block_collectives(rank: int, world: int, overrides: list[str], scratch: str) -> dict:
+    """{(block, "self_attn" | "mlp" | "", "forward" | "backward"): {collective: count}} of one forward
+    and backward at tp=2: the engine's rank 0 built in a fake two-rank group (collectives counted,
+    not run)."""
     import re
 
     import torch.distributed as dist
@@ -179,11 +180,51 @@ def _attention_all_reduces(rank: int, world: int, overrides: list[str], scratch:
     finally:
         dist.destroy_process_group()
         dist.init_process_group("gloo", init_method=f"file://{scratch}/pg", rank=0, world_size=1)
-    counts = {int(b): 0 for b in range(cfg.model.num_layers)}
+    out = {}
     for name, by in comms.comm_module_counts.items():
-        if found := re.search(r"layers\.(\d+)\.self_attn$", name):
-            counts[int(found.group(1))] = sum(n for op, n in by.get("forward", {}).items() if "all_reduce" in str(op))
-    return counts
+        if found := re.search(r"layers\.(\d+)(?:\.(self_attn|mlp))?$", name):
+            for way in ("forward", "backward"):
+                ops = {str(op).split(".")[-1]: n for op, n in by.get(way, {}).items()}
+                out[(int(found.group(1)), found.group(2) or "", way)] = ops
+    return out
+
+
+def _attention_all_reduces(overrides: list[str], scratch: str) -> dict[int, int]:
+    """Per block, the forward TP all-reduces its attention runs at tp=2."""
+    from gloo_harness import launch_ranks
+
+    counts = launch_ranks(_block_collectives, 1, overrides, scratch)
+    blocks = load_config(None, overrides).model.num_layers
+    return {b: counts.get((b, "self_attn", "forward"), {}).get("all_reduce", 0) for b in range(blocks)}
+
+
+@pytest.mark.parametrize(("model_type", "sp"), [("llama", True), ("llama", False), ("qwen3", False)])
+def test_a_blocks_tensor_parallel_collectives_are_as_the_docs_say(model_type, sp, tmp_path):
+    """docs/parallelism.md: with sequence parallelism a block runs one all-gather and one
+    reduce-scatter for attention and for the MLP, forward and backward (Megatron-LM's count);
+    without it one all-reduce each forward, and in the backward one for each column-parallel
+    projection reading the hidden states (q, k, v; gate, up) and none else of activations (Qwen3's
+    two more in attention are its q and k norms' weight gradients, which every tp rank holds)."""
+    from gloo_harness import launch_ranks
+    from test_models import COMMON, make_checkpoint
+
+    model = (
+        ["model.arch=llama"] if model_type == "llama" else [f"model.pretrained={make_checkpoint(tmp_path, model_type)}"]
+    )
+    layout = ("parallelism.dp=1", "parallelism.tp=2", "parallelism.pp=1", "parallelism.microbatches=1")
+    overrides = [*model, *COMMON, *layout, f"parallelism.sequence_parallel={str(sp).lower()}"]
+    counts = launch_ranks(_block_collectives, 1, overrides, str(tmp_path))
+    pair = {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}
+    if sp:
+        want = {("self_attn", "forward"): pair, ("self_attn", "backward"): pair, ("mlp", "forward"): pair}
+        want[("mlp", "backward")] = pair
+    else:
+        norms = 2 if model_type == "qwen3" else 0
+        want = {("self_attn", "forward"): {"all_reduce": 1}, ("self_attn", "backward"): {"all_reduce": 3 + norms}}
+        want |= {("mlp", "forward"): {"all_reduce": 1}, ("mlp", "backward"): {"all_reduce": 2}}
+    for block in range(load_config(None, overrides).model.num_layers):
+        got = {(part, way): counts.get((block, part, way), {}) for part, way in want}
+        assert got == want, (block, got)
 
 
 @pytest.mark.parametrize(("model_type", "whole"), [("youtu", 1.0), ("minimax", 0.5), ("qwen3", 0.0)])
@@ -193,7 +234,6 @@ def test_the_planner_charges_attention_all_reduces_where_the_engine_runs_them(mo
     all-reduce, which the engine's collectives show block by block. The planner charges attention's
     all-reduces (and its column/row pair) in the share of blocks that run them: none for Youtu, half
     for MiniMax, all for Qwen3."""
-    from gloo_harness import launch_ranks
     from test_models import COMMON, make_checkpoint
 
     from raytrain_hybrid.models import get_arch
@@ -203,7 +243,7 @@ def test_the_planner_charges_attention_all_reduces_where_the_engine_runs_them(mo
     layout = ("parallelism.dp=1", "parallelism.tp=2", "parallelism.pp=1", "parallelism.microbatches=1")
     path = make_checkpoint(tmp_path, model_type)
     overrides = [f"model.pretrained={path}", *COMMON, *layout, "parallelism.sequence_parallel=false"]
-    per_block = launch_ranks(_attention_all_reduces, 1, overrides, str(tmp_path))
+    per_block = _attention_all_reduces(overrides, str(tmp_path))
     assert sum(1 for n in per_block.values() if n == 0) / len(per_block) == whole, per_block
     assert set(per_block.values()) <= {0, 1}  # (one forward all-reduce where attention is split)
     cfg = load_config(None, overrides)
