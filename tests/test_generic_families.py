@@ -198,13 +198,14 @@ def _attention_all_reduces(overrides: list[str], scratch: str) -> dict[int, int]
     return {b: counts.get((b, "self_attn", "forward"), {}).get("all_reduce", 0) for b in range(blocks)}
 
 
-@pytest.mark.parametrize(("model_type", "sp"), [("llama", True), ("llama", False), ("qwen3", False)])
+@pytest.mark.parametrize(("model_type", "sp"), [("llama", True), ("llama", False), ("qwen3", True), ("qwen3", False)])
 def test_a_blocks_tensor_parallel_collectives_are_as_the_docs_say(model_type, sp, tmp_path):
-    """docs/parallelism.md: with sequence parallelism a block runs one all-gather and one
-    reduce-scatter for attention and for the MLP, forward and backward (Megatron-LM's count);
-    without it one all-reduce each forward, and in the backward one for each column-parallel
-    projection reading the hidden states (q, k, v; gate, up) and none else of activations (Qwen3's
-    two more in attention are its q and k norms' weight gradients, which every tp rank holds)."""
+    """docs/parallelism.md: with sequence parallelism the hand-written Llama runs one all-gather and
+    one reduce-scatter for attention and for the MLP, forward and backward (Megatron-LM's count); a
+    generic family the same forward, and backward an all-gather, then an all-reduce for each
+    column-parallel projection reading the hidden states (q, k, v; gate, up). Without it, one
+    all-reduce each forward, and backward one for each such projection. (Qwen3's two more in
+    attention are its q and k norms' weight gradients, which every tp rank holds.)"""
     from gloo_harness import launch_ranks
     from test_models import COMMON, make_checkpoint
 
@@ -215,11 +216,15 @@ def test_a_blocks_tensor_parallel_collectives_are_as_the_docs_say(model_type, sp
     overrides = [*model, *COMMON, *layout, f"parallelism.sequence_parallel={str(sp).lower()}"]
     counts = launch_ranks(_block_collectives, 1, overrides, str(tmp_path))
     pair = {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}
-    if sp:
+    norms = 2 if model_type == "qwen3" else 0
+    if sp and model_type == "llama":
         want = {("self_attn", "forward"): pair, ("self_attn", "backward"): pair, ("mlp", "forward"): pair}
         want[("mlp", "backward")] = pair
+    elif sp:
+        gathered = {"all_gather_into_tensor": 1}
+        want = {("self_attn", "forward"): pair, ("self_attn", "backward"): {**gathered, "all_reduce": 3 + norms}}
+        want |= {("mlp", "forward"): pair, ("mlp", "backward"): {**gathered, "all_reduce": 2}}
     else:
-        norms = 2 if model_type == "qwen3" else 0
         want = {("self_attn", "forward"): {"all_reduce": 1}, ("self_attn", "backward"): {"all_reduce": 3 + norms}}
         want |= {("mlp", "forward"): {"all_reduce": 1}, ("mlp", "backward"): {"all_reduce": 2}}
     for block in range(load_config(None, overrides).model.num_layers):
