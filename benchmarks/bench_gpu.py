@@ -223,10 +223,11 @@ def ratios(row: dict, world: int) -> dict:
     def per_gpu(case):
         return row[case]["step_s"]  # each rank steps its own batch of the shape's rows
 
-    if "plain_compiled" in row:
+    if "plain_compiled" in row and "engine_compiled" in row:
         out["engine_compiled_over_plain_compiled_step"] = per_gpu("engine_compiled") / row["plain_compiled"]["step_s"]
+    if "plain_compiled" in row and "plain_eager" in row:
         out["plain_compiled_over_plain_eager_step"] = row["plain_compiled"]["step_s"] / row["plain_eager"]["step_s"]
-    if "plain_eager" in row:
+    if "plain_eager" in row and "engine_eager" in row:
         out["engine_eager_over_plain_eager_step"] = per_gpu("engine_eager") / row["plain_eager"]["step_s"]
     if "engine_eager" in row and "engine_compiled" in row:
         out["engine_compiled_over_engine_eager_step"] = per_gpu("engine_compiled") / per_gpu("engine_eager")
@@ -292,7 +293,7 @@ def run_rank(rank: int, world: int, args) -> dict | None:
 
 def write(args, results: dict, world: int, device: torch.device) -> dict:
     out = {
-        "command": "cd <repo> && " + " ".join(["python", *sys.argv]),
+        "command": "cd <repo> && " + " ".join(["PYTHONPATH=. python3", *sys.argv]),
         "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "gpus": world if device.type == "cuda" else 0,

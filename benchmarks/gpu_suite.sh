@@ -15,7 +15,7 @@
 #    on the shipped corpus (results/gpu_fp8_loss.json; the goal: last losses within 1 %).
 # 4. benchmarks/gpu_profile.py: run.profile_steps on the GPU (trace, memory snapshot, top kernels).
 #
-# Each part has its own time limit (GPU_SUITE_LIMITS="oracle bench fp8_loss profile" seconds, 165 240 85 45 by
+# Each part has its own time limit (GPU_SUITE_LIMITS="oracle bench fp8_loss profile" seconds, 150 265 80 45 by
 # default); a part that fails or runs out of time is recorded and the next one still runs.
 # benchmarks/results/gpu_suite.json records each part's exit status and seconds. Python: $PYTHON
 # (default python3), which needs torch and transformers; Ray is not used.
@@ -23,7 +23,13 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-read -r LIMIT_ORACLE LIMIT_BENCH LIMIT_FP8_LOSS LIMIT_PROFILE <<<"${GPU_SUITE_LIMITS:-165 240 85 45}"
+read -r LIMIT_ORACLE LIMIT_BENCH LIMIT_FP8_LOSS LIMIT_PROFILE EXTRA <<<"${GPU_SUITE_LIMITS:-150 265 80 45}"
+for limit in "$LIMIT_ORACLE" "$LIMIT_BENCH" "$LIMIT_FP8_LOSS" "$LIMIT_PROFILE"; do
+    [[ $limit =~ ^[0-9]+$ && -z $EXTRA ]] || {
+        echo "gpu_suite: GPU_SUITE_LIMITS takes four whole seconds (oracle bench fp8_loss profile), e.g. \"150 265 80 45\"; got \"${GPU_SUITE_LIMITS:-}\"" >&2
+        exit 2
+    }
+done
 
 MODE=gpu
 OUT=benchmarks/results
@@ -50,14 +56,16 @@ if [ "$MODE" = gpu ] && ! "$PY" -c "import torch, sys; sys.exit(not torch.cuda.i
     exit 2
 fi
 
-# The oracle's cases: all of them, less FP8 where torchao is missing (and said).
+# The oracle's cases: all of them, less FP8 where this machine runs none (no torchao, or a GPU
+# below compute capability 8.9), and said.
 IFS=$'\t' read -r CASES FP8_NOTE < <("$PY" - <<'EOF'
-import importlib.util, sys
+import sys
+import torch
 sys.path.insert(0, "benchmarks")
-import gpu_oracle
-fp8 = importlib.util.find_spec("torchao") is not None
-cases = [c for c in gpu_oracle.CASES if fp8 or "fp8" not in c]
-print(",".join(cases), "" if fp8 else "torchao is not installed: no FP8 case ran", sep="\t")
+import bench_gpu, gpu_oracle
+why = bench_gpu.fp8_skipped(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+cases = [c for c in gpu_oracle.CASES if not why or "fp8" not in c]
+print(",".join(cases), f"no FP8 case ran: {why}" if why else "", sep="\t")
 EOF
 )
 [ -n "$CASES" ] || { echo "gpu_suite: $PY could not read the oracle's cases (torch, transformers?)" >&2; exit 2; }

@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 from gloo_harness import launch_ranks
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -63,10 +64,34 @@ def test_fp8_loss_check_trains_both_curves_from_one_seed(tmp_path):
     assert got["last_mean_rel_diff"] == abs(fp8["last_mean"] / bf16["last_mean"] - 1) < 0.01 and got["ok"]
 
 
+def _smoke_with(rank: int, world: int, out: str, extra: list[str]) -> dict:
+    sys.path.insert(0, str(BENCHMARKS))
+    import bench_gpu
+
+    return bench_gpu.run_rank(rank, world, bench_gpu.parse_args(["--smoke", *extra, "--out", out]))
+
+
+def test_a_subset_of_engine_cases_runs_beside_the_plain_loop_or_without_it(tmp_path):
+    """--variants: only the named engine cases, the plain loop still beside them (its ratios those
+    the cases allow); --no-plain leaves the plain loop out."""
+    out = tmp_path / "gpu.json"
+    launch_ranks(_smoke_with, 1, str(out), ["--variants", "engine_compiled_fp8"])
+    row = json.loads(out.read_text())["shapes"]["smoke"]
+    assert {"engine_compiled_fp8", "plain_eager", "plain_compiled"} <= set(row) and "engine_compiled" not in row
+    assert row["ratios"] == {
+        "plain_compiled_over_plain_eager_step": pytest.approx(
+            row["plain_compiled"]["step_s"] / row["plain_eager"]["step_s"]
+        )
+    }
+    launch_ranks(_smoke_with, 1, str(out), ["--variants", "engine_eager,engine_eager_fp8", "--no-plain"])
+    row = json.loads(out.read_text())["shapes"]["smoke"]
+    assert set(row) == {"model", "seq_len", "engine_eager", "engine_eager_fp8", "ratios"}
+    assert set(row["ratios"]) == {"engine_eager_fp8_over_engine_eager_step", "engine_eager_fp8_final_loss_rel_diff"}
+
+
 def test_bench_variants_are_checked_by_name():
     sys.path.insert(0, str(BENCHMARKS))
     import bench_gpu
-    import pytest
 
     assert bench_gpu.parse_args(["--variants", "engine_compiled,engine_compiled_fp8"]).variants == [
         "engine_compiled",

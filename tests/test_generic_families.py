@@ -242,6 +242,7 @@ def test_the_planner_charges_attention_all_reduces_where_the_engine_runs_them(mo
     from test_models import COMMON, make_checkpoint
 
     from raytrain_hybrid.models import get_arch
+    from raytrain_hybrid.models.params import has_sequence_parallel
     from raytrain_hybrid.planner.cost import predict
     from raytrain_hybrid.planner.hardware import PROFILES
 
@@ -255,14 +256,47 @@ def test_the_planner_charges_attention_all_reduces_where_the_engine_runs_them(mo
     spec = get_arch(cfg.model.arch)
     assert spec.tp_whole_attention(cfg.model) == whole
     # Against the same run with every attention split (what the planner charged before): the MLP's
-    # or MoE's share stays, attention's goes with the whole share.
-    tp_time = predict(cfg, PROFILES["h100"])["time_s"]["tp"]
-    split = dataclasses.replace(spec, tp_whole_attention=lambda m: 0.0)
-    with mock.patch("raytrain_hybrid.planner.cost.get_arch", lambda arch: split):
-        all_split = predict(cfg, PROFILES["h100"])["time_s"]["tp"]
+    # or MoE's share stays, attention's goes with the whole share. Without sequence parallelism a
+    # split module costs two all-reduces and a column/row pair, a whole one nothing; with it (the
+    # pair's overhead set to 0 here) a whole one its input's all-gather and that one's reduce-scatter.
     dense_mlp = not spec.expert_params(cfg.model)
-    attention, mlp = 2.0, (2.0 if dense_mlp else 0.0)  # (all-reduces a block; the pair overhead alike)
-    assert tp_time == pytest.approx(all_split * ((1 - whole) * attention + mlp) / (attention + mlp), rel=1e-6)
+    split = dataclasses.replace(spec, tp_whole_attention=lambda m: 0.0)
+    for sp in (False, True):
+        sp_cfg = load_config(None, [*overrides[:-1], f"parallelism.sequence_parallel={str(sp).lower()}"])
+        sp = sp and has_sequence_parallel(sp_cfg.model)
+        hw = dataclasses.replace(PROFILES["h100"], tp_pair_overhead_s=0.0) if sp else PROFILES["h100"]
+        tp_time = predict(sp_cfg, hw)["time_s"]["tp"]
+        with mock.patch("raytrain_hybrid.planner.cost.get_arch", lambda arch: split):
+            all_split = predict(sp_cfg, hw)["time_s"]["tp"]
+        if sp:
+            mlp = 2.0 if dense_mlp else 1.0
+            want = ((1 - whole) * 2 + whole * 1 + mlp) / (2 + mlp)
+        else:
+            mlp = 2.0 if dense_mlp else 0.0
+            want = ((1 - whole) * 2 + mlp) / (2 + mlp)
+        assert tp_time == pytest.approx(all_split * want, rel=1e-6), sp
+
+
+def test_what_tp_leaves_whole_is_read_off_the_output_projections_names():
+    """tp_whole_attention and tp_whole_mlp from the recorded tp_whole weights of a random-weight
+    model built on the meta device: an output projection by its module's name, nested
+    (Inkling 2's o_proj.linear) or split in two (DeepSeek-V4's o_b_proj), a dense MLP's down_proj
+    or w2; a state-space hybrid's whole conv1d alone leaves its attention split (Qwen3-Next)."""
+    from raytrain_hybrid.models import generic_counts
+
+    m = load_config(None, ["model.arch=qwen3", "data.path=memory", "model.seq_len=32"]).model
+    shares = {
+        mt: (generic_counts.tp_whole_attention(mt, m), generic_counts.tp_whole_mlp(mt, m))
+        for mt in ("inkling2_text", "deepseek_v4", "hunyuan_v1_dense", "lfm2", "qwen3_next", "qwen3")
+    }
+    assert shares == {
+        "inkling2_text": (1.0, 0.0),
+        "deepseek_v4": (1.0, 0.0),
+        "hunyuan_v1_dense": (1.0, 1.0),
+        "lfm2": (1.0, 1.0),
+        "qwen3_next": (0.0, 0.0),
+        "qwen3": (0.0, 0.0),
+    }
 
 
 def test_every_family_the_matrix_holds_is_counted_by_the_planner_within_5_percent():

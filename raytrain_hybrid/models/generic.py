@@ -368,8 +368,7 @@ def spec(model_type: str) -> ArchSpec:
         # MoE blocks and modules the plan leaves out: whole on each tp rank; ep divides the experts alone.
         expert_params=functools.partial(generic_counts.moe_params, model_type, "experts"),
         whole_params=functools.partial(generic_counts.moe_params, model_type, "rest"),
-        tp_whole_params=functools.partial(generic_counts.tp_whole_params, model_type),
-        tp_whole_attention=functools.partial(generic_counts.tp_whole_attention, model_type),
+        **{key: functools.partial(getattr(generic_counts, key), model_type) for key in generic_counts.TP_WHOLE},
         # Expert parallelism and the router auxiliary loss where the model matrix held them.
         moe=generic_router.moe_spec(model_type),
         experts=functools.partial(generic_split.experts_of, model_type),

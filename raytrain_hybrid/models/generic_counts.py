@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from fractions import Fraction
 
 from raytrain_hybrid.models import (  # (generic imports these: names read at call time)
@@ -127,6 +128,10 @@ def _moe_params(model_type: str, sizes: tuple) -> tuple[int, int]:
     return held // max(1, len(layers)), whole // max(1, len(layers))
 
 
+# ArchSpec's counts of what tensor parallelism leaves whole, each (model_type, model config) -> number.
+TP_WHOLE = ("tp_whole_params", "tp_whole_attention", "tp_whole_mlp")
+
+
 def tp_whole_params(model_type: str, m) -> int:
     """A block's parameters, averaged over the blocks, that no tensor-parallel style splits
     (models.generic_facts.tp_whole: MiniMax's linear attention): whole on every tp rank.
@@ -137,20 +142,33 @@ def tp_whole_params(model_type: str, m) -> int:
 
 
 def tp_whole_attention(model_type: str, m) -> float:
-    """The share of blocks whose attention output projection (``o_proj`` / ``out_proj``) no
-    tensor-parallel style splits: their attention runs whole on each tp rank, with no all-reduce of
-    its own (Youtu's latent attention: all of them; MiniMax's linear-attention layers)."""
+    """The share of blocks whose attention (or state-space mixer) output projection (``o_proj``,
+    ``out_proj``, ``o_b_proj``) no tensor-parallel style splits: that attention runs whole on each tp
+    rank, with no all-reduce of its own (Youtu's latent attention: all of them; MiniMax's
+    linear-attention layers)."""
     if not generic_facts.tp_whole(model_type):
         return 0.0
     return _tp_whole(model_type, _size_key(m))[1]
 
 
-_OUTPUT_PROJECTIONS = (".o_proj.weight", ".out_proj.weight")
+def tp_whole_mlp(model_type: str, m) -> float:
+    """Likewise the share of blocks whose dense MLP (not a mixture of experts) the plan leaves whole
+    (``down_proj``, ``fc2``, ``w2``: Hunyuan's dense MLP, LFM2's feed-forward)."""
+    if not generic_facts.tp_whole(model_type):
+        return 0.0
+    return _tp_whole(model_type, _size_key(m))[2]
+
+
+# A block's output projections by name: the mixer's (attention's, or a state-space layer's) and a
+# dense MLP's. A weight of one the plan leaves whole means that module runs whole, with no all-reduce.
+_MLP = re.compile(r"\.(mlp|feed_forward|shared_mlp)\.")
+_MIXER_OUT = re.compile(r"\.(o_proj|out_proj|o_b_proj)(\.|$)")
+_MLP_OUT = re.compile(r"\.(down_proj|fc2|w2|output_linear)(\.|$)")
 
 
 @functools.lru_cache(maxsize=64)
-def _tp_whole(model_type: str, sizes: tuple) -> tuple[int, float]:
-    """(tp_whole_params, tp_whole_attention) off a checkpoint's headers (its tensors under those
+def _tp_whole(model_type: str, sizes: tuple) -> tuple[int, float, float]:
+    """(tp_whole_params, tp_whole_attention, tp_whole_mlp) off a checkpoint's headers (its tensors under those
     modules), else counted on the model built on the meta device."""
     from fnmatch import fnmatchcase
 
@@ -165,18 +183,21 @@ def _tp_whole(model_type: str, sizes: tuple) -> tuple[int, float]:
         inside = {k: n for k, n in named.items() if _block_of(k, index) < blocks}
         held = {name: n for name, n in inside.items() if any(fnmatchcase(name, p) for p in at)}
         if held:  # (else the files name them otherwise: built)
-            return sum(held.values()) // blocks, _attention_share(held, index, blocks)
+            return sum(held.values()) // blocks, *_shares(held, index, blocks)
     _, inner, _ = _built(model_type, m)
     layers = generic.pp_names(model_type)[1]
     built = len(getattr(inner, layers))
     held = {name: p.numel() for name, p in inner.named_parameters() if any(fnmatchcase(name, w) for w in whole)}
-    return sum(held.values()) // max(1, built), _attention_share(held, 1, built)
+    return sum(held.values()) // max(1, built), *_shares(held, 1, built)
 
 
-def _attention_share(whole: dict[str, int], index: int, blocks: int) -> float:
-    """The share of ``blocks`` holding a whole output projection among the ``whole`` names."""
-    at = {_block_of(name, index) for name in whole if name.endswith(_OUTPUT_PROJECTIONS)}
-    return len({b for b in at if b < blocks}) / max(1, blocks)
+def _shares(whole: dict[str, int], index: int, blocks: int) -> tuple[float, float]:
+    """The shares of ``blocks`` whose mixer and whose dense MLP hold a whole output projection
+    among the ``whole`` names (a mixture of experts' are not a dense MLP's)."""
+    dense = [name for name in whole if "expert" not in name]
+    mixer = {_block_of(n, index) for n in dense if _MIXER_OUT.search(n) and not _MLP.search(n)}
+    mlp = {_block_of(n, index) for n in dense if _MLP.search(n) and _MLP_OUT.search(n)}
+    return tuple(len({b for b in at if b < blocks}) / max(1, blocks) for at in (mixer, mlp))
 
 
 def _block_of(name: str, at: int) -> int | float:

@@ -128,8 +128,10 @@ class ArchSpec:
     # splits (a generic family's modules its plan leaves out: MiniMax's linear attention): whole
     # on every TP rank, their FLOPs too.
     tp_whole_params: Callable[[Any], int] = lambda model_cfg: 0
-    # The share of blocks whose attention the plan leaves whole (Youtu's): no TP all-reduce of its own.
+    # The shares of blocks whose attention (Youtu's) and whose dense MLP the plan leaves whole: no
+    # TP all-reduce of their own.
     tp_whole_attention: Callable[[Any], float] = lambda model_cfg: 0.0
+    tp_whole_mlp: Callable[[Any], float] = lambda model_cfg: 0.0
     # (experts, experts a token is routed to) of a mixture of experts (ModelConfig -> ints): the
     # model.* keys of a hand-written spec; a generic family's own config (models.generic).
     experts: Callable[[Any], tuple[int, int]] = lambda m: (m.num_experts, m.experts_per_token)

@@ -319,13 +319,14 @@ def predict(cfg: Config, hw: Hardware) -> dict:
     # backward (its output is sliced back to the shards without one). Likewise an attention the plan
     # leaves whole (Youtu's; MiniMax's linear-attention layers), in that share of the blocks.
     sp = par.sequence_parallel and has_sequence_parallel(m)
-    mlp_reduces, mlp_pairs = ((1 if sp else 0), 0) if whole else (2, 1)
-    split_attention = 1.0 - (get_arch(m.arch).tp_whole_attention(m) if tp > 1 else 0.0)
-    attention_reduces = 2 * split_attention + (1 if sp else 0) * (1 - split_attention)
-    reduces = attention_reduces + mlp_reduces
+    spec = get_arch(m.arch)
+    split_attention = 1.0 - (spec.tp_whole_attention(m) if tp > 1 else 0.0)
+    split_mlp = 0.0 if whole else 1.0 - (spec.tp_whole_mlp(m) if tp > 1 else 0.0)
+    # (a split module: an all-reduce each way; a whole one: under SP its input's all-gather and back)
+    reduces = sum(2 * split + (1 if sp else 0) * (1 - split) for split in (split_attention, split_mlp))
     tp_s = reduces * layers_per_rank * mb * _allreduce_s(act_msg, tp, hw.intra_node_gbps, hw.latency_s)
     if tp > 1:  # attention and a dense MLP are one column/row pair each
-        tp_s += (split_attention + mlp_pairs) * layers_per_rank * mb * hw.tp_pair_overhead_s * (tp / 2) * share
+        tp_s += (split_attention + split_mlp) * layers_per_rank * mb * hw.tp_pair_overhead_s * (tp / 2) * share
     cp_s = cp_alltoall_s(cfg, micro_batch, hw) * share
     ep_s = ep_alltoall_s(cfg, micro_batch, hw) * share
     # Placement fills nodes TP-first, then CP, then DP, then PP: an axis leaves the node once the
