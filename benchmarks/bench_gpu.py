@@ -192,11 +192,10 @@ def fp8_loss_case(args, world: int, device: torch.device) -> dict:
     from raytrain_hybrid.engine.worker import run_worker
 
     shape, steps, tail = ("smoke" if args.smoke else "0.1b"), args.fp8_loss_steps, 10
-    seq = SEQ[shape]
     emulate = [] if device.type == "cuda" else ["train.fp8_emulate=true"]
-    out = {"shape": shape, "seq_len": seq, "steps": steps, "data": "data.path=memory (the shipped corpus.txt)"}
+    out = {"shape": shape, "seq_len": SEQ[shape], "steps": steps, "data": "data.path=memory (the shipped corpus.txt)"}
+    base = [*overrides(shape, world, steps, args.dtype), "parallelism.compile=true"]
     for name, sets in (("bf16", []), ("fp8_rowwise", ["train.fp8=rowwise", *emulate])):
-        base = [*overrides(shape, world, steps, args.dtype), "parallelism.compile=true"]
         cfg = load_config(None, [*base, *sets])
         t0 = time.perf_counter()
         plan = WorkerPlan(cfg, use_gpu=device.type == "cuda")
@@ -277,15 +276,13 @@ def run_rank(rank: int, world: int, args) -> dict | None:
         if fp8_skipped(device):
             row["fp8_not_run"] = fp8_skipped(device)
         dist.barrier()
-        if rank == 0 and not args.no_plain:  # the plain loop is one process on one GPU
-            row["plain_eager"] = plain_case(args, shape, False, device)
-            row["plain_compiled"] = plain_case(args, shape, True, device)
+        if rank == 0:
+            if not args.no_plain:  # the plain loop is one process on one GPU
+                row["plain_eager"] = plain_case(args, shape, False, device)
+                row["plain_compiled"] = plain_case(args, shape, True, device)
             row["ratios"] = ratios(row, world)
             results[shape] = {"model": SHAPES[shape], "seq_len": SEQ[shape], **row}
             print(json.dumps({shape: row}, indent=1), flush=True)
-        if rank == 0:
-            row.setdefault("ratios", ratios(row, world))
-            results.setdefault(shape, {"model": SHAPES[shape], "seq_len": SEQ[shape], **row})
             write(args, results, world, device)  # each shape as it ends: a run cut short keeps them
         dist.barrier()
     return write(args, results, world, device) if rank == 0 else None

@@ -161,11 +161,9 @@ def main() -> None:
             # the plain loop first in every other round (whichever runs second finds the caches warm).
             rounds = [rows[mt]]
             for r in range(1, args.rounds):
-                if r % 2:
-                    plain = plain_loop(path, args.steps)
-                    rounds.append(times(engine(path, args.steps), plain))
-                else:
-                    rounds.append(times(engine(path, args.steps), plain_loop(path, args.steps)))
+                plain = plain_loop(path, args.steps) if r % 2 else None
+                run = engine(path, args.steps)
+                rounds.append(times(run, plain or plain_loop(path, args.steps)))
             ratios = [r["engine_over_plain"] for r in rounds]
             rows[mt] = dict(min(rounds, key=lambda r: abs(r["engine_over_plain"] - statistics.median(ratios))))
             rows[mt] |= {"engine_over_plain": round(statistics.median(ratios), 3), "round_ratios": ratios}

@@ -294,10 +294,10 @@ def predict(cfg: Config, hw: Hardware) -> dict:
     tokens = t.global_batch_size * tokens_per_row(m)
     # A mixture of experts runs whole on every TP rank, as do modules the plan leaves out: their share
     # of the FLOPs is not divided by tp.
-    whole = moe_flops_share(cfg)
+    whole, spec = moe_flops_share(cfg), get_arch(m.arch)
     unsplit = whole
     if tp > 1:  # (at tp=1 nothing is split: a family's count is not asked for, which may build its model)
-        unsplit = min(1.0, whole + 6.0 * get_arch(m.arch).tp_whole_params(m) * num_blocks(m) / flops_per_token(m))
+        unsplit = min(1.0, whole + 6.0 * spec.tp_whole_params(m) * num_blocks(m) / flops_per_token(m))
     flops = flops_per_token(m) * tokens / (dp * cp * pp) * ((1 - unsplit) / tp + unsplit)
     if par.activation_checkpointing is True:  # (selective recomputes element-wise ops only)
         flops *= 4 / 3  # one more forward
@@ -319,7 +319,6 @@ def predict(cfg: Config, hw: Hardware) -> dict:
     # backward (its output is sliced back to the shards without one). Likewise an attention the plan
     # leaves whole (Youtu's; MiniMax's linear-attention layers), in that share of the blocks.
     sp = par.sequence_parallel and has_sequence_parallel(m)
-    spec = get_arch(m.arch)
     split_attention = 1.0 - (spec.tp_whole_attention(m) if tp > 1 else 0.0)
     split_mlp = 0.0 if whole else 1.0 - (spec.tp_whole_mlp(m) if tp > 1 else 0.0)
     # (a split module: an all-reduce each way; a whole one: under SP its input's all-gather and back)
